@@ -1,0 +1,70 @@
+"""``kvlab <command> [hydra overrides]``: plan | run.
+
+Overrides are checked before Hydra starts, so a bad one ends in one line naming the field,
+the value and what would work (exit code 2), before any rank starts or any memory is taken.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+from kvlab.errors import ConfigError
+
+COMMANDS = ("plan", "run")
+GROUPS = ("model", "transfer", "workload", "logger", "parallel", "experiment")
+USAGE = "usage: kvlab {plan,run} [-m] [key=value ...]   e.g. kvlab plan model=llama3_8b ctx.tp=4 gen.tp=2"
+
+
+def _hydra_message(exc: BaseException) -> str:
+    text = str(exc) + ("\n" + str(exc.__cause__) if exc.__cause__ else "")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
+    return "; ".join(dict.fromkeys(lines))
+
+
+def check_overrides(overrides: list[str]) -> str | None:
+    """None if the overrides compose into a valid setup, else one line saying what is wrong."""
+    from kvlab.config import CONF_DIR, build, compose
+
+    for ov in overrides:
+        m = re.fullmatch(r"\+?(\w+)=(.*)", ov)
+        if m and m.group(1) in GROUPS:
+            group, value = m.groups()
+            options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+            if value not in options:
+                return f"{group}={value}: unknown {group}; choose one of {', '.join(options)}"
+    try:
+        build(compose(overrides))
+    except ConfigError as e:
+        return str(e)
+    except Exception as e:  # Hydra's own composition errors: keep their words, on one line
+        return _hydra_message(e)
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(2)
+    command, rest = argv[0], argv[1:]
+    multirun = any(a in ("-m", "--multirun") for a in rest)
+    overrides = [a for a in rest if not a.startswith("-") and "=" in a and not a.startswith("hydra.")]
+    if not multirun:
+        problem = check_overrides(overrides)
+        if problem:
+            print(f"kvlab: error: {problem}", file=sys.stderr)
+            raise SystemExit(2)
+    sys.argv = [f"kvlab {command}"] + rest
+    if command == "plan":
+        from kvlab.plan_cmd import hydra_main
+    else:
+        from kvlab.runner import hydra_main
+    try:
+        hydra_main()
+    except ConfigError as e:  # checks that need more than the config (e.g. the handshake)
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""One error type for input that cannot be built, so every entry point can print it as one line."""
+
+
+class ConfigError(ValueError):
+    """A configuration or request that cannot be built.
+
+    The message always names the field, the value and what would work, e.g.
+    ``ctx.tp=3: 8 kv heads cannot be split or duplicated over 3 ranks; use a divisor or multiple of 8``.
+    """
+
+    def __init__(self, field: str, value, hint: str):
+        self.field, self.value, self.hint = field, value, hint
+        super().__init__(f"{field}={value}: {hint}")
+
+
+def require(cond: bool, field: str, value, hint: str) -> None:
+    if not cond:
+        raise ConfigError(field, value, hint)
+
+
+def positive(field: str, value) -> None:
+    require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+            field, value, "must be a positive integer")

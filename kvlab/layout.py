@@ -1,0 +1,107 @@
+"""Wire order and memory addresses of a rectangle of one rank's pool.
+
+Wire order of a rectangle (layers [l0,l1), heads [h0,h1), tokens [t0,t1)) with tile T:
+for each tile of T tokens (the first and last may be partial), for each layer, for each
+component, for each head: the tile's token rows of that (layer, component, head). Because
+T divides both sides' ``tokens_per_block``, every such *run* is contiguous in memory on
+both sides; pack and unpack are gathers and scatters of runs. A chunk needs no staging on
+a side when its runs lie back to back in memory in wire order (``is_in_place``).
+
+Everything here is torch arithmetic on small index tensors: the torch reference ops and
+the CUDA kernels compute the same offsets (``kernels/kv_copy.cu`` mirrors ``runs``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.state import RankPool
+
+
+@dataclass(frozen=True)
+class Rect:
+    pool: str
+    l0: int  # pool-local layers [l0, l1)
+    l1: int
+    h0: int  # global heads [h0, h1) (0..1 for replicated pools)
+    h1: int
+    t0: int  # tokens [t0, t1)
+    t1: int
+    tile: int
+
+    @property
+    def n_layers(self) -> int:
+        return self.l1 - self.l0
+
+    @property
+    def n_heads(self) -> int:
+        return self.h1 - self.h0
+
+    @property
+    def n_tokens(self) -> int:
+        return self.t1 - self.t0
+
+    def nbytes(self, rows: tuple[int, ...]) -> int:
+        return self.n_layers * self.n_heads * self.n_tokens * sum(rows)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Copy runs of a rectangle: ``length[i]`` bytes at ``mem[i]`` in the pool and ``wire[i]`` on the wire."""
+
+    mem: torch.Tensor
+    wire: torch.Tensor
+    length: torch.Tensor
+
+
+def runs(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, block_base: int) -> Runs:
+    """Runs of ``rect`` in ``pool``; ``block_ids[i]`` is the physical block of logical block ``block_base + i``."""
+    dev = block_ids.device
+    tpb, T = pool.tokens_per_block, rect.tile
+    bs, ls = pool.strides(num_blocks)
+    rows = pool.rows
+    nh, nl = rect.n_heads, rect.n_layers
+    bpl = nh * sum(rows)  # wire bytes per token per layer
+
+    u = torch.arange(rect.t0 // T, (rect.t1 - 1) // T + 1, device=dev, dtype=torch.int64)
+    ts = torch.clamp(u * T, min=rect.t0)
+    te = torch.clamp((u + 1) * T, max=rect.t1)
+    ntok = te - ts
+    tile_wire = (ts - rect.t0) * nl * bpl
+    blk = block_ids.to(torch.int64)[ts // tpb - block_base]
+
+    l = torch.arange(nl, device=dev, dtype=torch.int64)
+    h = torch.arange(nh, device=dev, dtype=torch.int64)
+    l_local = l + rect.l0 - pool.layers.start
+    h_local = h + rect.h0 - pool.heads.start
+    mems, wires, lens = [], [], []
+    comp_wire = 0
+    for row, coff in zip(rows, pool.comp_offsets()):
+        # [tile, layer, head] for this component; components interleave per layer below
+        w = (tile_wire[:, None, None]
+             + ntok[:, None, None] * (l[None, :, None] * bpl + comp_wire + h[None, None, :] * row))
+        m = (blk[:, None, None] * bs + l_local[None, :, None] * ls + coff
+             + h_local[None, None, :] * tpb * row + (ts % tpb)[:, None, None] * row)
+        mems.append(m)
+        wires.append(w)
+        lens.append((ntok * row)[:, None, None].expand_as(m))
+        comp_wire += nh * row
+    # stack components between layer and head so that the flattened order is the wire order
+    mem = torch.stack(mems, dim=2).reshape(-1)
+    wire = torch.stack(wires, dim=2).reshape(-1)
+    length = torch.stack(lens, dim=2).reshape(-1)
+    return Runs(mem, wire, length)
+
+
+def is_in_place(r: Runs) -> bool:
+    """True when the runs lie back to back in memory in wire order: the chunk can be sent or received in place."""
+    d = r.mem - r.wire
+    return bool((d == d[0]).all())
+
+
+def identity_blocks(rect: Rect, tokens_per_block: int) -> tuple[torch.Tensor, int]:
+    """A block table of consecutive blocks covering ``rect``: for shape-only questions."""
+    first = rect.t0 // tokens_per_block
+    last = (rect.t1 - 1) // tokens_per_block
+    return torch.arange(0, last - first + 1, dtype=torch.int64), first

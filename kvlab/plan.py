@@ -1,0 +1,75 @@
+"""The plan: which ctx rank owes which gen rank which rectangle of one request's cache.
+
+``plan`` is pure: both sides call it with the same exchanged states and get the same list.
+For every gen rank of the request's gen DP group, every pool it holds, every ctx pipeline
+stage whose layers overlap its own and every ctx TP rank whose heads overlap its own, one
+segment. Data held by several ctx ranks (MLA latents and indexer keys on every TP rank,
+kv heads duplicated when ``tp > kv_heads``) comes from exactly one of them, picked by the
+gen rank's TP index so that the load spreads: each element a gen rank holds arrives once.
+Sliding-window pools move only the tiles that overlap the window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.errors import positive, require
+from kvlab.layout import Rect
+from kvlab.parallel import SideSpec
+from kvlab.spec import ModelSpec
+from kvlab.state import CacheState, wire_tile, window_start
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    isl: int  # prompt tokens
+    ctx_dp: int = 0  # attention-DP group that prefills it
+    gen_dp: int = 0  # attention-DP group that decodes it
+
+    def validate(self, ctx: SideSpec, gen: SideSpec) -> None:
+        positive("workload.isl", self.isl)
+        require(0 <= self.ctx_dp < ctx.dp, "request.ctx_dp", self.ctx_dp, f"must be in [0, {ctx.dp})")
+        require(0 <= self.gen_dp < gen.dp, "request.gen_dp", self.gen_dp, f"must be in [0, {gen.dp})")
+
+
+@dataclass(frozen=True)
+class Segment:
+    request: int
+    src: int  # ctx side-local rank
+    dst: int  # gen side-local rank
+    rect: Rect
+    nbytes: int
+
+
+def _overlap(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request) -> list[Segment]:
+    req.validate(ctx, gen)
+    tile = wire_tile(ctx, gen)
+    segments = []
+    for g_tp_pp in range(gen.pp * gen.tp):
+        dst = req.gen_dp * gen.pp * gen.tp + g_tp_pp
+        g = gen.coord(dst)
+        for gp in CacheState(model, gen, dst).pools():
+            spec = gp.spec
+            t0 = window_start(spec, req.isl, tile)
+            for c_pp in range(ctx.pp):
+                stage = ctx.stage_layers(model, c_pp)
+                local = [i for i in gp.layers if spec.layers[i] in stage]
+                if not local:
+                    continue
+                l0, l1 = local[0], local[-1] + 1
+                # ctx TP ranks whose heads overlap the gen rank's, each head from one holder
+                for c_tp in range(ctx.tp):
+                    heads = _overlap(gp.heads, ctx.head_range(spec.heads, c_tp))
+                    if not heads:
+                        continue
+                    holders = ctx.head_holders(spec.heads, heads.start)
+                    if c_tp != holders[g.tp % len(holders)]:
+                        continue
+                    rect = Rect(spec.name, l0, l1, heads.start, heads.stop, t0, req.isl, tile)
+                    src = ctx.rank(req.ctx_dp, c_pp, c_tp)
+                    segments.append(Segment(req.id, src, dst, rect, rect.nbytes(spec.comp_row_bytes())))
+    return segments

@@ -1,0 +1,88 @@
+"""``kvlab plan``: what will move, per (ctx rank -> gen rank), before anything runs.
+
+Plans one request of ``workload.isl`` tokens for every gen attention-DP group, prints a
+table of bytes, segments and chunks per pair with totals, and writes ``plan.json``
+(``pairs``: src, dst, bytes, ...; ``total_bytes``) into the run directory.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+from kvlab.config import CONF_DIR, Setup, build
+from kvlab.plan import Request, plan
+from kvlab.schedule import schedule
+
+
+def plan_requests(setup: Setup) -> list[Request]:
+    isl = setup.cfg.workload.isl
+    return [Request(i, isl, i % setup.ctx.dp, i % setup.gen.dp) for i in range(setup.gen.dp)]
+
+
+def summarize(setup: Setup) -> dict:
+    pairs: dict[tuple[int, int], dict] = defaultdict(lambda: {"bytes": 0, "segments": 0, "chunks": 0,
+                                                              "max_chunk_bytes": 0, "in_place_chunks": 0})
+    reqs = plan_requests(setup)
+    for req in reqs:
+        segs = plan(setup.model, setup.ctx, setup.gen, req)
+        chunks = schedule(setup.model, setup.ctx, setup.gen, segs, setup.transfer.strategy,
+                          setup.transfer.slot_bytes)
+        for s in segs:
+            p = pairs[(s.src, s.dst)]
+            p["bytes"] += s.nbytes
+            p["segments"] += 1
+        for c in chunks:
+            p = pairs[(c.src, c.dst)]
+            p["chunks"] += 1
+            p["max_chunk_bytes"] = max(p["max_chunk_bytes"], c.nbytes)
+            p["in_place_chunks"] += int(c.ctx_in_place and c.gen_in_place)
+    rows = [{"src": s, "dst": d, "src_world": setup.world_rank("ctx", s), "dst_world": setup.world_rank("gen", d),
+             **v} for (s, d), v in sorted(pairs.items())]
+    return {
+        "model": setup.model.name,
+        "isl": setup.cfg.workload.isl,
+        "requests": len(reqs),
+        "strategy": setup.transfer.strategy.value,
+        "slot_bytes": setup.transfer.slot_bytes,
+        "ctx": {"tp": setup.ctx.tp, "pp": setup.ctx.pp, "dp": setup.ctx.dp},
+        "gen": {"tp": setup.gen.tp, "pp": setup.gen.pp, "dp": setup.gen.dp},
+        "pairs": rows,
+        "total_bytes": sum(r["bytes"] for r in rows),
+        "total_chunks": sum(r["chunks"] for r in rows),
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def print_summary(summary: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title=f"kvlab plan: {summary['model']}, {summary['isl']} tokens x {summary['requests']} request(s), "
+                    f"{summary['strategy']}, slot {_mib(summary['slot_bytes'])} MiB")
+    for col in ("ctx rank", "gen rank", "MiB", "segments", "chunks", "largest chunk MiB"):
+        t.add_column(col, justify="right")
+    for r in summary["pairs"]:
+        t.add_row(f"ctx{r['src']}", f"gen{r['dst']}", _mib(r["bytes"]), str(r["segments"]), str(r["chunks"]),
+                  _mib(r["max_chunk_bytes"]))
+    t.add_section()
+    t.add_row("total", "", _mib(summary["total_bytes"]), str(sum(r["segments"] for r in summary["pairs"])),
+              str(summary["total_chunks"]), "")
+    console.print(t)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+def hydra_main(cfg: DictConfig) -> None:
+    setup = build(cfg)
+    summary = summarize(setup)
+    print_summary(summary)
+    out = Path(HydraConfig.get().runtime.output_dir) / "plan.json"
+    out.write_text(json.dumps(summary, indent=2))
+    print(f"plan written to {out}")
