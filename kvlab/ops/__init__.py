@@ -1,0 +1,35 @@
+"""Pack (pool blocks -> wire bytes) and unpack (wire bytes -> pool blocks) of one rectangle.
+
+Two implementations with one signature: ``reference`` (torch indexing; any device, the
+definition of correct) and ``cuda`` (NVRTC kernels from ``kernels/``). ``get_ops`` picks one:
+``kernels=torch`` always the reference, ``cuda`` the kernels (error without a GPU),
+``auto`` the kernels for CUDA tensors when they compile, else the reference.
+
+Signature of both::
+
+    pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out)
+    unpack(wire, pool, num_blocks, rect, block_ids, block_base, pool_bytes)
+
+``pool_bytes`` is the pool's uint8 storage, ``block_ids[i]`` the physical block of logical
+block ``block_base + i`` (int32 or int64, on the pool's device), ``out``/``wire`` a uint8
+tensor of exactly ``rect.nbytes(pool.rows)`` bytes (a staging slot view or, in place, a
+view of the pool itself).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvlab.ops import reference
+
+
+def get_ops(kernels: str = "auto", device: str = "cpu"):
+    if kernels == "torch" or (kernels == "auto" and device != "cuda"):
+        return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack)
+    try:
+        from kvlab.ops import cuda as cuda_ops
+        cuda_ops.ensure_compiled()
+    except Exception as e:
+        if kernels == "cuda":
+            raise RuntimeError(f"kernels=cuda: the CUDA kernels are unavailable here ({e}); use kernels=torch") from e
+        return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack)
+    return SimpleNamespace(name="cuda", pack=cuda_ops.pack, unpack=cuda_ops.unpack)

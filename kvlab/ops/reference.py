@@ -1,0 +1,40 @@
+"""Torch reference for pack/unpack: gathers and scatters of the runs ``kvlab.layout.runs`` defines."""
+from __future__ import annotations
+
+import torch
+
+from kvlab.layout import Rect, Runs, runs
+from kvlab.state import RankPool
+
+
+def _check(pool_bytes: torch.Tensor, pool: RankPool, num_blocks: int, rect: Rect, buf: torch.Tensor) -> None:
+    if pool_bytes.dtype != torch.uint8 or buf.dtype != torch.uint8:
+        raise TypeError("pack/unpack work on uint8 tensors")
+    if pool_bytes.numel() != pool.pool_bytes(num_blocks):
+        raise ValueError(f"pool {pool.name}: storage has {pool_bytes.numel()} bytes, layout needs "
+                         f"{pool.pool_bytes(num_blocks)}")
+    need = rect.nbytes(pool.rows)
+    if buf.numel() != need:
+        raise ValueError(f"pool {pool.name}: wire buffer has {buf.numel()} bytes, the rectangle needs {need}")
+    if not buf.is_contiguous() or not pool_bytes.is_contiguous():
+        raise ValueError("pack/unpack need contiguous tensors")
+
+
+def _byte_index(r: Runs):
+    """(memory index, wire index) per byte, grouped by run length so that each group is one 2-D gather."""
+    for n in torch.unique(r.length).tolist():
+        sel = r.length == n
+        ar = torch.arange(n, device=r.mem.device)
+        yield (r.mem[sel][:, None] + ar).reshape(-1), (r.wire[sel][:, None] + ar).reshape(-1)
+
+
+def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out) -> None:
+    _check(pool_bytes, pool, num_blocks, rect, out)
+    for mem, wire in _byte_index(runs(pool, num_blocks, rect, block_ids, block_base)):
+        out[wire] = pool_bytes[mem]
+
+
+def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes) -> None:
+    _check(pool_bytes, pool, num_blocks, rect, wire_buf)
+    for mem, wire in _byte_index(runs(pool, num_blocks, rect, block_ids, block_base)):
+        pool_bytes[mem] = wire_buf[wire]
