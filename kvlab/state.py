@@ -108,14 +108,24 @@ def wire_tile(ctx: SideSpec, gen: SideSpec) -> int:
     return math.gcd(ctx.tokens_per_block, gen.tokens_per_block)
 
 
-def check_compatible(ctx: dict, gen: dict) -> None:
-    """Raise one ConfigError naming both sides' values for the first difference no transfer can bridge."""
-    cm, gm = ctx["model"], gen["model"]
+def check_compatible(a: dict, b: dict, names: tuple[str, str] = ("ctx", "gen")) -> None:
+    """Raise one ConfigError naming both values for the first difference no transfer can bridge.
+
+    ``a`` and ``b`` are ``CacheState.to_dict()`` of two ranks (a ctx and a gen rank, or two
+    ranks of one side, which must also agree on their side's parallelism).
+    """
+    am, bm = a["model"], b["model"]
     for key in ("num_layers", "attention", "kv_heads", "head_dim", "mla_dim", "indexer", "window",
                 "local_per_global"):
-        if cm[key] != gm[key]:
-            raise ConfigError(f"model.{key}", f"{cm[key]} (ctx) vs {gm[key]} (gen)",
+        if am[key] != bm[key]:
+            raise ConfigError(f"model.{key}", f"{am[key]} ({names[0]}) vs {bm[key]} ({names[1]})",
                               "both sides must serve the same model")
-    if ctx["side"]["dtype"] != gen["side"]["dtype"]:
-        raise ConfigError("dtype", f"{ctx['side']['dtype']} (ctx) vs {gen['side']['dtype']} (gen)",
+    if a["side"]["dtype"] != b["side"]["dtype"]:
+        raise ConfigError("dtype", f"{a['side']['dtype']} ({names[0]}) vs {b['side']['dtype']} ({names[1]})",
                           "kvlab moves cache bytes as they are; give both sides the same dtype")
+    if a["side"]["name"] == b["side"]["name"]:
+        for key in ("tp", "pp", "dp", "tokens_per_block", "layout", "layer_split"):
+            if a["side"][key] != b["side"][key]:
+                side = a["side"]["name"]
+                raise ConfigError(f"{side}.{key}", f"{a['side'][key]} ({names[0]}) vs {b['side'][key]} ({names[1]})",
+                                  f"every {side} rank must be started with the same {side} config")

@@ -1,0 +1,162 @@
+"""Paged cache of one rank: a storage tensor per pool, a block allocator, block tables.
+
+Each pool is one uint8 tensor of ``num_blocks`` blocks laid out by ``RankPool.strides``.
+The allocator hands out block ids; with ``fragmentation > 0`` that share of allocations
+draws from a shuffled free list, so block ids of a request are not consecutive and the
+transfer must follow the block table. A few *canary* blocks scattered through each pool
+are never handed out: they hold a known pattern that must survive every transfer.
+Sliding-window pools hold only the blocks that overlap the window.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.fill import _mix, expected, locate
+from kvlab.layout import Rect
+from kvlab.plan import Request, Segment
+from kvlab.schedule import _cuts
+from kvlab.state import CacheState, RankPool
+
+VERIFY_PIECE_BYTES = 16 << 20  # fill and verify in pieces: their temporaries stay small
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, reserved: set[int], fragmentation: float, seed: int):
+        self.num_blocks = num_blocks
+        self.free = sorted(set(range(num_blocks)) - reserved)
+        self.fragmentation = fragmentation
+        self.rng = random.Random(seed)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise MemoryError(f"cache full: {n} blocks wanted, {len(self.free)} free")
+        if self.fragmentation and self.rng.random() < self.fragmentation:
+            taken = self.rng.sample(self.free, n)
+        else:
+            taken = self.free[:n]
+        gone = set(taken)
+        self.free = [b for b in self.free if b not in gone]
+        return taken
+
+    def release(self, blocks: list[int]) -> None:
+        self.free = sorted(self.free + blocks)
+
+
+@dataclass
+class PoolStore:
+    pool: RankPool
+    num_blocks: int
+    storage: torch.Tensor  # uint8 [num_blocks * block bytes]
+    allocator: BlockAllocator
+    canaries: list[int]
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    ids: torch.Tensor  # physical block of each logical block, on the cache's device
+    base: int  # logical index of ids[0]
+    host: tuple[int, ...]
+
+
+def blocks_for(pool: RankPool, isl: int) -> int:
+    return math.ceil(isl / pool.tokens_per_block) - pool.held_start(isl) // pool.tokens_per_block
+
+
+class PagedCache:
+    def __init__(self, state: CacheState, blocks_needed: dict[str, int], spare_blocks: int, fragmentation: float,
+                 seed: int, device: torch.device):
+        """``blocks_needed[pool]``: blocks the requests in flight at the worst moment hold together."""
+        self.state, self.device = state, device
+        self.pools: dict[str, PoolStore] = {}
+        self.tables: dict[int, dict[str, BlockTable]] = {}
+        for i, pool in enumerate(state.pools()):
+            n = blocks_needed.get(pool.name, 0) + spare_blocks
+            rng = random.Random(seed * 1000 + i)
+            canaries = sorted(rng.sample(range(n), spare_blocks))
+            storage = torch.zeros(pool.pool_bytes(n), dtype=torch.uint8, device=device)
+            alloc = BlockAllocator(n, set(canaries), fragmentation, seed * 7919 + state.rank * 31 + i)
+            self.pools[pool.name] = PoolStore(pool, n, storage, alloc, canaries)
+        for store in self.pools.values():
+            for b in store.canaries:
+                self._block_view(store, b).copy_(self._canary(store, b))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.storage.numel() for s in self.pools.values())
+
+    # -- blocks ---------------------------------------------------------------------------
+    def allocate(self, req: Request) -> dict[str, BlockTable]:
+        tables = {}
+        for name, store in self.pools.items():
+            ids = store.allocator.allocate(blocks_for(store.pool, req.isl))
+            base = store.pool.held_start(req.isl) // store.pool.tokens_per_block
+            tables[name] = BlockTable(torch.tensor(ids, dtype=torch.int64, device=self.device), base, tuple(ids))
+        self.tables[req.id] = tables
+        return tables
+
+    def release(self, req_id: int) -> None:
+        for name, table in self.tables.pop(req_id).items():
+            self.pools[name].allocator.release(list(table.host))
+
+    # -- contents -------------------------------------------------------------------------
+    def _pieces(self, rect: Rect, pool: RankPool) -> list[Rect]:
+        seg = Segment(0, 0, 0, rect, rect.nbytes(pool.rows))
+        return _cuts(seg, pool.rows, VERIFY_PIECE_BYTES, per_layer=False, split_tail=False)
+
+    def held_rect(self, name: str, isl: int) -> Rect:
+        """Everything this rank holds of a request in pool ``name``."""
+        p = self.pools[name].pool
+        return Rect(name, p.layers.start, p.layers.stop, p.heads.start, p.heads.stop, p.held_start(isl), isl,
+                    p.tokens_per_block)
+
+    def fill(self, req: Request, ops) -> None:
+        """Write the request's deterministic contents into every block this rank holds for it (the prefill)."""
+        for name, store in self.pools.items():
+            table = self.tables[req.id][name]
+            for piece in self._pieces(self.held_rect(name, req.isl), store.pool):
+                data = expected(req.id, store.pool, piece, self.device)
+                ops.unpack(data, store.pool, store.num_blocks, piece, table.ids, table.base, store.storage)
+
+    def verify(self, req: Request, segments: list[Segment], ops) -> list[str]:
+        """Bit-exact check of everything this rank received for ``req``; one line per wrong piece."""
+        errors = []
+        for seg in segments:
+            store = self.pools[seg.rect.pool]
+            table = self.tables[req.id][seg.rect.pool]
+            for piece in self._pieces(seg.rect, store.pool):
+                want = expected(req.id, store.pool, piece, self.device)
+                got = torch.empty_like(want)
+                ops.pack(store.storage, store.pool, store.num_blocks, piece, table.ids, table.base, got)
+                bad = (got != want).nonzero()
+                if bad.numel():
+                    at = locate(store.pool, piece, int(bad[0]))
+                    errors.append(
+                        f"request {req.id}: {bad.numel()} wrong bytes from ctx{seg.src}, first at pool {at['pool']} "
+                        f"layer {at['layer']} component {at['component']} head {at['head']} token {at['token']} "
+                        f"byte {at['byte']}")
+        return errors
+
+    def _block_view(self, store: PoolStore, block: int) -> torch.Tensor:
+        """All bytes of one block (every layer), as a strided view."""
+        bs, ls = store.pool.strides(store.num_blocks)
+        per = store.pool.block_layer_bytes
+        nl = len(store.pool.layers)
+        return store.storage.as_strided((nl, per), (ls, 1), block * bs)
+
+    def _canary(self, store: PoolStore, block: int) -> torch.Tensor:
+        shape = (len(store.pool.layers), store.pool.block_layer_bytes)
+        seed = _mix(torch.tensor(block * 0x2545F491 + 0x1234567, dtype=torch.int64, device=self.device))
+        x = torch.arange(shape[0] * shape[1], device=self.device, dtype=torch.int64)
+        return (_mix(seed + x) & 0xFF).to(torch.uint8).reshape(shape)
+
+    def check_canaries(self) -> list[str]:
+        errors = []
+        for name, store in self.pools.items():
+            for b in store.canaries:
+                if not torch.equal(self._block_view(store, b), self._canary(store, b)):
+                    errors.append(f"{self.state.side.name}{self.state.rank}: canary block {b} of pool {name} changed")
+        return errors

@@ -1,0 +1,211 @@
+"""The executor: one rank's chunks, pipelined through its staging slots.
+
+Protocol (both sides, every rank): walk the global chunk order (``workload.interleave``)
+restricted to the chunks this rank takes part in. Keep at most ``slots`` chunks in flight;
+chunk ``i`` uses slot ``i % slots``, and before chunk ``i`` is posted, chunk ``i - slots``
+is completed, so a slot is reused only after its consumer has finished.
+
+- ctx (sender): [layerwise: wait until the prefill has finished the chunk's layer]
+  pack into the slot (or send in place) -> isend. Completing = the send is done.
+- gen (receiver): irecv into the slot (or in place), posted ``slots`` chunks ahead.
+  Completing = wait for the bytes, unpack. After a request's last chunk: verify it
+  bit-exactly, then free its blocks.
+
+On GPUs every copy runs on one side stream; NCCL orders itself after the work queued
+there when an op is posted, and ``Work.wait`` makes the side stream wait for NCCL, so the
+host never blocks on the device inside the loop and pack(i+1) overlaps the wire of i.
+On CPUs (gloo) the same calls block the host where they must.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.cache import PagedCache
+from kvlab.clock import Clock
+from kvlab.config import Setup
+from kvlab.layout import is_in_place, runs
+from kvlab.plan import Request, Segment
+from kvlab.schedule import Chunk, Strategy
+from kvlab.staging import PerChunkBuffers, SlotPool
+from kvlab.transport import post
+
+
+class TransferTimeout(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestRecord:
+    """This rank's part of one request; rank 0 merges the parts (kvlab.metrics)."""
+
+    request: int
+    isl: int
+    side: str
+    rank: int
+    chunks_total: int
+    start: object = None
+    end: object = None
+    bytes: int = 0
+    chunks: int = 0
+    in_place: int = 0
+    pack: list = field(default_factory=list)  # (start mark, end mark) per packed/unpacked chunk
+    wire: list = field(default_factory=list)  # (posted mark, done mark) per chunk
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    layer_done: dict = field(default_factory=dict)  # global layer -> mark of its last chunk's completion
+    errors: list = field(default_factory=list)
+
+
+@dataclass
+class InFlight:
+    index: int
+    chunk: Chunk
+    work: object
+    buf: torch.Tensor
+    staged: bool
+    posted: object
+
+
+class Executor:
+    def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device,
+                 cache: PagedCache, groups: dict, ops, clock: Clock, progress=None):
+        self.setup, self.side, self.rank, self.world_rank = setup, side, rank, world_rank
+        self.device, self.cache, self.groups, self.ops, self.clock = device, cache, groups, ops, clock
+        t = setup.transfer
+        self.strategy = t.strategy
+        self.window = t.slots
+        self.timeout = t.timeout_s
+        self.staging = (PerChunkBuffers(device) if self.strategy == Strategy.naive
+                        else SlotPool(t.slots, t.slot_bytes, device))
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.progress = progress
+        self.records: dict[int, RequestRecord] = {}
+
+    @property
+    def sending(self) -> bool:
+        return self.side == "ctx"
+
+    def _peer(self, c: Chunk) -> int:
+        return self.setup.world_rank("gen" if self.sending else "ctx", c.dst if self.sending else c.src)
+
+    def _group(self, c: Chunk):
+        return self.groups[(self.setup.world_rank("ctx", c.src), self.setup.world_rank("gen", c.dst))]
+
+    # -- requests ---------------------------------------------------------------------------
+    def _open(self, req: Request, n_chunks: int) -> RequestRecord:
+        self.cache.allocate(req)
+        rec = RequestRecord(req.id, req.isl, self.side, self.rank, n_chunks)
+        if self.sending:
+            self.cache.fill(req, self.ops)  # the prefill's output
+            rec.prefill_start = self.clock.host()
+            ms = self.setup.transfer.layer_compute_ms
+            if ms:
+                rec.prefill_end = rec.prefill_start + self.setup.model.num_layers * ms / 1e3
+        rec.start = self.clock.mark()
+        self.records[req.id] = rec
+        return rec
+
+    def _close(self, req: Request, segments: list[Segment]) -> None:
+        rec = self.records[req.id]
+        rec.end = self.clock.mark()
+        if not self.sending:
+            mine = [s for s in segments if s.dst == self.rank]
+            rec.errors += self.cache.verify(req, mine, self.ops)
+        self.cache.release(req.id)
+
+    def _wait_prefill(self, rec: RequestRecord, c: Chunk) -> None:
+        ms = self.setup.transfer.layer_compute_ms
+        if not ms:
+            return
+        layer = c.ready_layer if self.strategy == Strategy.layerwise else self.setup.model.num_layers - 1
+        delay = rec.prefill_start + (layer + 1) * ms / 1e3 - time.time()
+        if delay > 0:
+            time.sleep(delay)
+
+    # -- chunks -----------------------------------------------------------------------------
+    def _buffer(self, i: int, c: Chunk) -> tuple[torch.Tensor, bool]:
+        """(buffer, staged): the pool itself when the chunk lies there in wire order, else a slot."""
+        if c.ctx_in_place if self.sending else c.gen_in_place:
+            store = self.cache.pools[c.rect.pool]
+            table = self.cache.tables[c.request][c.rect.pool]
+            r = runs(store.pool, store.num_blocks, c.rect, torch.tensor(table.host), table.base)
+            if is_in_place(r):  # consecutive blocks: decided from this side's table, message unchanged
+                start = int(r.mem[0])
+                return store.storage[start:start + c.nbytes], False
+        return self.staging.get(i, c.nbytes), True
+
+    def _copy(self, c: Chunk, buf: torch.Tensor, rec: RequestRecord) -> None:
+        store = self.cache.pools[c.rect.pool]
+        table = self.cache.tables[c.request][c.rect.pool]
+        t0 = self.clock.mark()
+        if self.sending:
+            self.ops.pack(store.storage, store.pool, store.num_blocks, c.rect, table.ids, table.base, buf)
+        else:
+            self.ops.unpack(buf, store.pool, store.num_blocks, c.rect, table.ids, table.base, store.storage)
+        rec.pack.append((t0, self.clock.mark()))
+
+    def _post(self, i: int, c: Chunk) -> InFlight:
+        rec = self.records[c.request]
+        if self.sending:
+            self._wait_prefill(rec, c)
+        buf, staged = self._buffer(i, c)
+        if self.sending and staged:
+            self._copy(c, buf, rec)
+        posted = self.clock.mark()
+        work = post(buf, self._peer(c), self._group(c), send=self.sending)
+        return InFlight(i, c, work, buf, staged, posted)
+
+    def _complete(self, f: InFlight, segments: dict[int, list[Segment]], requests: dict[int, Request]) -> None:
+        c, rec = f.chunk, self.records[f.chunk.request]
+        try:
+            if self.stream is not None:
+                f.work.wait()  # a timeout here would block the host; NCCL's watchdog enforces transfer.timeout_s
+            else:
+                f.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            peer = ("gen" if self.sending else "ctx") + str(c.dst if self.sending else c.src)
+            raise TransferTimeout(f"request {c.request} chunk {c.seq} with {peer}: {str(e).splitlines()[0]}") from e
+        done = self.clock.mark()
+        rec.wire.append((f.posted, done))
+        if not self.sending and f.staged:
+            self._copy(c, f.buf, rec)
+        if f.staged:
+            self.staging.put(f.buf)
+        rec.bytes += c.nbytes
+        rec.chunks += 1
+        rec.in_place += int(not f.staged)
+        if self.sending:
+            rec.layer_done[c.ready_layer] = done
+        if rec.chunks == rec.chunks_total:
+            self._close(requests[c.request], segments[c.request])
+        if self.progress is not None:
+            self.progress(c.nbytes)
+
+    def run(self, order: list[Chunk], requests: dict[int, Request], segments: dict[int, list[Segment]]
+            ) -> list[RequestRecord]:
+        me = (lambda c: c.src == self.rank) if self.sending else (lambda c: c.dst == self.rank)
+        mine = [c for c in order if me(c)]
+        counts: dict[int, int] = {}
+        for c in mine:
+            counts[c.request] = counts.get(c.request, 0) + 1
+        inflight: deque[InFlight] = deque()
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with ctx:
+            for i, c in enumerate(mine):
+                if c.request not in self.records:
+                    self._open(requests[c.request], counts[c.request])
+                if len(inflight) >= self.window:
+                    self._complete(inflight.popleft(), segments, requests)
+                inflight.append(self._post(i, c))
+            while inflight:
+                self._complete(inflight.popleft(), segments, requests)
+        if self.stream is not None:
+            self.stream.synchronize()
+        return list(self.records.values())
+

@@ -1,0 +1,76 @@
+"""Point-to-point transport over torch.distributed, and the handshake.
+
+World ranks: ctx ranks first (side-local order), then gen ranks. The default group uses
+gloo for control objects (handshake, results); bytes move over one two-rank group per
+ctx/gen pair, created once at start by every rank in the same order: NCCL on GPUs (a
+pair group is what lets two ranks share a GPU with a third rank elsewhere: NCCL refuses
+two ranks of one communicator on one GPU), gloo on CPUs. Every message is one
+``batch_isend_irecv`` of one contiguous uint8 tensor (batches, unlike plain send/recv, use
+the group's own communicator).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from kvlab.config import Setup
+from kvlab.errors import ConfigError
+from kvlab.state import CacheState, check_compatible
+
+
+def choose_device(setup: Setup, local_rank: int) -> torch.device:
+    want = setup.cfg.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", want, "no CUDA device is visible here; use device=cpu or device=auto")
+    if want != "cpu" and torch.cuda.is_available():
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def init(setup: Setup, timeout_s: float) -> tuple[int, torch.device]:
+    """Join the process group started by torchrun; returns (world rank, device)."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world != setup.world_size:
+        raise ConfigError("WORLD_SIZE", world, f"the config needs {setup.ctx.size} ctx + {setup.gen.size} gen = "
+                          f"{setup.world_size} ranks; start that many (or use `kvlab run`, which does)")
+    device = choose_device(setup, int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout_s, 30)))
+    return dist.get_rank(), device
+
+
+def handshake(state: CacheState) -> list[dict]:
+    """Exchange cache states; every rank raises the same ConfigError on a mismatch (no rank is left waiting)."""
+    states: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(states, state.to_dict())
+    ctx = [(r, s) for r, s in enumerate(states) if s["side"]["name"] == "ctx"]
+    gen = [(r, s) for r, s in enumerate(states) if s["side"]["name"] == "gen"]
+    if not ctx or not gen:
+        raise ConfigError("ranks", f"{len(ctx)} ctx + {len(gen)} gen", "a transfer needs ranks on both sides")
+    r0, s0 = ctx[0]
+    for r, s in ctx[1:] + gen[:1]:
+        check_compatible(s0, s, (f"ctx rank {r0}", f"{s['side']['name']} rank {r}"))
+    for r, s in gen[1:]:
+        check_compatible(gen[0][1], s, (f"gen rank {gen[0][0]}", f"gen rank {r}"))
+    return states
+
+
+def pair_groups(setup: Setup) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """One group per (ctx world rank, gen world rank), created by every rank in the same order."""
+    groups = {}
+    backend = "nccl" if torch.cuda.is_available() and setup.cfg.device != "cpu" else "gloo"
+    for c in range(setup.ctx.size):
+        for g in range(setup.gen.size):
+            pair = (c, setup.ctx.size + g)
+            groups[pair] = dist.new_group(list(pair), backend=backend)
+    return groups
+
+
+def post(buf: torch.Tensor, peer: int, group, send: bool):
+    op = dist.P2POp(dist.isend if send else dist.irecv, buf, peer, group=group)
+    return dist.batch_isend_irecv([op])[0]
