@@ -3,7 +3,7 @@
 Each pool is one uint8 tensor of ``num_blocks`` blocks laid out by ``RankPool.strides``.
 The allocator hands out block ids; with ``fragmentation > 0`` that share of allocations
 draws from a shuffled free list, so block ids of a request are not consecutive and the
-transfer must follow the block table. A few *canary* blocks scattered through each pool
+transfer must follow the block table. A few *canary* blocks at both ends of each pool
 are never handed out: they hold a known pattern that must survive every transfer.
 Sliding-window pools hold only the blocks that overlap the window.
 """
@@ -75,8 +75,9 @@ class PagedCache:
         self.tables: dict[int, dict[str, BlockTable]] = {}
         for i, pool in enumerate(state.pools()):
             n = blocks_needed.get(pool.name, 0) + spare_blocks
-            rng = random.Random(seed * 1000 + i)
-            canaries = sorted(rng.sample(range(n), spare_blocks))
+            # canaries at both ends of the pool: stray writes past a request's first or last block land
+            # there, and the blocks between stay consecutive for zero-copy
+            canaries = sorted(set(range(spare_blocks // 2)) | set(range(n - (spare_blocks - spare_blocks // 2), n)))
             storage = torch.zeros(pool.pool_bytes(n), dtype=torch.uint8, device=device)
             alloc = BlockAllocator(n, set(canaries), fragmentation, seed * 7919 + state.rank * 31 + i)
             self.pools[pool.name] = PoolStore(pool, n, storage, alloc, canaries)
