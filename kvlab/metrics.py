@@ -56,7 +56,8 @@ def merge(parts: list[dict], failures: dict[int, str], ctx_dp: dict[int, int], g
         ps = by_req.get(rid, [])
         ctx = [p for p in ps if p["side"] == "ctx"]
         gen = [p for p in ps if p["side"] == "gen"]
-        start = min((p["start"] for p in ps), default=None)
+        # the transfer starts when ctx has the request (gen ranks open it earlier to post receives)
+        start = min((p["start"] for p in (ctx or ps)), default=None)
         end = max((p["end"] for p in ps if p["end"] is not None), default=None)
         nbytes = sum(p["bytes"] for p in gen)
         seconds = (end - start) if start is not None and end is not None else None
@@ -93,7 +94,7 @@ def merge(parts: list[dict], failures: dict[int, str], ctx_dp: dict[int, int], g
 
 
 def summarize(rows: list[dict], parts: list[dict], setup, peaks: list[dict], env: dict) -> dict:
-    starts = [p["start"] for p in parts]
+    starts = [p["start"] for p in parts if p["side"] == "ctx"] or [p["start"] for p in parts]
     ends = [p["end"] for p in parts if p["end"] is not None]
     seconds = (max(ends) - min(starts)) if starts and ends else 0.0
     total = sum(r["bytes"] for r in rows)

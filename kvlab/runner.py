@@ -115,6 +115,7 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
     state = CacheState(setup.model, side_spec, rank)
     transport.handshake(state)
     groups = transport.pair_groups(setup)
+    transport.warm_up(setup, groups, world_rank, device)
 
     requests = make_requests(setup)
     segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r) for r in requests}

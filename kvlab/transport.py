@@ -21,12 +21,25 @@ from kvlab.errors import ConfigError
 from kvlab.state import CacheState, check_compatible
 
 
-def choose_device(setup: Setup, local_rank: int) -> torch.device:
+def gpu_index(setup: Setup, world_rank: int, local_rank: int, local_world: int, n_gpus: int) -> int:
+    """The GPU of a rank. With a GPU per local rank: its own. With fewer GPUs than ranks on one host:
+    ctx ranks share the first half of the GPUs and gen ranks the second, so that every ctx/gen pair
+    group spans two GPUs (NCCL refuses a communicator with two ranks on one GPU)."""
+    if n_gpus >= local_world or n_gpus < 2 or local_world != setup.world_size:
+        return local_rank % n_gpus
+    side, rank = setup.side_of(world_rank)
+    half = n_gpus // 2
+    return rank % half if side.name == "ctx" else half + rank % (n_gpus - half)
+
+
+def choose_device(setup: Setup, world_rank: int) -> torch.device:
     want = setup.cfg.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", want, "no CUDA device is visible here; use device=cpu or device=auto")
     if want != "cpu" and torch.cuda.is_available():
-        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", setup.world_size))
+        dev = torch.device("cuda", gpu_index(setup, world_rank, local_rank, local_world, torch.cuda.device_count()))
         torch.cuda.set_device(dev)
         return dev
     return torch.device("cpu")
@@ -38,7 +51,7 @@ def init(setup: Setup, timeout_s: float) -> tuple[int, torch.device]:
     if world != setup.world_size:
         raise ConfigError("WORLD_SIZE", world, f"the config needs {setup.ctx.size} ctx + {setup.gen.size} gen = "
                           f"{setup.world_size} ranks; start that many (or use `kvlab run`, which does)")
-    device = choose_device(setup, int(os.environ.get("LOCAL_RANK", 0)))
+    device = choose_device(setup, int(os.environ["RANK"]))
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout_s, 30)))
     return dist.get_rank(), device
@@ -69,6 +82,17 @@ def pair_groups(setup: Setup) -> dict[tuple[int, int], dist.ProcessGroup]:
             pair = (c, setup.ctx.size + g)
             groups[pair] = dist.new_group(list(pair), backend=backend)
     return groups
+
+
+def warm_up(setup: Setup, groups: dict, world_rank: int, device: torch.device) -> None:
+    """One tiny message per pair, in one global order: NCCL builds a communicator at its first op,
+    which must not be timed as part of the first chunk."""
+    buf = torch.zeros(1, dtype=torch.uint8, device=device)
+    for (c, g), group in sorted(groups.items()):
+        if world_rank in (c, g):
+            post(buf, g if world_rank == c else c, group, send=world_rank == c).wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def post(buf: torch.Tensor, peer: int, group, send: bool):
