@@ -109,6 +109,8 @@ def summarize(rows: list[dict], parts: list[dict], setup, peaks: list[dict], env
         "peak_staging_bytes": max((p["staging"] for p in peaks), default=0),
         "peak_extra_device_bytes": max((p["extra"] for p in peaks), default=0),
         "device_free_drop_bytes": max((p.get("free_drop", 0) for p in peaks), default=0),
+        "cache_bytes": max((p.get("cache", 0) for p in peaks), default=0),
+        "exposed_s": max((r["exposed_s"] for r in rows if r["exposed_s"] is not None), default=None),
         "requests": len(rows),
         "failed_requests": [r["request"] for r in rows if not r["verified"]],
         "errors": env.get("errors", []),

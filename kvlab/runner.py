@@ -152,7 +152,7 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
     progress.close()
     errors += cache.check_canaries()
     staging = executor.staging.peak_bytes
-    peak = {"staging": staging, "extra": staging}
+    peak = {"staging": staging, "extra": staging, "cache": cache.nbytes}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         # staging is allocated after the baseline, so the allocator's peak growth includes it
