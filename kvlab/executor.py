@@ -86,6 +86,20 @@ class Executor:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.progress = progress
         self.records: dict[int, RequestRecord] = {}
+        self.transfer_peak = 0  # allocator peak of the transfer alone (fill and verify excluded)
+
+    @contextlib.contextmanager
+    def _untracked(self):
+        """Fill (the prefill's output) and verification are not the transfer: keep their temporaries
+        out of the peak extra device memory."""
+        if self.device.type != "cuda":
+            yield
+            return
+        self.transfer_peak = max(self.transfer_peak, torch.cuda.max_memory_allocated(self.device))
+        try:
+            yield
+        finally:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     @property
     def sending(self) -> bool:
@@ -102,7 +116,8 @@ class Executor:
         self.cache.allocate(req)
         rec = RequestRecord(req.id, req.isl, self.side, self.rank, n_chunks)
         if self.sending:
-            self.cache.fill(req, self.ops)  # the prefill's output
+            with self._untracked():
+                self.cache.fill(req, self.ops)  # the prefill's output
             rec.prefill_start = self.clock.host()
             ms = self.setup.transfer.layer_compute_ms
             if ms:
@@ -116,7 +131,8 @@ class Executor:
         rec.end = self.clock.mark()
         if not self.sending:
             mine = [s for s in segments if s.dst == self.rank]
-            rec.errors += self.cache.verify(req, mine, self.ops)
+            with self._untracked():
+                rec.errors += self.cache.verify(req, mine, self.ops)
         self.cache.release(req.id)
 
     def _wait_prefill(self, rec: RequestRecord, c: Chunk) -> None:

@@ -115,7 +115,6 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
     state = CacheState(setup.model, side_spec, rank)
     transport.handshake(state)
     groups = transport.pair_groups(setup)
-    transport.warm_up(setup, groups, world_rank, device)
 
     requests = make_requests(setup)
     segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r) for r in requests}
@@ -133,6 +132,7 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
         base_alloc = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         free0 = torch.cuda.mem_get_info(device)[0]
+    transport.warm_up(setup, groups, world_rank, device)  # after the baseline: NCCL's buffers count as extra
     progress = _Progress(sum(c.nbytes for c in mine), world_rank == 0 and cfg.logger.progress)
     clock = Clock(device)
     executor = Executor(setup, side, rank, world_rank, device, cache, groups, ops, clock, progress)
@@ -156,7 +156,8 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         # staging is allocated after the baseline, so the allocator's peak growth includes it
-        peak["extra"] = torch.cuda.max_memory_allocated(device) - base_alloc
+        peak["extra"] = max(executor.transfer_peak, torch.cuda.max_memory_allocated(device)) - base_alloc
+        torch.cuda.empty_cache()  # cached blocks of fill/verify are not the transfer's
         peak["free_drop"] = free0 - torch.cuda.mem_get_info(device)[0]
     for rec in records:
         if rec.end is None:
