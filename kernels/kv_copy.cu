@@ -1,0 +1,265 @@
+// Pack (pool -> wire) and unpack (wire -> pool) of one rectangle of one rank's pool.
+//
+// The runs are those of kvlab.layout.runs, enumerated in wire order
+// (tile -> layer -> component -> head), each a contiguous range of tile tokens' rows on
+// both sides. Warps take runs in a grid-stride loop so that the launch can be held to a
+// few CTAs: the copies then leave NCCL's kernels the rest of the SMs.
+//
+// No #include: NVRTC has no default include path, and builtin types plus __ldg are enough.
+
+#ifndef KV_UNROLL
+#define KV_UNROLL 8  // vectors per lane in flight: a 32-lane warp moves 4 KiB per step with uint4
+#endif
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// Loads are all issued before the stores so that each lane has KV_UNROLL requests in flight:
+// with few CTAs, bytes in flight per SM, not instruction count, bounds the bandwidth.
+template <typename V>
+__device__ __forceinline__ void warp_copy_vec(char* __restrict__ dst, const char* __restrict__ src, int n, int lane) {
+    const V* s = reinterpret_cast<const V*>(src);
+    V* d = reinterpret_cast<V*>(dst);
+    int i = lane;
+    for (; i + (KV_UNROLL - 1) * 32 < n; i += KV_UNROLL * 32) {
+        V r[KV_UNROLL];
+#pragma unroll
+        for (int k = 0; k < KV_UNROLL; ++k) r[k] = __ldg(s + i + k * 32);
+#pragma unroll
+        for (int k = 0; k < KV_UNROLL; ++k) d[i + k * 32] = r[k];
+    }
+    for (; i < n; i += 32) d[i] = __ldg(s + i);
+}
+
+// Widest vector that both addresses can share: peel the head bytes until src is aligned to
+// it (dst then is too, as they agree modulo the width), vectors for the body, bytes for the
+// tail. Any row size and any buffer offset work; 16-byte accesses whenever the two
+// addresses agree modulo 16, which every pool and slot view of whole rows does.
+// A run is at most tile * row bytes: the launcher keeps it below 2^31, so lengths are int.
+__device__ __forceinline__ void copy_run(char* __restrict__ dst, const char* __restrict__ src, int len, int lane) {
+    const u64 mis = reinterpret_cast<u64>(dst) ^ reinterpret_cast<u64>(src);
+    const int w = (mis & 15) == 0 ? 16 : (mis & 7) == 0 ? 8 : (mis & 3) == 0 ? 4 : (mis & 1) == 0 ? 2 : 1;
+    int head = (int)((w - (reinterpret_cast<u64>(src) & (u64)(w - 1))) & (u64)(w - 1));
+    if (head > len) head = len;
+    if (lane < head) dst[lane] = __ldg(src + lane);
+    dst += head;
+    src += head;
+    len -= head;
+    const int n = len / w;
+    switch (w) {
+        case 16: warp_copy_vec<uint4>(dst, src, n, lane); break;
+        case 8: warp_copy_vec<uint2>(dst, src, n, lane); break;
+        case 4: warp_copy_vec<unsigned int>(dst, src, n, lane); break;
+        case 2: warp_copy_vec<unsigned short>(dst, src, n, lane); break;
+        default: warp_copy_vec<unsigned char>(dst, src, n, lane); break;
+    }
+    const int done = n * w;
+    if (lane < len - done) dst[done + lane] = __ldg(src + done + lane);
+}
+
+// The runs of one rectangle. Every size and offset is in bytes. ids_bytes: 4 (int32 block
+// table) or 8 (int64). l_off/h_off: the rectangle's first layer/head relative to the rank's
+// first held one. Counts and per-run sizes are int (the launcher checks they fit); memory
+// and wire offsets are 64-bit. 32-bit division keeps the run decoding cheap and off the
+// register budget.
+struct Runs {
+    char* pool;
+    char* wire;
+    const void* ids;
+    int ids_bytes;
+    i64 num_blocks, block_base;
+    int tpb, T;
+    i64 t0, t1;
+    int l_off, nl, h_off, nh, ncomp, row0, row1;
+    i64 coff0, coff1, bs, ls;
+
+    __device__ __forceinline__ unsigned count() const {
+        return (unsigned)((t1 - 1) / T - t0 / T + 1) * (unsigned)(nl * ncomp * nh);
+    }
+
+    // Run r (in wire order): its bytes at pool + *m and at wire + *w.
+    __device__ __forceinline__ int get(unsigned r, i64* m, i64* w) const {
+        const unsigned h = r % (unsigned)nh;
+        unsigned q = r / (unsigned)nh;
+        const unsigned c = q % (unsigned)ncomp;
+        q /= (unsigned)ncomp;
+        const unsigned l = q % (unsigned)nl;
+        const i64 u = (i64)(q / (unsigned)nl) + t0 / T;
+        const i64 ts = u * T > t0 ? u * T : t0;
+        const i64 te = (u + 1) * T < t1 ? (u + 1) * T : t1;
+        const int ntok = (int)(te - ts);
+        const int row = c ? row1 : row0;
+        const i64 bpl = (i64)nh * (row0 + (ncomp > 1 ? row1 : 0));  // wire bytes per token per layer
+        const i64 bi = ts / tpb - block_base;
+        const i64 blk = ids_bytes == 8 ? static_cast<const i64*>(ids)[bi] : (i64) static_cast<const int*>(ids)[bi];
+        // A bad block id would scatter into memory the pool does not own; fail loudly as torch's index checks do.
+        if ((u64)blk >= (u64)num_blocks) __trap();
+        *w = (ts - t0) * nl * bpl + (i64)ntok * ((i64)l * bpl + (c ? (i64)nh * row0 : 0) + (i64)h * row);
+        *m = blk * bs + (i64)(l + l_off) * ls + (c ? coff1 : coff0) + (i64)(h + h_off) * tpb * row + (ts % tpb) * row;
+        return ntok * row;
+    }
+};
+
+template <bool PACK>
+__device__ __forceinline__ void kv_copy(const Runs& R) {
+    const int lane = threadIdx.x & 31;
+    const unsigned nruns = R.count();
+    const unsigned nwarps = (gridDim.x * blockDim.x) >> 5;
+    for (unsigned r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < nruns; r += nwarps) {
+        i64 m, w;
+        const int len = R.get(r, &m, &w);
+        if (PACK) {
+            copy_run(R.wire + w, R.pool + m, len, lane);
+        } else {
+            copy_run(R.pool + m, R.wire + w, len, lane);
+        }
+    }
+}
+
+#ifndef KV_THREADS
+#define KV_THREADS 1024  // the launch bound: the launcher never uses more threads per CTA
+#endif
+
+#define KV_PARAMS                                                                                                   \
+    char *pool, char *wire, const void *ids, int ids_bytes, i64 num_blocks, i64 block_base, int tpb, int T, i64 t0, \
+        i64 t1, int l_off, int nl, int h_off, int nh, int ncomp, int row0, int row1, i64 coff0, i64 coff1, i64 bs,  \
+        i64 ls
+#define KV_RUNS                                                                                                  \
+    Runs {                                                                                                       \
+        pool, wire, ids, ids_bytes, num_blocks, block_base, tpb, T, t0, t1, l_off, nl, h_off, nh, ncomp, row0, \
+            row1, coff0, coff1, bs, ls                                                                          \
+    }
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) kv_pack(KV_PARAMS) { kv_copy<true>(KV_RUNS); }
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) kv_unpack(KV_PARAMS) { kv_copy<false>(KV_RUNS); }
+
+// ---------------------------------------------------------------------------------------
+// Bulk variant (sm_90+): each warp's lane 0 streams its runs through a ring of `stages`
+// shared-memory buffers of `piece` bytes with cp.async.bulk (global -> shared, then
+// shared -> global), keeping stages-1 loads in flight. One thread then holds tens of KiB in
+// flight where registers hold a few: what a few CTAs need to approach the bandwidth of the
+// whole GPU. Runs whose addresses or length are not 16-byte multiples take the warp path.
+//
+// Dynamic shared memory per CTA: warps * stages * (8 mbarrier + 8 dst + 4 len) bytes, padded
+// to 128, then warps * stages * piece bytes of buffers (kv_bulk_smem in kvlab/ops/cuda.py).
+// ---------------------------------------------------------------------------------------
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ u64 globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+struct BulkRing {
+    u64* bar;     // [stages] mbarriers, one per buffer
+    char** dst;   // [stages] where each loaded piece goes
+    int* len;     // [stages]
+    char* buf;    // [stages][piece]
+    int stages, piece;
+    unsigned k, j;  // pieces issued (loads), pieces retired (stores issued)
+
+    __device__ __forceinline__ void init() {
+        for (int s = 0; s < stages; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar + s)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        k = j = 0;
+    }
+
+    __device__ __forceinline__ void wait(unsigned s, unsigned parity) {
+        const unsigned a = smem_u32(bar + s);
+        const u64 start = globaltimer();
+        for (;;) {
+            unsigned done;
+            asm volatile(
+                "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                : "=r"(done)
+                : "r"(a), "r"(parity)
+                : "memory");
+            if (done) return;
+            // a load that never lands would hang the stream and every NCCL peer behind it
+            if (globaltimer() - start > 5000000000ull) __trap();
+        }
+    }
+
+    // Wait for the oldest load, send its buffer on to global memory.
+    __device__ __forceinline__ void retire() {
+        const unsigned s = j % (unsigned)stages;
+        wait(s, (j / (unsigned)stages) & 1u);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst[s]),
+                     "r"(smem_u32(buf + (i64)s * piece)), "r"(len[s])
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        ++j;
+    }
+
+    __device__ __forceinline__ void issue(char* d, const char* src, int n) {
+        if (k - j == (unsigned)stages - 1) retire();
+        const unsigned s = k % (unsigned)stages;
+        // The buffer last held piece k - stages; exactly one store (piece j - 1) was committed after
+        // that one's, so letting one group stay pending is enough for its buffer to be free.
+        if (k >= (unsigned)stages) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+        dst[s] = d;
+        len[s] = n;
+        const unsigned b = smem_u32(bar + s);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(n) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                         smem_u32(buf + (i64)s * piece)),
+                     "l"(src), "r"(n), "r"(b)
+                     : "memory");
+        ++k;
+    }
+
+    __device__ __forceinline__ void drain() {
+        while (j < k) retire();
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    }
+};
+
+extern __shared__ __align__(128) unsigned char kv_smem[];
+
+template <bool PACK>
+__device__ __forceinline__ void kv_copy_bulk(const Runs& R, int stages, int piece) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int slots = warps * stages;
+    const int hdr = (slots * 20 + 127) / 128 * 128;
+    BulkRing ring;
+    ring.bar = reinterpret_cast<u64*>(kv_smem) + warp * stages;
+    ring.dst = reinterpret_cast<char**>(kv_smem + slots * 8) + warp * stages;
+    ring.len = reinterpret_cast<int*>(kv_smem + slots * 16) + warp * stages;
+    ring.buf = reinterpret_cast<char*>(kv_smem + hdr) + (i64)warp * stages * piece;
+    ring.stages = stages;
+    ring.piece = piece;
+    if (lane == 0) ring.init();
+    __syncwarp();
+
+    const unsigned nruns = R.count();
+    const unsigned nwarps = (gridDim.x * blockDim.x) >> 5;
+    for (unsigned r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < nruns; r += nwarps) {
+        i64 m, w;
+        const int len = R.get(r, &m, &w);
+        char* d = PACK ? R.wire + w : R.pool + m;
+        const char* s = PACK ? R.pool + m : R.wire + w;
+        if (((reinterpret_cast<u64>(d) | reinterpret_cast<u64>(s) | (u64)len) & 15) == 0) {
+            if (lane == 0)
+                for (int off = 0; off < len; off += piece) ring.issue(d + off, s + off, min(piece, len - off));
+        } else {
+            copy_run(d, s, len, lane);
+        }
+    }
+    if (lane == 0) ring.drain();
+}
+
+#define KV_BULK_BODY(PACK) kv_copy_bulk<PACK>(KV_RUNS, stages, piece)
+#else
+#define KV_BULK_BODY(PACK) __trap()
+#endif
+
+extern "C" __global__ void kv_pack_bulk(KV_PARAMS, int stages, int piece) { KV_BULK_BODY(true); }
+
+extern "C" __global__ void kv_unpack_bulk(KV_PARAMS, int stages, int piece) { KV_BULK_BODY(false); }

@@ -1,0 +1,227 @@
+"""Pack/unpack kernel bandwidth against a device-to-device copy of the same bytes, on one GPU.
+
+A Llama-3.1-8B-like pool (32 layers, 8 kv heads, head_dim 128, bf16, 32 tokens per block)
+with its blocks in a shuffled order; one chunk is a rectangle of whole blocks (all layers,
+all or half of the heads) of 64 or 256 MiB. Bandwidth counts bytes read + written, as the
+copy figure of DESIGN.md does. The copy (torch ``copy_`` over the whole GPU) is measured in
+the same run; the kernels run on a given number of CTAs, the point being to stay close to
+it on few CTAs so that NCCL keeps its SMs.
+
+    python scripts/kernel_bench.py --out kernel_bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+
+import torch
+
+from kvlab.layout import Rect
+from kvlab.ops import cuda as cuda_ops
+from kvlab.ops import reference
+from kvlab.parallel import Layout
+from kvlab.spec import Kind, PoolSpec
+from kvlab.state import RankPool
+
+MiB = 2**20
+DEVICE = "cuda"
+LAYERS, HEADS, HEAD_DIM, TPB = 32, 8, 128, 32
+
+
+def llama8b_pool(layout: Layout, heads: range = range(HEADS)) -> RankPool:
+    spec = PoolSpec("kv", Kind.kv, tuple(range(LAYERS)), 0, HEADS, (HEAD_DIM, HEAD_DIM), ("bf16", "bf16"))
+    return RankPool(spec, range(LAYERS), heads, TPB, layout)
+
+
+def time_ms(fn, iters: int, trials: int = 5) -> float:
+    """Median over trials of the mean time per call, from CUDA events."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return 2 * nbytes / (ms * 1e-3) / 1e9  # read + written
+
+
+class Chunk:
+    """A pool with shuffled blocks and one rectangle of ``chunk_bytes`` over the given heads."""
+
+    def __init__(self, layout: Layout, chunk_bytes: int, heads: range, gen: torch.Generator):
+        self.pool = llama8b_pool(layout, range(HEADS))
+        tok_bytes = LAYERS * len(heads) * sum(self.pool.rows)
+        tokens = chunk_bytes // tok_bytes
+        assert tokens % TPB == 0, "chunks are whole blocks"
+        self.num_blocks = 2 * tokens // TPB  # the chunk's blocks scattered over twice as many
+        self.rect = Rect("kv", 0, LAYERS, heads.start, heads.stop, 0, tokens, TPB)
+        self.ids = torch.randperm(self.num_blocks, generator=gen)[: tokens // TPB].to(DEVICE)
+        self.pool_bytes = torch.randint(0, 256, (self.pool.pool_bytes(self.num_blocks),), dtype=torch.uint8,
+                                        device=DEVICE)
+        self.nbytes = self.rect.nbytes(self.pool.rows)
+        assert self.nbytes == chunk_bytes
+        self.wire = torch.empty(self.nbytes, dtype=torch.uint8, device=DEVICE)
+
+    def pack(self, ctas, tuning=cuda_ops.DEFAULT_TUNING):
+        cuda_ops.pack(self.pool_bytes, self.pool, self.num_blocks, self.rect, self.ids, 0, self.wire, ctas=ctas,
+                      tuning=tuning)
+
+    def unpack(self, ctas, tuning=cuda_ops.DEFAULT_TUNING):
+        cuda_ops.unpack(self.wire, self.pool, self.num_blocks, self.rect, self.ids, 0, self.pool_bytes, ctas=ctas,
+                        tuning=tuning)
+
+    def verify(self, tuning=cuda_ops.DEFAULT_TUNING) -> None:
+        """The bytes the bench moves are right: pack and unpack against the reference."""
+        self.pack(16, tuning)
+        want = torch.empty_like(self.wire)
+        reference.pack(self.pool_bytes, self.pool, self.num_blocks, self.rect, self.ids, 0, want)
+        assert torch.equal(self.wire, want), "pack differs from the reference"
+        before = self.pool_bytes.clone()
+        self.pool_bytes.zero_()
+        self.unpack(16, tuning)
+        expect = torch.zeros_like(before)
+        reference.unpack(want, self.pool, self.num_blocks, self.rect, self.ids, 0, expect)
+        assert torch.equal(self.pool_bytes, expect), "unpack differs from the reference"
+        self.pool_bytes.copy_(before)
+
+
+def d2d_copy_gbps(nbytes: int, iters: int) -> float:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    return gbps(nbytes, time_ms(lambda: dst.copy_(src), iters))
+
+
+WARP_TUNINGS = [cuda_ops.Tuning(1024, 4), cuda_ops.Tuning(512, 8), cuda_ops.Tuning(512, 16), cuda_ops.Tuning(256, 16)]
+BULK_TUNINGS = [cuda_ops.Tuning(threads=t, bulk=True, stages=st, piece=pc)
+                for t, st, pc in ((128, 6, 8192), (128, 4, 12288), (256, 3, 8192), (256, 6, 4096), (64, 12, 8192))]
+
+
+class Bench:
+    def __init__(self, args, meta):
+        self.args, self.meta = args, meta
+        self.rows: list[dict] = []
+        self.copy_gbps: dict[int, float] = {}
+        self.errors: list[str] = []
+
+    def measure(self, case: str, ch: Chunk, mib: int, ctas_list, tuning) -> None:
+        for ctas in ctas_list:
+            for op in ("pack", "unpack"):
+                fn = getattr(ch, op)
+                g = gbps(ch.nbytes, time_ms(lambda: fn(ctas, tuning), self.args.iters))  # noqa: B023
+                self.rows.append({"case": case, "chunk_mib": mib, "op": op, "ctas": ctas,
+                                  "kernel": kernel_name(tuning), "threads": tuning.threads,
+                                  "unroll": tuning.unroll, "bulk": tuning.bulk, "stages": tuning.stages,
+                                  "piece": tuning.piece, "gbps": g, "copy_gbps": self.copy_gbps[mib],
+                                  "ratio": g / self.copy_gbps[mib]})
+
+    def summary(self) -> dict:
+        best: dict = {}
+        for r in self.rows:
+            if r["ctas"] <= 32:
+                k = (r["op"], r["chunk_mib"])
+                if r["ratio"] > best.get(k, {"ratio": -1})["ratio"]:
+                    best[k] = r
+        keys = ("case", "kernel", "ctas", "gbps", "ratio")
+        return {f"{op} {mib} MiB": {k: best[(op, mib)][k] for k in keys} for (op, mib) in sorted(best)}
+
+    def save(self) -> None:
+        with open(self.args.out, "w") as f:
+            json.dump({"meta": self.meta, "copy_gbps": self.copy_gbps, "rows": self.rows,
+                       "best_le_32_ctas": self.summary(), "errors": self.errors}, f, indent=1)
+
+
+def kernel_name(t) -> str:
+    return f"bulk {t.threads // 32}w x{t.stages} x{t.piece // 1024}K" if t.bulk else f"warp {t.threads}x{t.unroll}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON results path")
+    ap.add_argument("--chunks-mib", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--ctas", type=int, nargs="+", default=[8, 16, 32, 132])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-bulk", action="store_true", help="skip the cp.async.bulk kernels")
+    args = ap.parse_args()
+
+    import cuda.core
+    from rich.console import Console
+    from rich.table import Table
+
+    torch.cuda.set_device(0)
+    cuda_ops.ensure_compiled()
+    props = torch.cuda.get_device_properties(0)
+    meta = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": props.name, "sms": props.multi_processor_count, "arch": cuda_ops.device_arch(0),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_core": cuda.core.__version__,
+        "nvrtc": cuda_ops._nvrtc_version(), "host": platform.node(),
+        "pool": f"{LAYERS} layers, {HEADS} kv heads, head_dim {HEAD_DIM}, bf16, {TPB} tokens/block",
+        "bandwidth": "bytes read + written per second",
+    }
+    console = Console(width=150)
+    console.print(meta)
+    gen = torch.Generator().manual_seed(0)
+    b = Bench(args, meta)
+    for mib in args.chunks_mib:
+        b.copy_gbps[mib] = d2d_copy_gbps(mib * MiB, args.iters)
+
+    cases = [("block_major", Layout.block_major, range(HEADS)), ("layer_major", Layout.layer_major, range(HEADS)),
+             ("block_major heads 0-3", Layout.block_major, range(HEADS // 2))]
+    for name, layout, heads in cases:
+        for mib in args.chunks_mib:
+            ch = Chunk(layout, mib * MiB, heads, gen)
+            if mib == min(args.chunks_mib):
+                ch.verify()
+            b.measure(name, ch, mib, args.ctas, cuda_ops.DEFAULT_TUNING)
+            del ch
+            torch.cuda.empty_cache()
+    b.save()
+
+    # bytes in flight per SM is what few CTAs must make up for: vary how the kernel holds them
+    few = [c for c in args.ctas if c <= 32] + [132]
+    sections = [("warp", WARP_TUNINGS)] + ([] if args.no_bulk else [("bulk", BULK_TUNINGS)])
+    for section, tunings in sections:
+        try:
+            for mib in args.chunks_mib:
+                ch = Chunk(Layout.block_major, mib * MiB, range(HEADS), gen)
+                for tuning in tunings:
+                    cuda_ops.ensure_compiled(tuning=tuning)
+                    if section == "bulk" and mib == min(args.chunks_mib):
+                        ch.verify(tuning)
+                    b.measure("block_major", ch, mib, few, tuning)
+                del ch
+                torch.cuda.empty_cache()
+        except Exception as e:  # the bulk path is experimental: keep what was measured
+            b.errors.append(f"{section}: {type(e).__name__}: {e}")
+            console.print(f"[red]{section} tunings failed: {e}")
+        b.save()
+
+    table = Table(title=f"pack/unpack vs d2d copy on {props.name} (GB/s, read + written)")
+    for col in ("case", "MiB", "kernel", "op", "ctas", "GB/s", "copy", "ratio"):
+        table.add_column(col, justify="left" if col in ("case", "kernel", "op") else "right")
+    for r in b.rows:
+        table.add_row(r["case"], str(r["chunk_mib"]), r["kernel"], r["op"], str(r["ctas"]), f"{r['gbps']:.0f}",
+                      f"{r['copy_gbps']:.0f}", f"{r['ratio']:.2f}")
+    console.print(table)
+    console.print("d2d copy GB/s:", {k: round(v) for k, v in b.copy_gbps.items()})
+    for k, v in b.summary().items():
+        console.print(f"best at <= 32 CTAs, {k}: {v['kernel']} on {v['ctas']} CTAs ({v['case']}): "
+                      f"{v['gbps']:.0f} GB/s = {v['ratio']:.2f} of copy")
+    if b.errors:
+        console.print("[red]errors:", b.errors)
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
