@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The GPU check, in one call on the 2-GPU machine: carried wheels, GPU tests, benchmark, table.
+#   device run (kind nvidia-h200-x2, carry .whl):  bash scripts/gpu_check.sh [--quick]
+# .whl comes from ../shared/scripts/device-wheels.sh (hydra-core, omegaconf, antlr4 runtime).
+set -uo pipefail
+out=${OUT:-/tmp/kvlab-gpu}
+mkdir -p "$out"
+site=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl || exit 1
+export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
+nvidia-smi -L; nvidia-smi topo -m | head -4
+python3 -c 'import torch, cuda.core; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "cuda.core", cuda.core.__version__)'
+python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" tests/ 2>&1 | tee "$out/gpu_tests.log" | tail -25
+python3 scripts/bench.py --out "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
