@@ -141,6 +141,11 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) kv_unpack(KV_PARAMS)
 // flight where registers hold a few: what a few CTAs need to approach the bandwidth of the
 // whole GPU. Runs whose addresses or length are not 16-byte multiples take the warp path.
 //
+// Measured on H200: the variant scales with warps per CTA, not with stages (about 16 GB/s
+// per warp), slower than the warp path. The likely cause: the buffer issue() reuses was
+// stored one step earlier, so every piece waits for a store to read out. Letting more stores
+// stay pending (stages/2 loads in flight, wait_group.read stages/2-1) is the next thing to try.
+//
 // Dynamic shared memory per CTA: warps * stages * (8 mbarrier + 8 dst + 4 len) bytes, padded
 // to 128, then warps * stages * piece bytes of buffers (kv_bulk_smem in kvlab/ops/cuda.py).
 // ---------------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def d2d_copy_gbps(nbytes: int, iters: int) -> float:
 
 WARP_TUNINGS = [cuda_ops.Tuning(1024, 4), cuda_ops.Tuning(512, 8), cuda_ops.Tuning(512, 16), cuda_ops.Tuning(256, 16)]
 BULK_TUNINGS = [cuda_ops.Tuning(threads=t, bulk=True, stages=st, piece=pc)
-                for t, st, pc in ((128, 6, 8192), (128, 4, 12288), (256, 3, 8192), (256, 6, 4096), (64, 12, 8192))]
+                for t, st, pc in ((128, 6, 8192), (256, 3, 8192), (256, 6, 4096), (512, 3, 4096), (1024, 3, 2048))]
 
 
 class Bench:

@@ -203,18 +203,6 @@ def ensure_compiled(device: int | None = None, arch: str | None = None, tuning: 
     _kernels(torch.cuda.current_device() if device is None else device, tuning, arch)
 
 
-class _StreamRef:
-    """A torch stream handle in the ``__cuda_stream__`` protocol: what torch>=2.10's Stream returns, for any torch."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.handle)
-
-
 def _check_cuda(pool_bytes: torch.Tensor, pool: RankPool, rect: Rect, block_ids: torch.Tensor, block_base: int,
                 buf: torch.Tensor) -> None:
     dev = pool_bytes.device
@@ -250,7 +238,7 @@ def _launch(pack_dir: bool, pool_bytes, pool, num_blocks, rect, block_ids, block
         return
     if ctas < 1:
         raise ValueError(f"ctas={ctas}: must be >= 1")
-    from cuda.core import Device, LaunchConfig, launch
+    from cuda.core import Device, LaunchConfig, Stream, launch
 
     index = pool_bytes.device.index
     # cuda.core launches in the calling thread's current context, which a fresh thread lacks
@@ -271,7 +259,8 @@ def _launch(pack_dir: bool, pool_bytes, pool, num_blocks, rect, block_ids, block
     extra = (i32(tuning.stages), i32(tuning.piece)) if tuning.bulk else ()
     row1 = rows[1] if len(rows) > 1 else 0
     coff1 = coffs[1] if len(coffs) > 1 else 0
-    stream = _StreamRef(torch.cuda.current_stream(pool_bytes.device).cuda_stream)
+    # a non-owning wrapper of torch's stream: cuda.core deprecates passing foreign stream objects to launch
+    stream = Stream.from_handle(torch.cuda.current_stream(pool_bytes.device).cuda_stream)
     # pointers as Python ints (cuda.core passes them as pointers), every scalar with its C type
     launch(stream, LaunchConfig(grid=grid, block=tuning.threads, shmem_size=smem), k_pack if pack_dir else k_unpack,
            pool_bytes.data_ptr(), buf.data_ptr(), block_ids.data_ptr(), i32(block_ids.element_size()),
