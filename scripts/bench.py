@@ -94,8 +94,8 @@ def transfers(quick: bool) -> list[tuple[str, list[str]]]:
         for isl in isls:
             for strategy, extra in (("naive", []),
                                     ("chunked", ["transfer.slot_mib=64", "transfer.slots=4"]),
-                                    ("chunked", ["transfer.slot_mib=256", "transfer.slots=1"]),
-                                    ("zerocopy", ["transfer.slot_mib=256", "transfer.slots=1"]),
+                                    ("chunked", ["transfer.slot_mib=128", "transfer.slots=2"]),
+                                    ("zerocopy", ["transfer.slot_mib=128", "transfer.slots=2"]),
                                     # per-layer compute >= per-layer transfer: 512 MiB per layer at 128k
                                     ("layerwise", ["transfer.slot_mib=64", "transfer.slots=4",
                                                    f"transfer.layer_compute_ms={max(0.1, isl / 131072 * 2.0):.3f}"])):
