@@ -47,6 +47,9 @@ def _overlap(a: range, b: range) -> range:
 
 def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request) -> list[Segment]:
     req.validate(ctx, gen)
+    # a head split the specs cannot make would silently leave heads out of the cover
+    ctx.validate_for(model)
+    gen.validate_for(model)
     tile = wire_tile(ctx, gen)
     segments = []
     for g_tp_pp in range(gen.pp * gen.tp):

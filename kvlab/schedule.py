@@ -67,7 +67,8 @@ def _cuts(seg: Segment, rows: tuple[int, ...], slot_bytes: int, per_layer: bool,
         ends = list(range(r.t0 + step, r.t1, step)) + [r.t1]
         if split_tail and (r.t1 - r.t0) > T and r.t1 % T:
             tail = r.t1 // T * T  # first token of the partial last tile
-            ends = sorted(set(e for e in ends if e <= tail) | {tail, r.t1})
+            # keep cuts inside the tail too: when a slot holds less than a tile they bound its size
+            ends = sorted(set(ends) | {tail})
         start = r.t0
         for end in ends:
             out.append(replace(r, l0=a, l1=b, t0=start, t1=end))

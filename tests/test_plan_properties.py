@@ -1,0 +1,393 @@
+"""Plan and schedule invariants over random models, parallel layouts, prompts and strategies.
+
+Expectations come from an oracle written from the design's definitions (stage layers,
+head split/duplication, sliding windows, bytes per element), not from the code under
+test. Elements are tracked as (kind, layer, head) -> token intervals, so prompts of
+hundreds of thousands of tokens cost no more than short ones.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from kvlab.parallel import Layout, SideSpec
+from kvlab.plan import Request, plan
+from kvlab.schedule import Strategy, schedule
+from kvlab.spec import ModelSpec
+from kvlab.state import CacheState
+
+CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+INDEXER_TOKEN_BYTES = 128 + 4  # 128 fp8 values and one fp32 scale
+
+
+def preset(name: str) -> ModelSpec:
+    d = OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml"))
+    d.pop("defaults", None)
+    return ModelSpec(**d)
+
+
+PRESETS = [preset(n) for n in ("tiny_gqa", "tiny_mla", "tiny_dsa", "tiny_swa")]
+
+
+# ---------------------------------------------------------------- oracle
+
+def stages(num_layers: int, side: SideSpec) -> list[range]:
+    counts = side.layer_split or [num_layers // side.pp + (s < num_layers % side.pp) for s in range(side.pp)]
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def coords(side: SideSpec, rank: int) -> tuple[int, int, int]:
+    return rank // (side.pp * side.tp), (rank // side.tp) % side.pp, rank % side.tp
+
+
+def held_heads(n_heads: int, tp: int, t: int) -> set[int]:
+    if n_heads == 1:
+        return {0}
+    if tp <= n_heads:
+        per = n_heads // tp
+        return set(range(t * per, (t + 1) * per))
+    return {t // (tp // n_heads)}
+
+
+def window_of(model: ModelSpec, layer: int) -> int:
+    if not model.window:
+        return 0
+    if not model.local_per_global:
+        return model.window
+    return model.window if layer % (model.local_per_global + 1) != model.local_per_global else 0
+
+
+def kinds(model: ModelSpec) -> list[str]:
+    if model.attention.value == "gqa":
+        return ["kv"]
+    return ["mla", "indexer"] if model.indexer else ["mla"]
+
+
+def kind_heads(model: ModelSpec, kind: str) -> int:
+    return model.kv_heads if kind == "kv" else 1
+
+
+def head_token_bytes(model: ModelSpec, kind: str, dtype: str) -> int:
+    """Bytes of one token of one layer of one head."""
+    if kind == "kv":
+        return 2 * model.head_dim * ELEM_BYTES[dtype]
+    if kind == "mla":
+        return model.mla_dim * ELEM_BYTES[dtype]
+    return INDEXER_TOKEN_BYTES
+
+
+def first_token(window: int, isl: int, align: int) -> int:
+    return max(0, isl - window) // align * align if window else 0
+
+
+def required(model: ModelSpec, gen: SideSpec, rank: int, isl: int, tile: int) -> dict:
+    """(kind, layer, head) -> (first, last) tokens the gen rank must receive."""
+    _, pp, tp = coords(gen, rank)
+    out = {}
+    for layer in stages(model.num_layers, gen)[pp]:
+        for kind in kinds(model):
+            for h in held_heads(kind_heads(model, kind), gen.tp, tp):
+                out[(kind, layer, h)] = (first_token(window_of(model, layer), isl, tile), isl)
+    return out
+
+
+def required_bytes(model: ModelSpec, need: dict, dtype: str) -> int:
+    return sum((b - a) * head_token_bytes(model, k, dtype) for (k, _, _), (a, b) in need.items())
+
+
+# ---------------------------------------------------------------- generation
+
+@dataclass(frozen=True)
+class Case:
+    model: ModelSpec
+    ctx: SideSpec
+    gen: SideSpec
+    req: Request
+    strategy: Strategy
+    slot_bytes: int
+
+    @property
+    def tile(self) -> int:
+        return math.gcd(self.ctx.tokens_per_block, self.gen.tokens_per_block)
+
+
+@st.composite
+def models(draw):
+    which = draw(st.sampled_from(["gqa", "mla", "preset"]))
+    if which == "preset":
+        return draw(st.sampled_from(PRESETS))
+    layers = draw(st.integers(1, 12))
+    window = draw(st.sampled_from([0, 0, 1, 7, 16, 64, 100, 300]))
+    lpg = draw(st.integers(0, 3)) if window else 0
+    if which == "gqa":
+        return ModelSpec("g", layers, "gqa", kv_heads=draw(st.sampled_from([1, 2, 3, 4, 6, 8])),
+                         head_dim=draw(st.sampled_from([1, 4, 16, 64])), window=window, local_per_global=lpg)
+    return ModelSpec("m", layers, "mla", mla_dim=draw(st.sampled_from([1, 64, 576])), indexer=draw(st.booleans()),
+                     window=window, local_per_global=lpg)
+
+
+@st.composite
+def sides(draw, name: str, model: ModelSpec, dtype: str):
+    h = model.tp_heads
+    tps = [d for d in range(1, h + 1) if h % d == 0] + [2 * h, 3 * h] if h > 1 else [1, 2, 3, 4]
+    pp = draw(st.integers(1, min(4, model.num_layers)))
+    split = None
+    if pp > 1 and draw(st.booleans()):
+        cuts = sorted(draw(st.lists(st.integers(1, model.num_layers - 1), min_size=pp - 1, max_size=pp - 1,
+                                    unique=True)))
+        bounds = [0, *cuts, model.num_layers]
+        split = tuple(b - a for a, b in pairwise(bounds))
+    return SideSpec(name, tp=draw(st.sampled_from(tps)), pp=pp, dp=draw(st.integers(1, 3)),
+                    tokens_per_block=draw(st.sampled_from([8, 16, 32, 64])),
+                    layout=draw(st.sampled_from(list(Layout))), dtype=dtype, layer_split=split)
+
+
+def min_slot(model: ModelSpec, ctx: SideSpec, gen: SideSpec) -> int:
+    """One token of one layer of the widest segment: the smallest slot a schedule can use."""
+    out = 0
+    for kind in kinds(model):
+        n = kind_heads(model, kind)
+        seg_heads = max(1, n // max(ctx.tp, gen.tp)) if n > 1 else 1
+        out = max(out, seg_heads * head_token_bytes(model, kind, ctx.dtype))
+    return out
+
+
+@st.composite
+def cases(draw, strategies=tuple(Strategy)):
+    model = draw(models())
+    dtype = draw(st.sampled_from(["bf16", "fp8", "fp32"]))
+    ctx = draw(sides("ctx", model, dtype))
+    gen = draw(sides("gen", model, dtype))
+    isl = draw(st.one_of(st.integers(1, 700), st.integers(1, 200_000)))
+    req = Request(draw(st.integers(0, 1000)), isl, draw(st.integers(0, ctx.dp - 1)), draw(st.integers(0, gen.dp - 1)))
+    strategy = draw(st.sampled_from(strategies))
+    lo = min_slot(model, ctx, gen)
+    slot = lo * draw(st.sampled_from([1, 2, 3, 7, 40, 1000, 10**6]))
+    # keep the chunk count bounded: zero-copy decisions cost a few runs() calls per chunk
+    moved = model.bytes_per_token(dtype) * isl * max(gen.tp, 1)
+    slot = max(slot, moved // (100 if strategy == Strategy.zerocopy else 1500))
+    return Case(model, ctx, gen, req, strategy, slot)
+
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# ---------------------------------------------------------------- checks
+
+def pools_by_name(case: Case) -> dict:
+    return {p.name: p for p in case.model.pools(case.ctx.dtype)}
+
+
+def elements(case: Case, rect) -> tuple[str, list[int], range]:
+    p = pools_by_name(case)[rect.pool]
+    return p.kind.value, [p.layers[i] for i in range(rect.l0, rect.l1)], range(rect.h0, rect.h1)
+
+
+def rect_bytes(case: Case, rect) -> int:
+    kind, layers, heads = elements(case, rect)
+    return len(layers) * len(heads) * (rect.t1 - rect.t0) * head_token_bytes(case.model, kind, case.ctx.dtype)
+
+
+def gen_group(case: Case) -> list[int]:
+    n = case.gen.pp * case.gen.tp
+    return list(range(case.req.gen_dp * n, (case.req.gen_dp + 1) * n))
+
+
+def check_pools_partition_layers(model: ModelSpec, dtype: str) -> None:
+    seen = defaultdict(int)
+    for p in model.pools(dtype):
+        assert list(p.layers) == sorted(p.layers)
+        for layer in p.layers:
+            assert window_of(model, layer) == p.window
+            seen[(p.kind.value, layer)] += 1
+    assert seen == {(k, layer): 1 for k in kinds(model) for layer in range(model.num_layers)}
+
+
+def check_plan(case: Case, segs) -> None:
+    model, ctx, gen, req = case.model, case.ctx, case.gen, case.req
+    check_pools_partition_layers(model, ctx.dtype)
+    got: dict[int, dict] = defaultdict(lambda: defaultdict(list))
+    group = set(gen_group(case))
+    for s in segs:
+        r = s.rect
+        assert s.request == req.id
+        assert r.tile == case.tile and ctx.tokens_per_block % r.tile == 0 and gen.tokens_per_block % r.tile == 0
+        assert 0 <= r.t0 < r.t1 <= req.isl and r.l0 < r.l1 and r.h0 < r.h1
+        assert s.dst in group
+        assert s.nbytes == rect_bytes(case, r) == r.nbytes(pools_by_name(case)[r.pool].comp_row_bytes())
+        kind, layers, heads = elements(case, r)
+        # the source really holds what it sends
+        dp, pp, tp = coords(ctx, s.src)
+        assert 0 <= s.src < ctx.size and dp == req.ctx_dp
+        assert set(layers) <= set(stages(model.num_layers, ctx)[pp])
+        assert set(heads) <= held_heads(kind_heads(model, kind), ctx.tp, tp)
+        for layer in layers:
+            assert r.t0 >= first_token(window_of(model, layer), req.isl, ctx.tokens_per_block)
+            for h in heads:
+                got[s.dst][(kind, layer, h)].append((r.t0, r.t1))
+    for dst in group:
+        need = required(model, gen, dst, req.isl, case.tile)
+        assert set(got[dst]) == set(need), f"gen rank {dst}: wrong (kind, layer, head) set"
+        for key, (a, b) in need.items():
+            ivs = sorted(got[dst][key])
+            # exactly once: intervals abut with no gap or overlap and span [a, b)
+            assert ivs[0][0] == a and ivs[-1][1] == b, (key, ivs, a, b)
+            assert all(x[1] == y[0] for x, y in pairwise(ivs)), (key, ivs)
+        assert sum(s.nbytes for s in segs if s.dst == dst) == required_bytes(model, need, ctx.dtype)
+    assert set(got) <= group
+
+
+def check_schedule(case: Case, segs, chunks) -> None:
+    by_key = {(s.src, s.dst, s.rect.pool): s for s in segs}
+    assert len(by_key) == len(segs), "two segments for one (src, dst, pool)"
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    parts: dict = defaultdict(lambda: defaultdict(list))
+    for c in chunks:
+        seg = by_key[(c.src, c.dst, c.rect.pool)]
+        r, sr = c.rect, seg.rect
+        assert c.request == seg.request
+        assert (r.h0, r.h1, r.tile) == (sr.h0, sr.h1, sr.tile)
+        assert sr.l0 <= r.l0 < r.l1 <= sr.l1 and sr.t0 <= r.t0 < r.t1 <= sr.t1
+        assert c.nbytes == rect_bytes(case, r) == r.nbytes(pools_by_name(case)[r.pool].comp_row_bytes())
+        _, layers, _ = elements(case, r)
+        if case.strategy == Strategy.layerwise:
+            assert r.l1 - r.l0 == 1 and c.ready_layer == layers[0]
+        else:
+            assert c.ready_layer == max(layers)
+        if case.strategy != Strategy.naive:
+            assert c.nbytes <= case.slot_bytes, (c, case.slot_bytes)
+        for layer in range(r.l0, r.l1):
+            parts[id(seg)][layer].append((r.t0, r.t1))
+    for seg in segs:
+        layers = parts[id(seg)]
+        assert set(layers) == set(range(seg.rect.l0, seg.rect.l1))
+        for ivs in layers.values():
+            ivs.sort()
+            assert ivs[0][0] == seg.rect.t0 and ivs[-1][1] == seg.rect.t1
+            assert all(x[1] == y[0] for x, y in pairwise(ivs))
+    if case.strategy == Strategy.naive:
+        assert [(c.src, c.dst, c.rect, c.nbytes) for c in chunks] == [(s.src, s.dst, s.rect, s.nbytes) for s in segs]
+    if case.strategy == Strategy.layerwise:
+        ready = [c.ready_layer for c in chunks]
+        assert ready == sorted(ready)
+    if case.strategy in (Strategy.chunked, Strategy.zerocopy):
+        # round-robin: every segment's first chunk goes before any segment's second
+        seen, first_round = set(), True
+        for c in chunks:
+            key = (c.src, c.dst, c.rect.pool)
+            if key in seen:
+                first_round = False
+            else:
+                assert first_round, "a segment's first chunk waited behind another's second"
+                seen.add(key)
+    for dst in gen_group(case):
+        need = required(case.model, case.gen, dst, case.req.isl, case.tile)
+        assert sum(c.nbytes for c in chunks if c.dst == dst) == required_bytes(case.model, need, case.ctx.dtype)
+
+
+def check_zerocopy_flags(case: Case, segs, chunks) -> None:
+    """Conditions on in-place flags that follow from the layout alone, on each side."""
+    T = case.tile
+    seg_end = {(s.src, s.dst, s.rect.pool): s.rect.t1 for s in segs}
+    for c in chunks:
+        r = c.rect
+        kind, layers, heads = elements(case, r)
+        pool = pools_by_name(case)[r.pool]
+        end = seg_end[(c.src, c.dst, r.pool)]
+        assert not (end % T and r.t0 < end // T * T < r.t1), "a chunk straddles the partial last tile"
+        for side, rank, flag in ((case.ctx, c.src, c.ctx_in_place), (case.gen, c.dst, c.gen_in_place)):
+            tpb = side.tokens_per_block
+            _, pp, tp = coords(side, rank)
+            stage = stages(case.model.num_layers, side)[pp]
+            rank_layers = [g for g in pool.layers if g in stage]
+            full_heads = set(heads) == held_heads(pool.heads, side.tp, tp)
+            groups = len(layers) * len(pool.comp_elems) * len(heads)
+            tiles_short = any(min((a // T + 1) * T, r.t1) - a < tpb
+                              for a in [r.t0, *range((r.t0 // T + 1) * T, r.t1, T)])
+            if groups > 1 and tiles_short:
+                assert not flag, (side.name, c)
+            if len(pool.comp_elems) > 1 and not full_heads:
+                assert not flag, (side.name, c)
+            blocks = (r.t1 - r.t0) // tpb
+            whole = T == tpb and r.t0 % tpb == 0 and r.t1 % tpb == 0 and full_heads
+            if whole and side.layout == Layout.block_major and (layers == rank_layers or blocks == 1):
+                assert flag, (side.name, c)
+            if whole and side.layout == Layout.layer_major and len(layers) == 1:
+                assert flag, (side.name, c)
+
+
+def rebuilt(state: CacheState) -> tuple[ModelSpec, SideSpec]:
+    """What a peer reconstructs from the handshake dict: fresh objects, equal values."""
+    d = state.to_dict()
+    return ModelSpec(**d["model"]), SideSpec(**d["side"])
+
+
+# ---------------------------------------------------------------- tests
+
+@settings(max_examples=1500, **SETTINGS)
+@given(cases(strategies=(Strategy.naive,)))
+def test_plan_exact_cover_from_holders(case):
+    check_plan(case, plan(case.model, case.ctx, case.gen, case.req))
+
+
+@settings(max_examples=700, **SETTINGS)
+@given(cases(strategies=(Strategy.naive, Strategy.chunked, Strategy.layerwise)))
+def test_schedule_partitions_segments_within_slots(case):
+    segs = plan(case.model, case.ctx, case.gen, case.req)
+    chunks = schedule(case.model, case.ctx, case.gen, segs, case.strategy, case.slot_bytes)
+    check_schedule(case, segs, chunks)
+
+
+@settings(max_examples=250, **SETTINGS)
+@given(cases(strategies=(Strategy.zerocopy,)))
+def test_zerocopy_schedule(case):
+    segs = plan(case.model, case.ctx, case.gen, case.req)
+    chunks = schedule(case.model, case.ctx, case.gen, segs, case.strategy, case.slot_bytes)
+    check_schedule(case, segs, chunks)
+    check_zerocopy_flags(case, segs, chunks)
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(cases())
+def test_both_sides_derive_the_same_schedule(case):
+    # the ctx side knows its own specs and the gen side's handshake dict, and vice versa
+    src = plan(case.model, case.ctx, case.gen, case.req)[0].src
+    dst = gen_group(case)[0]
+    gen_model, gen_spec = rebuilt(CacheState(case.model, case.gen, dst))
+    ctx_model, ctx_spec = rebuilt(CacheState(case.model, case.ctx, src))
+    assert gen_model is not case.model and gen_model == case.model
+    ModelSpec.pools.cache_clear()
+    on_ctx = plan(case.model, case.ctx, gen_spec, case.req)
+    sched_ctx = schedule(case.model, case.ctx, gen_spec, on_ctx, case.strategy, case.slot_bytes)
+    ModelSpec.pools.cache_clear()
+    on_gen = plan(gen_model, ctx_spec, case.gen, Request(case.req.id, case.req.isl, case.req.ctx_dp, case.req.gen_dp))
+    sched_gen = schedule(gen_model, ctx_spec, case.gen, on_gen, case.strategy, case.slot_bytes)
+    assert on_ctx == on_gen
+    assert sched_ctx == sched_gen
+    # and computing again on the same objects changes nothing
+    assert schedule(case.model, case.ctx, case.gen, on_ctx, case.strategy, case.slot_bytes) == sched_ctx
+
+
+@pytest.mark.parametrize("isl", [1, 2, 63, 64, 65, 131072, 131073])
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_presets_at_edges(isl, strategy):
+    for model in PRESETS:
+        ctx = SideSpec("ctx", tp=2, pp=min(3, model.num_layers), tokens_per_block=16)
+        gen = SideSpec("gen", tp=1, pp=2, tokens_per_block=64, layout=Layout.layer_major)
+        case = Case(model, ctx, gen, Request(0, isl), strategy, max(1 << 16, model.bytes_per_token() * isl // 200))
+        segs = plan(model, ctx, gen, case.req)
+        check_plan(case, segs)
+        check_schedule(case, segs, schedule(model, ctx, gen, segs, strategy, case.slot_bytes))
