@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import time
+import types
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,7 +31,7 @@ import torch
 from kvlab.cache import PagedCache
 from kvlab.clock import Clock
 from kvlab.config import Setup
-from kvlab.layout import is_in_place, runs
+from kvlab.layout import first_byte
 from kvlab.plan import Request, Segment
 from kvlab.schedule import Chunk, Strategy
 from kvlab.staging import PerChunkBuffers, SlotPool
@@ -77,6 +79,10 @@ class Executor:
                  cache: PagedCache, groups: dict, ops, clock: Clock, progress=None):
         self.setup, self.side, self.rank, self.world_rank = setup, side, rank, world_rank
         self.device, self.cache, self.groups, self.ops, self.clock = device, cache, groups, ops, clock
+        if ops.name == "cuda":  # few CTAs: the copies must leave NCCL its SMs (DESIGN.md)
+            ops = types.SimpleNamespace(name=ops.name, pack=functools.partial(ops.pack, ctas=setup.transfer.pack_ctas),
+                                        unpack=functools.partial(ops.unpack, ctas=setup.transfer.pack_ctas))
+            self.ops = ops
         t = setup.transfer
         self.strategy = t.strategy
         self.window = t.slots
@@ -148,11 +154,14 @@ class Executor:
     def _buffer(self, i: int, c: Chunk) -> tuple[torch.Tensor, bool]:
         """(buffer, staged): the pool itself when the chunk lies there in wire order, else a slot."""
         if c.ctx_in_place if self.sending else c.gen_in_place:
+            # the shape is in wire order (schedule, from both states); it lies there when the chunk's
+            # blocks are consecutive in this side's table. Either way the message is the same.
             store = self.cache.pools[c.rect.pool]
             table = self.cache.tables[c.request][c.rect.pool]
-            r = runs(store.pool, store.num_blocks, c.rect, torch.tensor(table.host), table.base)
-            if is_in_place(r):  # consecutive blocks: decided from this side's table, message unchanged
-                start = int(r.mem[0])
+            tpb = store.pool.tokens_per_block
+            ids = table.host[c.rect.t0 // tpb - table.base:(c.rect.t1 - 1) // tpb - table.base + 1]
+            if all(b == ids[0] + k for k, b in enumerate(ids)):
+                start = first_byte(store.pool, store.num_blocks, c.rect, ids[0])
                 return store.storage[start:start + c.nbytes], False
         return self.staging.get(i, c.nbytes), True
 

@@ -100,6 +100,14 @@ def is_in_place(r: Runs) -> bool:
     return bool((d == d[0]).all())
 
 
+def first_byte(pool: RankPool, num_blocks: int, rect: Rect, first_block: int) -> int:
+    """Pool offset of the first byte of ``rect`` when its first token lies in physical block ``first_block``."""
+    bs, ls = pool.strides(num_blocks)
+    row = pool.rows[0]
+    return (first_block * bs + (rect.l0 - pool.layers.start) * ls + pool.comp_offsets()[0]
+            + (rect.h0 - pool.heads.start) * pool.tokens_per_block * row + rect.t0 % pool.tokens_per_block * row)
+
+
 def identity_blocks(rect: Rect, tokens_per_block: int) -> tuple[torch.Tensor, int]:
     """A block table of consecutive blocks covering ``rect``: for shape-only questions."""
     first = rect.t0 // tokens_per_block

@@ -150,7 +150,6 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
             if rec.end is None:
                 failures[rec.request] = f"{side}{rank}: {e}"
     progress.close()
-    errors += cache.check_canaries()
     staging = executor.staging.peak_bytes
     peak = {"staging": staging, "extra": staging, "cache": cache.nbytes}
     if device.type == "cuda":
@@ -159,6 +158,7 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
         peak["extra"] = max(executor.transfer_peak, torch.cuda.max_memory_allocated(device)) - base_alloc
         torch.cuda.empty_cache()  # cached blocks of fill/verify are not the transfer's
         peak["free_drop"] = free0 - torch.cuda.mem_get_info(device)[0]
+    errors += cache.check_canaries()  # after the peak: its temporaries are not the transfer's
     for rec in records:
         if rec.end is None:
             rec.end = clock.mark()

@@ -96,6 +96,9 @@ def transfers(quick: bool) -> list[tuple[str, list[str]]]:
                                     ("chunked", ["transfer.slot_mib=64", "transfer.slots=4"]),
                                     ("chunked", ["transfer.slot_mib=128", "transfer.slots=2"]),
                                     ("zerocopy", ["transfer.slot_mib=128", "transfer.slots=2"]),
+                                    # in-place chunks take no slot: the slot size only sets the message size
+                                    ("zerocopy", ["transfer.slot_mib=256", "transfer.slots=1"]),
+                                    ("zerocopy", ["transfer.slot_mib=1024", "transfer.slots=1"]),
                                     # per-layer compute >= per-layer transfer: 512 MiB per layer at 128k
                                     ("layerwise", ["transfer.slot_mib=64", "transfer.slots=4",
                                                    f"transfer.layer_compute_ms={max(0.1, isl / 131072 * 2.0):.3f}"])):

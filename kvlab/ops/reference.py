@@ -31,10 +31,10 @@ def _byte_index(r: Runs):
 def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out) -> None:
     _check(pool_bytes, pool, num_blocks, rect, out)
     for mem, wire in _byte_index(runs(pool, num_blocks, rect, block_ids, block_base)):
-        out[wire] = pool_bytes[mem]
+        out.index_copy_(0, wire, pool_bytes.index_select(0, mem))  # far faster than advanced indexing on CPU
 
 
 def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes) -> None:
     _check(pool_bytes, pool, num_blocks, rect, wire_buf)
     for mem, wire in _byte_index(runs(pool, num_blocks, rect, block_ids, block_base)):
-        pool_bytes[mem] = wire_buf[wire]
+        pool_bytes.index_copy_(0, mem, wire_buf.index_select(0, wire))
