@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, in one call on the 2-GPU machine: carried wheels, GPU tests, benchmark, table.
-#   device run (kind nvidia-h200-x2, carry .whl):  bash scripts/gpu_check.sh [--quick]
+#   device run (kind nvidia-h200-x2, carry .whl):  bash scripts/gpu_check.sh [--no-tests] [--no-bench] [--quick]
 # .whl comes from ../shared/scripts/device-wheels.sh (hydra-core, omegaconf, antlr4 runtime).
 set -uo pipefail
 out=${OUT:-/tmp/kvlab-gpu}
@@ -10,5 +10,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .wh
 export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi -L; nvidia-smi topo -m | head -4
 python3 -c 'import torch, cuda.core; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "cuda.core", cuda.core.__version__)'
-python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" tests/ 2>&1 | tee "$out/gpu_tests.log" | tail -25
-python3 scripts/bench.py --out "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
+tests=1; [ "${1:-}" = "--no-tests" ] && { tests=0; shift; }
+bench=1; [ "${1:-}" = "--no-bench" ] && { bench=0; shift; }
+[ $tests = 1 ] && python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" tests/ 2>&1 | tee "$out/gpu_tests.log" | tail -25
+[ $bench = 1 ] && python3 scripts/bench.py --out "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
+true
