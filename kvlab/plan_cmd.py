@@ -2,7 +2,8 @@
 
 Plans one request of ``workload.isl`` tokens for every gen attention-DP group, prints a
 table of bytes, segments and chunks per pair with totals, and writes ``plan.json``
-(``pairs``: src, dst, bytes, ...; ``total_bytes``) into the run directory.
+(``pairs``: src, dst, bytes, ...; ``total_bytes``) into the run directory, with the cost
+model's estimate for those requests under ``predicted`` (seconds, gbps, extra_bytes, ...).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvlab.config import CONF_DIR, Setup, build
+from kvlab.cost import predict
 from kvlab.plan import Request, plan
 from kvlab.schedule import schedule
 
@@ -59,8 +61,18 @@ def summarize(setup: Setup) -> dict:
     }
 
 
+def predicted(setup: Setup) -> dict:
+    """The cost model's estimate for the planned requests (one per gen DP group, all in flight at once)."""
+    reqs = plan_requests(setup)
+    return predict(setup, reqs, concurrency=len(reqs)).to_dict()
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
+
+
+def _duration(s: float) -> str:
+    return f"{s:,.3f} s" if s >= 1 else f"{s * 1e3:,.3f} ms"
 
 
 def print_summary(summary: dict, console: Console | None = None) -> None:
@@ -76,12 +88,18 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     t.add_row("total", "", _mib(summary["total_bytes"]), str(sum(r["segments"] for r in summary["pairs"])),
               str(summary["total_chunks"]), "")
     console.print(t)
+    p = summary.get("predicted")
+    if p:
+        console.print(f"predicted ({p['profile']} rates): {_duration(p['seconds'])}, {p['gbps']:,.2f} GB/s, "
+                      f"{p['messages']} messages, extra device memory {_mib(p['extra_bytes'])} MiB per rank "
+                      f"(ctx {_mib(p['extra_bytes_ctx'])}, gen {_mib(p['extra_bytes_gen'])})")
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
     setup = build(cfg)
     summary = summarize(setup)
+    summary["predicted"] = predicted(setup)
     print_summary(summary)
     out = Path(HydraConfig.get().runtime.output_dir) / "plan.json"
     out.write_text(json.dumps(summary, indent=2))

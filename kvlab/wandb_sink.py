@@ -1,0 +1,187 @@
+"""wandb sink: one wandb run per rank, grouped per experiment.
+
+The runner calls, on every rank::
+
+    sink = WandbSink.create(cfg, run_dir, rank, side)   # rank: world rank, side: "ctx" | "gen"
+    sink.log_request(record)                             # one results.jsonl record
+    sink.log_summary(summary)                            # rank 0 only
+    sink.finish()
+
+Every rank of one experiment lands in one wandb ``group`` (``logger.wandb.group``, else the
+run directory's name), with ``job_type`` ctx or gen and the name ``ctx0``, ``gen1``, ... (the
+side-local rank: world ranks are ctx ranks first, then gen ranks).
+``logger.wandb.mode`` is ``offline`` by default: runs are written under ``<run_dir>/wandb``
+with no network and no key, to be uploaded later with ``wandb sync``. ``disabled`` (tests,
+``logger=quiet``), a machine without wandb, or any failure inside wandb give a sink that does
+nothing: metrics always reach ``results.jsonl`` and ``summary.json`` anyway, and a logger
+must never be the reason a transfer run fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+MODES = ("online", "offline", "shared", "disabled")
+
+
+def _plain(cfg: Any) -> dict:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    except ImportError:
+        pass
+    return dict(cfg or {})
+
+
+def _wandb_cfg(cfg: dict) -> dict:
+    return ((cfg.get("logger") or {}).get("wandb") or {}) if isinstance(cfg, dict) else {}
+
+
+def group_name(cfg: dict, run_dir: Path) -> str:
+    """The experiment's wandb group: all ranks of one run dir share it."""
+    explicit = _wandb_cfg(cfg).get("group")
+    if explicit:
+        return str(explicit)
+    run_dir = Path(run_dir).resolve()
+    # multirun job dirs are numbered 0, 1, ... under the sweep's dated dir: a bare number would
+    # merge the same job of every sweep into one group
+    if run_dir.name.isdigit() and run_dir.parent.name:
+        return f"{run_dir.parent.name}-{run_dir.name}"
+    return run_dir.name
+
+
+def side_rank(cfg: dict, rank: int, side: str) -> int:
+    """Side-local rank of a world rank."""
+    if side != "gen":
+        return rank
+    c = cfg.get("ctx") or {}
+    ctx_size = int(c.get("tp", 1)) * int(c.get("pp", 1)) * int(c.get("dp", 1))
+    return rank - ctx_size if rank >= ctx_size else rank
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+def _scalars(record: dict) -> dict:
+    """Numbers only: wandb charts cannot plot strings, and None would turn a column into objects."""
+    return {k: v for k, v in record.items() if isinstance(v, (int, float))}
+
+
+def _cell(v: Any) -> Any:
+    if v is None or isinstance(v, (int, float, str, bool)):
+        return v
+    return json.dumps(v)
+
+
+class WandbSink:
+    """No-op base; ``create`` returns a live sink only when wandb is importable and enabled."""
+
+    active = False
+
+    @classmethod
+    def create(cls, cfg: Any, run_dir: Path | str, rank: int, side: str) -> WandbSink:
+        cfg = _plain(cfg)
+        mode = _wandb_cfg(cfg).get("mode") or "offline"
+        if os.environ.get("WANDB_MODE") == "disabled":  # a global switch, as for any wandb program
+            mode = "disabled"
+        if mode not in MODES:
+            warnings.warn(f"logger.wandb.mode={mode}: unknown mode, wandb disabled; use one of {', '.join(MODES)}",
+                          stacklevel=2)
+            return cls()
+        if mode == "disabled":
+            return cls()
+        try:
+            import wandb
+        except ImportError:
+            return cls()
+        try:
+            return _LiveSink(wandb, cfg, Path(run_dir), rank, side, mode)
+        except Exception as e:  # a broken wandb install or service must not stop the transfer
+            warnings.warn(f"wandb disabled on {side}{rank}: {type(e).__name__}: {e}", stacklevel=2)
+            return cls()
+
+    def log_request(self, record: dict) -> None:
+        pass
+
+    def log_summary(self, summary: dict) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class _LiveSink(WandbSink):
+    active = True
+
+    def __init__(self, wandb, cfg: dict, run_dir: Path, rank: int, side: str, mode: str):
+        self._wandb = wandb
+        self.run_dir = run_dir
+        self.rows: list[dict] = []
+        run_dir.mkdir(parents=True, exist_ok=True)
+        wcfg = _wandb_cfg(cfg)
+        tags = [str(t) for t in ((cfg.get("transfer") or {}).get("strategy"), (cfg.get("model") or {}).get("name"))
+                if t]
+        kwargs = dict(project=wcfg.get("project") or "kvlab", group=group_name(cfg, run_dir), job_type=side,
+                      name=f"{side}{side_rank(cfg, rank, side)}", config=cfg, dir=str(run_dir), mode=mode, tags=tags,
+                      settings=wandb.Settings(x_disable_stats=True, console="off", silent=True))
+        try:
+            # several ranks' runs may live in one process (tests, notebooks): keep them all open
+            self.run = wandb.init(reinit="create_new", **kwargs)
+        except (TypeError, ValueError):  # wandb < 0.19.10 knows only booleans
+            self.run = wandb.init(reinit=True, **kwargs)
+        self.run.define_metric("request")
+        self.run.define_metric("request/*", step_metric="request")
+        self._failed = False
+
+    def _guard(self, what: str, fn) -> None:
+        if self._failed:
+            return
+        try:
+            fn()
+        except Exception as e:
+            self._failed = True
+            warnings.warn(f"wandb {what} failed, further logging skipped: {type(e).__name__}: {e}", stacklevel=3)
+
+    def log_request(self, record: dict) -> None:
+        self.rows.append(dict(record))
+        metrics = {f"request/{k}": v for k, v in _scalars(record).items() if k != "request"}
+        metrics["request"] = record.get("request", len(self.rows) - 1)
+        self._guard("log_request", lambda: self.run.log(metrics))
+
+    def _table(self, rows: list[dict]):
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        return self._wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])
+
+    def log_summary(self, summary: dict) -> None:
+        # rank 0 holds only its own part of each request; the merged rows are in results.jsonl
+        rows = _read_results(self.run_dir) or self.rows
+
+        def do():
+            self.run.summary.update({k: v for k, v in _flatten(summary).items() if v is not None})
+            if rows:
+                self.run.log({"requests": self._table(rows)})
+
+        self._guard("log_summary", do)
+
+    def finish(self) -> None:
+        self._guard("finish", self.run.finish)
+
+
+def _read_results(run_dir: Path) -> list[dict]:
+    path = run_dir / "results.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,110 @@
+import json
+import sys
+
+import pytest
+
+from kvlab.wandb_sink import WandbSink, group_name, side_rank
+
+CFG = {
+    "model": {"name": "tiny_gqa"},
+    "transfer": {"strategy": "chunked"},
+    "logger": {"wandb": {"mode": "offline", "project": "kvlab-test", "group": None}},
+}
+RECORDS = [
+    {"request": 0, "isl": 1024, "bytes": 4096, "seconds": 0.01, "gbps": 0.4, "verified": True, "error": None},
+    {"request": 1, "isl": 2048, "bytes": 8192, "seconds": 0.02, "gbps": 0.4, "verified": True, "error": None},
+]
+
+
+def _with_mode(mode):
+    return {**CFG, "logger": {"wandb": {**CFG["logger"]["wandb"], "mode": mode}}}
+
+
+@pytest.fixture(autouse=True)
+def _no_env_mode(monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_offline_writes_one_run_per_rank(tmp_path):
+    pytest.importorskip("wandb")
+    run_dir = tmp_path / "exp1"
+    cfg = {**CFG, "logger": {"wandb": {**CFG["logger"]["wandb"], "group": "grp-abc"}}}
+    sinks = [WandbSink.create(cfg, run_dir, 0, "ctx"), WandbSink.create(cfg, run_dir, 1, "gen")]  # world ranks
+    assert all(s.active for s in sinks)
+    for rec in RECORDS:
+        for s in sinks:
+            s.log_request(rec)
+    sinks[0].log_summary({"total_bytes": 12288, "gbps": 0.4, "ctx": {"tp": 2}, "predicted_s": None})
+    for s in sinks:
+        s.finish()
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2
+    # offline runs keep everything in one protobuf record log; its strings are stored as they are
+    logs = {}
+    for r in runs:
+        (log,) = r.glob("*.wandb")
+        data = log.read_bytes()
+        name = b"ctx0" if b"ctx0" in data else b"gen0"
+        logs[name] = data
+    assert set(logs) == {b"ctx0", b"gen0"}
+    for data in logs.values():
+        for s in (b"grp-abc", b"kvlab-test", b"tiny_gqa", b"request/gbps"):  # group, project, config, metrics
+            assert s in data, s
+    assert b"total_bytes" in logs[b"ctx0"] and b"total_bytes" not in logs[b"gen0"]
+    assert list((run_dir / "wandb").glob("offline-run-*/files/media/table/requests_*.table.json"))
+
+def test_summary_table_holds_the_merged_results(tmp_path):
+    pytest.importorskip("wandb")
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    sink = WandbSink.create(CFG, tmp_path, 0, "ctx")
+    sink.log_request({"request": 0, "side": "ctx", "bytes": 1})  # this rank's part only
+    sink.log_summary({"total_bytes": 1})
+    sink.finish()
+    tables = list(tmp_path.glob("wandb/offline-run-*/files/media/table/requests_*.table.json"))
+    assert len(tables) == 1
+    table = json.loads(tables[0].read_text())
+    assert len(table["data"]) == 2 and "gbps" in table["columns"]
+
+
+def test_disabled_writes_nothing(tmp_path):
+    sink = WandbSink.create(_with_mode("disabled"), tmp_path, 0, "ctx")
+    assert not sink.active
+    sink.log_request(RECORDS[0])
+    sink.log_summary({"total_bytes": 1})
+    sink.finish()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_env_switch_disables(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert not WandbSink.create(CFG, tmp_path, 0, "gen").active
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_wandb_installed_is_a_noop(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    sink = WandbSink.create(CFG, tmp_path, 1, "gen")
+    assert not sink.active
+    sink.log_request(RECORDS[0])
+    sink.finish()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_mode_warns_and_disables(tmp_path):
+    with pytest.warns(UserWarning, match="unknown mode"):
+        sink = WandbSink.create(_with_mode("sometimes"), tmp_path, 0, "ctx")
+    assert not sink.active
+
+
+def test_names_use_the_side_local_rank():
+    cfg = {"ctx": {"tp": 2, "pp": 1, "dp": 1}}
+    assert [side_rank(cfg, r, s) for r, s in ((0, "ctx"), (1, "ctx"), (2, "gen"), (3, "gen"))] == [0, 1, 0, 1]
+    assert side_rank({}, 1, "gen") == 0  # the default ctx side has one rank
+
+
+def test_group_is_shared_by_ranks_and_sweep_jobs_stay_apart(tmp_path):
+    assert group_name(CFG, tmp_path / "outputs" / "abc") == "abc"
+    assert group_name(CFG, tmp_path / "multirun" / "2025-01-01_10-00-00" / "3") == "2025-01-01_10-00-00-3"
+    named = {**CFG, "logger": {"wandb": {"mode": "offline", "group": "mine"}}}
+    assert group_name(named, tmp_path / "x") == "mine"
