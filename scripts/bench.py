@@ -133,7 +133,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             t = time.time()
             s = run_transfer(overrides, d)
-            runs.append({"name": name, "overrides": overrides, "summary": s, "wall_s": time.time() - t})
+            rows = [json.loads(line) for line in (Path(d) / "results.jsonl").read_text().splitlines()]
+            runs.append({"name": name, "overrides": overrides, "summary": s, "requests": rows,
+                         "wall_s": time.time() - t})
             console.print(f"{name}: {s['gbps']:.1f} GB/s, verified={s['verified']}, {time.time() - t:.0f} s")
     raw = raw_nccl(sorted({r["summary"]["total_bytes"] for r in runs}))
     table = Table(title=f"kvlab on {report['device']} x2, torch {report['torch']}, NCCL {report['nccl']}, "
