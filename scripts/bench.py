@@ -107,11 +107,25 @@ def transfers(quick: bool) -> list[tuple[str, list[str]]]:
     return runs
 
 
+def mismatched() -> list[tuple[str, list[str]]]:
+    """Sides that differ, on 2 GPUs: ctx ranks share GPU0, gen ranks GPU1, one communicator per pair."""
+    common = ["logger=quiet", "workload.concurrency=1", "device=cuda", "cache.spare_blocks=2", "transfer=chunked",
+              "transfer.slot_mib=128", "transfer.slots=2", "workload.isl=32768"]
+    return [(f"{name}: {' '.join(o)}", common + ["workload.requests=1"] + o) for name, o in (
+        ("gqa ctx TP2 -> gen TP1", ["model=llama3_8b", "ctx.tp=2", "gen.tp=1"]),
+        ("gqa ctx TP1 -> gen TP2", ["model=llama3_8b", "ctx.tp=1", "gen.tp=2"]),
+        ("gqa ctx PP2 -> gen TP2", ["model=llama3_8b", "ctx.pp=2", "gen.tp=2"]),
+        ("mla ctx TP2 -> gen TP1", ["model=deepseek_v32", "ctx.tp=2", "gen.tp=1"]),
+        ("gqa ctx TP1 -> gen TP1 DP2", ["model=llama3_8b", "gen.dp=2", "workload.requests=2"]),
+    )]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--suite", choices=("strategies", "mismatched"), default="strategies")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -129,7 +143,7 @@ def main() -> None:
     if not args.skip_kernels:
         report["kernels"] = kernel_bench()
     runs = []
-    for name, overrides in transfers(args.quick):
+    for name, overrides in (transfers(args.quick) if args.suite == "strategies" else mismatched()):
         with tempfile.TemporaryDirectory() as d:
             t = time.time()
             s = run_transfer(overrides, d)
