@@ -109,7 +109,8 @@ def transfers(quick: bool) -> list[tuple[str, list[str]]]:
 
 def mismatched() -> list[tuple[str, list[str]]]:
     """Sides that differ, on 2 GPUs: ctx ranks share GPU0, gen ranks GPU1, one communicator per pair."""
-    common = ["logger=quiet", "workload.concurrency=1", "device=cuda", "cache.spare_blocks=2", "transfer=chunked",
+    common = ["parallel=same", "logger=quiet", "workload.concurrency=1", "device=cuda", "cache.spare_blocks=2",
+              "transfer=chunked",
               "transfer.slot_mib=128", "transfer.slots=2", "workload.isl=32768"]
     return [(f"{name}: {' '.join(o)}", common + ["workload.requests=1"] + o) for name, o in (
         ("gqa ctx TP2 -> gen TP1", ["model=llama3_8b", "ctx.tp=2", "gen.tp=1"]),
