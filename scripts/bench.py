@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--suite", choices=("strategies", "mismatched"), default="strategies")
+    ap.add_argument("--only", default="", help="run only transfers whose name contains this")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -145,6 +146,8 @@ def main() -> None:
         report["kernels"] = kernel_bench()
     runs = []
     for name, overrides in (transfers(args.quick) if args.suite == "strategies" else mismatched()):
+        if args.only not in name:
+            continue
         with tempfile.TemporaryDirectory() as d:
             t = time.time()
             s = run_transfer(overrides, d)
