@@ -71,6 +71,7 @@ class PagedCache:
                  seed: int, device: torch.device):
         """``blocks_needed[pool]``: blocks the requests in flight at the worst moment hold together."""
         self.state, self.device = state, device
+        self.tick = lambda: None  # called per fill/verify piece: long requests still show progress
         self.pools: dict[str, PoolStore] = {}
         self.tables: dict[int, dict[str, BlockTable]] = {}
         for i, pool in enumerate(state.pools()):
@@ -119,6 +120,7 @@ class PagedCache:
         for name, store in self.pools.items():
             table = self.tables[req.id][name]
             for piece in self._pieces(self.held_rect(name, req.isl), store.pool):
+                self.tick()
                 data = expected(req.id, store.pool, piece, self.device)
                 ops.unpack(data, store.pool, store.num_blocks, piece, table.ids, table.base, store.storage)
 
@@ -129,6 +131,7 @@ class PagedCache:
             store = self.pools[seg.rect.pool]
             table = self.tables[req.id][seg.rect.pool]
             for piece in self._pieces(seg.rect, store.pool):
+                self.tick()
                 want = expected(req.id, store.pool, piece, self.device)
                 got = torch.empty_like(want)
                 ops.pack(store.storage, store.pool, store.num_blocks, piece, table.ids, table.base, got)

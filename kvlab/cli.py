@@ -15,15 +15,62 @@ GROUPS = ("model", "transfer", "workload", "logger", "parallel", "experiment")
 USAGE = "usage: kvlab {plan,run} [-m] [key=value ...]   e.g. kvlab plan model=llama3_8b ctx.tp=4 gen.tp=2"
 
 
-def _hydra_message(exc: BaseException) -> str:
+def _hydra_message(exc: BaseException, overrides: list[str] = ()) -> str:
     text = str(exc) + ("\n" + str(exc.__cause__) if exc.__cause__ else "")
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
-    return "; ".join(dict.fromkeys(lines))
+    flat = "; ".join(dict.fromkeys(lines))
+    return _plain_message(flat, overrides) or flat
+
+
+def _keys_of(path: list[str]) -> list[str] | None:
+    """Keys of the structured config node at ``path`` (None when it is not a known dataclass)."""
+    import dataclasses
+    import typing
+
+    from kvlab.config import Config
+
+    node = Config
+    for part in path:
+        hints = typing.get_type_hints(node)
+        node = hints.get(part)
+        if node is None or not dataclasses.is_dataclass(node):
+            return None
+    return [f.name for f in dataclasses.fields(node)]
+
+
+def _plain_message(flat: str, overrides: list[str]) -> str | None:
+    """OmegaConf's validation errors rewritten as ``key=value: what would work``."""
+    m = re.search(r"full_key: ([\w.\[\]]+)", flat)
+    if not m:
+        return None
+    key = m.group(1)
+    base = key.split("[")[0]
+    value = "?"
+    for ov in overrides:
+        k, _, v = ov.partition("=")
+        k = re.sub(r"^[+~]+", "", k)
+        if k == base or k.startswith(base + "."):  # a key under an unknown one is reported in full
+            base, value = k, v
+            break
+    if m := re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", flat):
+        return f"{base}={value}: use one of {m.group(2)}"
+    if "is not a valid bool" in flat:
+        return f"{base}={value}: must be true or false"
+    if m := re.search(r"could not be converted to (\w+)", flat):
+        kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(m.group(1), m.group(1))
+        where = f" (element {key[len(base):]})" if key != base else ""
+        return f"{base}={value}: must be {kind}{where}"
+    if m := re.search(r"Key '(\w+)' not in '(\w+)'", flat):
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        keys = _keys_of(parent.split(".") if parent else [])
+        options = f"; {parent or 'the config'} has {', '.join(keys)}" if keys else ""
+        return f"{base}={value}: no such key{options}"
+    return None
 
 
 def check_overrides(overrides: list[str]) -> str | None:
     """None if the overrides compose into a valid setup, else one line saying what is wrong."""
-    from kvlab.config import CONF_DIR, build, compose
+    from kvlab.config import CONF_DIR, build, compose, needs_preflight
 
     for ov in overrides:
         m = re.fullmatch(r"\+?(\w+)=(.*)", ov)
@@ -33,11 +80,16 @@ def check_overrides(overrides: list[str]) -> str | None:
             if value not in options:
                 return f"{group}={value}: unknown {group}; choose one of {', '.join(options)}"
     try:
-        build(compose(overrides))
+        cfg = compose(overrides)
+        setup = build(cfg)
+        if needs_preflight(cfg):  # fault positions and capacities that only the plan can check
+            from kvlab.runner import preflight
+
+            preflight(setup)
     except ConfigError as e:
         return str(e)
     except Exception as e:  # Hydra's own composition errors: keep their words, on one line
-        return _hydra_message(e)
+        return _hydra_message(e, overrides)
     return None
 
 

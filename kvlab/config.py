@@ -74,6 +74,26 @@ class WorkloadCfg:
 class CacheCfg:
     fragmentation: float = 0.0  # share of block allocations taken from a shuffled free list
     spare_blocks: int = 8  # canary blocks per pool beyond what the workload needs
+    capacity_tokens: int = 0  # tokens each pool of a rank holds; 0: sized to the workload's worst moment
+
+
+@dataclass
+class FaultCfg:
+    """Faults injected on purpose, to test that failures end cleanly and corruption is caught.
+
+    Chunk indices count the chunks one rank takes part in, in its own order (from 0). Byte
+    offsets in ``flip_at`` count everything ``flip_rank`` sends (a ctx rank: flipped after pack,
+    before the send) or receives (a gen rank: flipped in the receive buffer, before unpack), its
+    messages laid end to end in its chunk order.
+    """
+
+    kill_rank: int = -1  # world rank that dies (exit code 3) just before posting chunk kill_at_chunk
+    kill_at_chunk: int = -1
+    stall_rank: int = -1  # world rank that sleeps stall_s just before posting chunk stall_at_chunk
+    stall_at_chunk: int = -1
+    stall_s: float = 0.0
+    flip_rank: int = -1  # world rank whose messages get bytes inverted (x ^ 0xFF) in flight
+    flip_at: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +117,7 @@ class Config:
     transfer: TransferCfg = field(default_factory=TransferCfg)
     workload: WorkloadCfg = field(default_factory=WorkloadCfg)
     cache: CacheCfg = field(default_factory=CacheCfg)
+    fault: FaultCfg = field(default_factory=FaultCfg)
     logger: LoggerCfg = field(default_factory=LoggerCfg)
     kernels: str = "auto"  # auto | torch | cuda
     device: str = "auto"  # auto | cpu | cuda
@@ -172,6 +193,7 @@ def build(cfg: DictConfig) -> Setup:
         raise ConfigError("gen.dtype", gen.dtype, f"must equal ctx.dtype={ctx.dtype}: kvlab moves cache bytes as they are")
     t = cfg.transfer
     require(t.slot_mib > 0, "transfer.slot_mib", t.slot_mib, "must be > 0 MiB")
+    require(t.slot_mib * 2**20 >= 1, "transfer.slot_mib", t.slot_mib, "a slot must hold at least one byte")
     transfer = TransferSpec(Strategy(t.strategy), int(t.slot_mib * 2**20), t.slots, float(t.timeout_s),
                             float(t.layer_compute_ms), t.pack_ctas)
     # the smallest chunk is one token row: one token of one layer of a segment's heads
@@ -191,11 +213,81 @@ def build(cfg: DictConfig) -> Setup:
     if w.isl_list is not None:
         require(len(w.isl_list) > 0 and all(isinstance(x, int) and x > 0 for x in w.isl_list),
                 "workload.isl_list", list(w.isl_list), "must be a non-empty list of positive token counts")
-    require(0.0 <= cfg.cache.fragmentation <= 1.0, "cache.fragmentation", cfg.cache.fragmentation,
-            "must be in [0, 1]")
+    _check_cache(cfg.cache, w)
     require(cfg.kernels in ("auto", "torch", "cuda"), "kernels", cfg.kernels, "use auto, torch or cuda")
     require(cfg.device in ("auto", "cpu", "cuda"), "device", cfg.device, "use auto, cpu or cuda")
+    _check_device(cfg.kernels, cfg.device)
+    mode = cfg.logger.wandb.mode
+    require(mode in ("online", "offline", "shared", "disabled"), "logger.wandb.mode", mode,
+            "use online, offline, shared or disabled")
+    _check_faults(cfg.get("fault"), ctx.size + gen.size)
     return Setup(model, ctx, gen, transfer, cfg)
+
+
+def needs_preflight(cfg) -> bool:
+    """Whether kvlab.runner.preflight can fail for this config (it plans every request: skipped when not)."""
+    f = cfg.get("fault")
+    return bool(cfg.cache.capacity_tokens) or (f is not None and max(f.kill_rank, f.stall_rank, f.flip_rank) >= 0)
+
+
+def longest_prompt(w) -> tuple[str, Any, int]:
+    """(field, value, tokens): the longest prompt the workload can produce, and the field that sets it
+    (kvlab.workload.prompt_lengths: a list wins, distributions are clipped to isl_max)."""
+    if w.isl_list:
+        return "workload.isl_list", list(w.isl_list), max(w.isl_list)
+    if w.distribution == "fixed":
+        return "workload.isl", w.isl, w.isl
+    return "workload.isl_max", w.isl_max, w.isl_max
+
+
+def _check_cache(c, w) -> None:
+    require(0.0 <= c.fragmentation <= 1.0, "cache.fragmentation", c.fragmentation, "must be in [0, 1]")
+    require(isinstance(c.spare_blocks, int) and c.spare_blocks >= 0, "cache.spare_blocks", c.spare_blocks,
+            "must be >= 0 (canary blocks per pool)")
+    cap = c.capacity_tokens
+    require(isinstance(cap, int) and cap >= 0, "cache.capacity_tokens", cap,
+            "must be 0 (sized to the workload) or a positive number of tokens")
+    if cap:
+        name, value, longest = longest_prompt(w)
+        require(longest <= cap, name, value,
+                f"a {longest}-token prompt does not fit cache.capacity_tokens={cap}; keep prompts at or below "
+                f"{cap} tokens or raise cache.capacity_tokens to >= {longest} (0 sizes the cache to the workload)")
+
+
+def _check_device(kernels: str, device: str) -> None:
+    if kernels != "cuda" and device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        if kernels == "cuda":
+            raise ConfigError("kernels", kernels, "no CUDA device is visible here; use kernels=torch (or auto)")
+        raise ConfigError("device", device, "no CUDA device is visible here; use device=cpu (or auto)")
+    require(not (kernels == "cuda" and device == "cpu"), "kernels", kernels,
+            "the CUDA kernels need the cache on the GPU; use device=cuda (or auto), or kernels=torch")
+
+
+def _check_faults(f, world: int) -> None:
+    if f is None:
+        return
+    rank_hint = f"must be -1 (off) or a world rank in [0, {world})"
+    for name in ("kill", "stall", "flip"):
+        r = f[f"{name}_rank"]
+        require(isinstance(r, int) and -1 <= r < world, f"fault.{name}_rank", r, rank_hint)
+    for name in ("kill", "stall"):
+        on, at = f[f"{name}_rank"] >= 0, f[f"{name}_at_chunk"]
+        require(at >= 0 if on else at == -1, f"fault.{name}_at_chunk", at,
+                f"set it to the chunk (>= 0) at which fault.{name}_rank acts" if on
+                else f"takes effect only with fault.{name}_rank >= 0; set both or neither")
+    require(f.stall_s >= 0, "fault.stall_s", f.stall_s, "must be >= 0 seconds")
+    require(f.stall_rank < 0 or f.stall_s > 0, "fault.stall_s", f.stall_s,
+            "a stall needs a duration > 0 seconds")
+    flips = list(f.flip_at)
+    require(all(isinstance(x, int) and x >= 0 for x in flips), "fault.flip_at", flips,
+            "must be byte offsets >= 0 into the flip rank's stream")
+    field_, value = ("fault.flip_at", flips) if f.flip_rank >= 0 else ("fault.flip_rank", f.flip_rank)
+    require(bool(flips) == (f.flip_rank >= 0), field_, value,
+            "fault.flip_rank and fault.flip_at go together; set both or neither")
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> DictConfig:

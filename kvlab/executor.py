@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import re
 import time
 import types
 from collections import deque
@@ -31,6 +32,7 @@ import torch
 from kvlab.cache import PagedCache
 from kvlab.clock import Clock
 from kvlab.config import Setup
+from kvlab.faults import RankFaults
 from kvlab.layout import first_byte
 from kvlab.plan import Request, Segment
 from kvlab.schedule import Chunk, Strategy
@@ -38,8 +40,19 @@ from kvlab.staging import PerChunkBuffers, SlotPool
 from kvlab.transport import post
 
 
+def _short(e: BaseException) -> str:
+    """The backend's reason without its source location and advice: it goes into one-line reports."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
+    return text.split(". This is typically")[0].rstrip(".")
+
+
 class TransferTimeout(RuntimeError):
-    pass
+    """A chunk that did not complete within ``transfer.timeout_s``, or whose peer is gone."""
+
+    def __init__(self, message: str, request: int):
+        super().__init__(message)
+        self.request = request
 
 
 @dataclass
@@ -76,7 +89,8 @@ class InFlight:
 
 class Executor:
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device,
-                 cache: PagedCache, groups: dict, ops, clock: Clock, progress=None):
+                 cache: PagedCache, groups: dict, ops, clock: Clock, progress=None, faults: RankFaults | None = None,
+                 beat=None):
         self.setup, self.side, self.rank, self.world_rank = setup, side, rank, world_rank
         self.device, self.cache, self.groups, self.ops, self.clock = device, cache, groups, ops, clock
         if ops.name == "cuda":  # few CTAs: the copies must leave NCCL its SMs (DESIGN.md)
@@ -92,6 +106,11 @@ class Executor:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.progress = progress
         self.records: dict[int, RequestRecord] = {}
+        self.faults = faults or RankFaults()
+        self.beat = beat or (lambda: None)  # proof of progress for the end-of-run exchange (kvlab.report)
+        self.failures: dict[int, str] = {}  # request -> why it failed on this rank
+        self.error: str | None = None  # the failure that stopped this rank's loop
+        self.error_at: float | None = None
         self.transfer_peak = 0  # allocator peak of the transfer alone (fill and verify excluded)
 
     @contextlib.contextmanager
@@ -182,9 +201,20 @@ class Executor:
         buf, staged = self._buffer(i, c)
         if self.sending and staged:
             self._copy(c, buf, rec)
+        if self.sending and i in self.faults.flips:
+            if not staged:  # corrupt the message, not the cache: the same bytes may go to another gen rank
+                buf, staged = self.staging.get(i, c.nbytes).copy_(buf), True
+            self.faults.flip(i, buf)
         posted = self.clock.mark()
-        work = post(buf, self._peer(c), self._group(c), send=self.sending)
+        try:
+            work = post(buf, self._peer(c), self._group(c), send=self.sending)
+        except RuntimeError as e:  # gloo refuses to post to a peer whose connection is gone
+            raise self._failed(c, "posting failed", e) from e
         return InFlight(i, c, work, buf, staged, posted)
+
+    def _failed(self, c: Chunk, what: str, e: BaseException) -> TransferTimeout:
+        peer = ("gen" if self.sending else "ctx") + str(c.dst if self.sending else c.src)
+        return TransferTimeout(f"request {c.request} chunk {c.seq} with {peer}: {what}: {_short(e)}", c.request)
 
     def _complete(self, f: InFlight, segments: dict[int, list[Segment]], requests: dict[int, Request]) -> None:
         c, rec = f.chunk, self.records[f.chunk.request]
@@ -194,10 +224,11 @@ class Executor:
             else:
                 f.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as e:
-            peer = ("gen" if self.sending else "ctx") + str(c.dst if self.sending else c.src)
-            raise TransferTimeout(f"request {c.request} chunk {c.seq} with {peer}: {str(e).splitlines()[0]}") from e
+            raise self._failed(c, f"not done within {self.timeout:g} s or peer gone", e) from e
         done = self.clock.mark()
         rec.wire.append((f.posted, done))
+        if not self.sending:
+            self.faults.flip(f.index, f.buf)
         if not self.sending and f.staged:
             self._copy(c, f.buf, rec)
         if f.staged:
@@ -211,6 +242,7 @@ class Executor:
             self._close(requests[c.request], segments[c.request])
         if self.progress is not None:
             self.progress(c.nbytes)
+        self.beat()
 
     def run(self, order: list[Chunk], requests: dict[int, Request], segments: dict[int, list[Segment]]
             ) -> list[RequestRecord]:
@@ -221,16 +253,35 @@ class Executor:
             counts[c.request] = counts.get(c.request, 0) + 1
         inflight: deque[InFlight] = deque()
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        with ctx:
-            for i, c in enumerate(mine):
-                if c.request not in self.records:
-                    self._open(requests[c.request], counts[c.request])
-                if len(inflight) >= self.window:
+        try:
+            with ctx:
+                for i, c in enumerate(mine):
+                    if c.request not in self.records:
+                        self._open(requests[c.request], counts[c.request])
+                    if len(inflight) >= self.window:
+                        self._complete(inflight.popleft(), segments, requests)
+                    self.faults.before_post(i)
+                    inflight.append(self._post(i, c))
+                while inflight:
                     self._complete(inflight.popleft(), segments, requests)
-                inflight.append(self._post(i, c))
-            while inflight:
-                self._complete(inflight.popleft(), segments, requests)
-        if self.stream is not None:
+        except TransferTimeout as e:
+            self._abort(e, inflight)
+        if self.stream is not None and self.error is None:
             self.stream.synchronize()
         return list(self.records.values())
+
+    def _abort(self, e: TransferTimeout, inflight: deque[InFlight]) -> None:
+        """Fail every request this rank has open and free their blocks and slots. The loop stops here:
+        every rank follows one global order, so the chunks after this one would wait on the lost peer too."""
+        self.error = f"{self.side}{self.rank}: {e}"
+        self.error_at = time.time()
+        for rid, rec in self.records.items():
+            if rec.end is None:
+                self.failures[rid] = self.error if rid == e.request else f"{self.side}{self.rank}: aborted after {e}"
+                if rid in self.cache.tables:
+                    self.cache.release(rid)
+        for f in inflight:
+            if f.staged:
+                self.staging.put(f.buf)
+        inflight.clear()
 

@@ -27,39 +27,67 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_env: dict | None = None) -> int:
-    """Run the worker on ``world_size`` local processes; returns 0, or the first failing rank's exit code."""
+def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_env: dict | None = None,
+                 names: list[str] | None = None) -> int:
+    """Run the worker on ``world_size`` local processes; returns 0, or the first failing rank's exit code.
+
+    After the first failure the others get ``grace_s`` to report, and 5 s more once rank 0 has
+    reported (exit 0 or 1: what is left can only add part files); then they are stopped. Every
+    rank that died (an exit code other than 0, 1, 2) or had to be stopped is named on stderr.
+    """
     port = free_port()
+    names = names or [f"rank {r}" for r in range(world_size)]
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {}))
         procs.append(subprocess.Popen([sys.executable, "-m", "kvlab.worker", str(run_dir)], env=env))
-    first_failure, deadline = 0, None
+    first, deadline, stopped = None, None, []
     try:
         while True:
             codes = [p.poll() for p in procs]
-            for c in codes:
-                if c not in (None, 0) and not first_failure:
-                    first_failure, deadline = c, time.time() + grace_s
+            for r, c in enumerate(codes):
+                if c not in (None, 0) and first is None:
+                    first, deadline = r, time.time() + grace_s
             if all(c is not None for c in codes):
                 break
+            if first is not None and codes[0] in (0, 1):
+                deadline = min(deadline, time.time() + 5.0)
             if deadline is not None and time.time() > deadline:
-                for p in procs:
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGTERM)
-                for p in procs:
+                stopped = [r for r, p in enumerate(procs) if p.poll() is None]
+                for r in stopped:
+                    procs[r].send_signal(signal.SIGTERM)
+                for r in stopped:
                     try:
-                        p.wait(timeout=10)
+                        procs[r].wait(timeout=10)
                     except subprocess.TimeoutExpired:
-                        p.kill()
+                        procs[r].kill()
+                        procs[r].wait()
                 break
             time.sleep(0.05)
     except KeyboardInterrupt:
         for p in procs:
             p.kill()
         raise
-    if first_failure:
-        return first_failure if first_failure > 0 else 1
-    return 0
+    for r, p in enumerate(procs):
+        if r in stopped:
+            print(f"kvlab: rank {r} ({names[r]}) was still running after rank {first} ({names[first]}) failed; "
+                  f"stopped it", file=sys.stderr)
+        elif p.returncode not in (0, 1, 2):
+            print(f"kvlab: rank {r} ({names[r]}) died: {_describe(p.returncode)}", file=sys.stderr)
+    if first is None:
+        return 0
+    code = procs[first].returncode
+    return code if code > 0 else 1
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == 3:
+        return "exit code 3 (killed by fault injection: fault.kill_rank)"
+    return f"exit code {code}"

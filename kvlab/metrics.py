@@ -74,6 +74,7 @@ def merge(parts: list[dict], failures: dict[int, str], ctx_dp: dict[int, int], g
             "in_place_chunks": sum(p["in_place"] for p in gen),
             "ctx_in_place_chunks": sum(p["in_place"] for p in ctx),
             "seconds": seconds,
+            "start": start, "end": end,  # absolute (kvlab.clock): order and overlap of requests
             "gbps": nbytes / seconds / 1e9 if seconds else None,
             "pack_s": sum(p["copy_s"] for p in ctx),
             "wire_s": _union([w for p in ctx for w in p["wire"]]),

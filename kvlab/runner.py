@@ -8,11 +8,20 @@ ranks of a job share (conf/config.yaml), so they never race on it. Each rank:
     build specs -> init torch.distributed -> handshake (cache states) -> pair groups
     -> requests, plans, schedules, global order (pure, identical everywhere)
     -> cache + staging allocated once -> barrier -> executor -> canaries
-    -> rank 0 merges every rank's records: results.jsonl, timeline.jsonl, summary.json, table
+    -> its part: parts/rank<N>.json and the store (kvlab.report: no collective after the transfers)
+    -> rank 0 merges every part it gets: results.jsonl, timeline.jsonl, summary.json, table
+
+A rank that fails a chunk (timeout, lost peer) fails the requests it has open, frees their
+blocks and stops its loop; rank 0 reports every request that did not arrive whole, with the
+reason, and the ranks that fell silent. Exit codes: 0 verified, 1 failures, 2 bad config,
+3 killed by fault injection (kvlab.faults).
 """
 from __future__ import annotations
 
+import math
 import os
+import resource
+import socket
 import sys
 import time
 from pathlib import Path
@@ -23,12 +32,12 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from kvlab import metrics, transport
+from kvlab import faults, metrics, report, transport
 from kvlab.cache import PagedCache, blocks_for
 from kvlab.clock import Clock
-from kvlab.config import CONF_DIR, build, compose, to_container
+from kvlab.config import CONF_DIR, build, compose, needs_preflight, to_container
 from kvlab.errors import ConfigError
-from kvlab.executor import Executor, TransferTimeout
+from kvlab.executor import Executor
 from kvlab.launch import launch_local, under_torchrun
 from kvlab.ops import get_ops
 from kvlab.plan import plan
@@ -116,13 +125,9 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
     transport.handshake(state)
     groups = transport.pair_groups(setup)
 
-    requests = make_requests(setup)
-    segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r) for r in requests}
-    schedules = [schedule(setup.model, setup.ctx, setup.gen, segments[r.id], setup.transfer.strategy,
-                          setup.transfer.slot_bytes) for r in requests]
-    order = interleave(schedules, cfg.workload.concurrency)
-    mine = [c for c in order if (c.src if side == "ctx" else c.dst) == rank]
-    needed = peak_blocks(state, mine, {r.id: r.isl for r in requests}, setup.transfer.slots)
+    requests, segments, order = plan_run(setup)
+    needed = preflight(setup, requests, order, world_rank)  # the same checks on every rank: all stop or none
+    mine = faults.chunks_of(order, setup, world_rank)
 
     ops = get_ops(cfg.kernels, device.type)
     cache = PagedCache(state, needed, cfg.cache.spare_blocks, cfg.cache.fragmentation,
@@ -135,23 +140,22 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
     transport.warm_up(setup, groups, world_rank, device)  # after the baseline: NCCL's buffers count as extra
     progress = _Progress(sum(c.nbytes for c in mine), world_rank == 0 and cfg.logger.progress)
     clock = Clock(device)
-    executor = Executor(setup, side, rank, world_rank, device, cache, groups, ops, clock, progress)
+    board = report.Board(dist.distributed_c10d._get_default_store(), world_rank, setup.world_size,
+                         stale_s(setup))
+    cache.tick = board.beat
+    executor = Executor(setup, side, rank, world_rank, device, cache, groups, ops, clock, progress,
+                        faults.for_rank(cfg, setup, world_rank, mine), board.beat)
     dist.barrier()
     clock = executor.clock = Clock(device)
+    board.watch()
 
-    failures: dict[int, str] = {}
-    errors: list[str] = []
-    try:
-        records = executor.run(order, {r.id: r for r in requests}, segments)
-    except TransferTimeout as e:
-        errors.append(f"{side}{rank}: {e}")
-        records = list(executor.records.values())
-        for rec in records:
-            if rec.end is None:
-                failures[rec.request] = f"{side}{rank}: {e}"
+    records = executor.run(order, {r.id: r for r in requests}, segments)
+    failures = dict(executor.failures)
+    errors = [executor.error] if executor.error else []
     progress.close()
     staging = executor.staging.peak_bytes
-    peak = {"staging": staging, "extra": staging, "cache": cache.nbytes}
+    peak = {"staging": staging, "extra": staging, "cache": cache.nbytes,
+            "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # host memory, Linux KiB
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         # staging is allocated after the baseline, so the allocator's peak growth includes it
@@ -164,35 +168,145 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
             rec.end = clock.mark()
     parts = [metrics.resolve(r, clock, setup.model.num_layers) for r in records]
 
-    gathered = [None] * dist.get_world_size() if world_rank == 0 else None
-    dist.gather_object({"parts": parts, "failures": failures, "errors": errors, "peak": peak}, gathered, dst=0)
-    verdict = [None]
+    part = {"rank": world_rank, "side": side, "side_rank": rank, "parts": parts, "failures": failures,
+            "errors": errors, "error_at": executor.error_at, "peak": peak, "host": socket.gethostname(),
+            "node": os.environ.get("GROUP_RANK"),
+            "env": {"backend": dist.get_backend(), "kernels": ops.name,
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}}
+    report.write_part(run_dir, world_rank, part)  # before any exchange: what this rank knows survives it
+    board.post(part)
+    summary = None
     if world_rank == 0:
-        all_parts = [p for g in gathered for p in g["parts"]]
-        all_failures = {k: v for g in gathered for k, v in g["failures"].items()}
-        all_errors = [e for g in gathered for e in g["errors"]]
-        rows, timeline = metrics.merge(all_parts, all_failures, {r.id: r.ctx_dp for r in requests},
-                                       {r.id: r.gen_dp for r in requests})
-        env = {"backend": dist.get_backend(), "errors": all_errors, "kernels": ops.name,
-               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "predicted_s": _predict(setup, requests)}
-        summary = metrics.summarize(rows, all_parts, setup, [g["peak"] for g in gathered], env)
-        metrics.write(run_dir, rows, timeline, summary)
-        metrics.print_table(rows, summary)
-        for e in all_errors:
-            print(f"kvlab: {e}", file=sys.stderr)
-        print(f"results in {run_dir}")
-        verdict = [summary]
-    dist.broadcast_object_list(verdict, src=0)
-    summary = verdict[0]
+        gathered, silent = board.collect()
+        gathered[0] = part
+        for r in list(silent):  # a shared run dir may hold what the store could not bring
+            late = report.read_part(run_dir, r)
+            if late is not None:
+                gathered[r] = late
+                silent.remove(r)
+        summary = finalize(setup, run_dir, requests, order, gathered, silent,
+                           f"dead, or silent for more than {board.stale_s:g} s")
+        board.publish({"verified": summary["verified"]}, sorted(set(gathered) - {0, *silent}))
+        verified = summary["verified"]
+    else:
+        verdict = board.await_verdict()
+        # without rank 0's verdict this rank can only vouch for itself
+        verified = verdict["verified"] if verdict else not (failures or errors or any(p["errors"] for p in parts))
+    board.stop()
     sink = _sink(cfg, run_dir, world_rank, side)
     if sink is not None:
         for p in parts:
             sink.log_request(p)
-        if world_rank == 0:
+        if summary is not None:
             sink.log_summary(summary)
         sink.finish()
-    return 0 if summary["verified"] else 1
+    return 0 if verified else 1
+
+
+def stale_s(setup) -> float:
+    """Silence after which a rank counts as dead or stalled: a healthy rank completes or fails a chunk
+    within the transfer timeout, and shows progress between chunks (kvlab.report)."""
+    return setup.transfer.timeout_s + 5.0
+
+
+def grace_s(setup) -> float:
+    """How long the local launcher lets the other ranks report after one failed: a timeout to notice,
+    the silence rank 0 waits out, and a margin."""
+    return setup.transfer.timeout_s + stale_s(setup) + 10.0
+
+
+def plan_run(setup) -> tuple[list, dict, list[Chunk]]:
+    """(requests, segments by request, global chunk order): pure, the same on every rank."""
+    requests = make_requests(setup)
+    segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r) for r in requests}
+    schedules = [schedule(setup.model, setup.ctx, setup.gen, segments[r.id], setup.transfer.strategy,
+                          setup.transfer.slot_bytes) for r in requests]
+    return requests, segments, interleave(schedules, setup.cfg.workload.concurrency)
+
+
+def preflight(setup, requests=None, order=None, rank: int | None = None) -> dict[str, int] | None:
+    """Checks that need the plan, before anything is allocated; returns the blocks per pool that world
+    rank ``rank`` allocates. With ``cache.capacity_tokens`` every pool holds that many tokens, and the
+    requests in flight at the worst moment must fit on every rank (checked for all of them, so that
+    every rank stops or none does): kvlab has no admission control for cache blocks."""
+    if requests is None:
+        requests, _, order = plan_run(setup)
+    faults.check(setup.cfg, setup, order)
+    isl = {r.id: r.isl for r in requests}
+    cap = setup.cfg.cache.capacity_tokens
+    out = None
+    for w in range(setup.world_size) if cap else ([] if rank is None else [rank]):
+        side, side_rank = setup.side_of(w)
+        state = CacheState(setup.model, side, side_rank)
+        need = peak_blocks(state, faults.chunks_of(order, setup, w), isl, setup.transfer.slots)
+        if cap:
+            for pool in state.pools():
+                have = math.ceil(cap / pool.tokens_per_block)
+                if need[pool.name] > have:
+                    tokens = need[pool.name] * pool.tokens_per_block
+                    raise ConfigError("cache.capacity_tokens", cap,
+                                      f"the requests {side.name}{side_rank} holds at once need {need[pool.name]} "
+                                      f"blocks ({tokens} tokens) of pool {pool.name}; raise it to >= {tokens} or "
+                                      "lower workload.concurrency (0 sizes the cache to the workload)")
+            need = {pool.name: math.ceil(cap / pool.tokens_per_block) for pool in state.pools()}
+        if w == rank:
+            out = need
+    return out
+
+
+def _name(setup, w: int) -> str:
+    side, rank = setup.side_of(w)
+    return f"{side.name}{rank}"
+
+
+def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[int, dict], silent: list[int],
+             why_silent: str) -> dict:
+    """Merge the parts that arrived into results.jsonl, summary.json and the table. A request counts as
+    verified only when every gen rank it targets reported all of its chunks and found them exact."""
+    all_parts = [p for w in sorted(gathered) for p in gathered[w]["parts"]]
+    failures = {int(k): v for w in sorted(gathered) for k, v in gathered[w]["failures"].items()}
+    # the likely cause first: silent ranks (their peers' timeouts follow from them), then by time
+    errors = [f"{_name(setup, w)} (rank {w}) sent no report: {why_silent}" for w in silent]
+    by_time = sorted(gathered, key=lambda w: (gathered[w].get("error_at") is None, gathered[w].get("error_at") or 0, w))
+    errors += [e for w in by_time for e in gathered[w]["errors"]]
+    expected: dict[tuple[int, int], int] = {}
+    for c in order:
+        expected[(c.request, c.dst)] = expected.get((c.request, c.dst), 0) + 1
+    got = {(p["request"], p["rank"]): p["chunks"] for p in all_parts if p["side"] == "gen"}
+    for (rid, dst), n in sorted(expected.items()):
+        w = setup.world_rank("gen", dst)
+        if rid in failures:
+            continue
+        if w not in gathered:
+            failures[rid] = f"gen{dst} (rank {w}) sent no report"
+        elif got.get((rid, dst), 0) < n:
+            why = f": {errors[0]}" if errors else ""
+            failures[rid] = f"gen{dst} received {got.get((rid, dst), 0)} of {n} chunks (run stopped{why})"
+    rows, timeline = metrics.merge(all_parts, failures, {r.id: r.ctx_dp for r in requests},
+                                   {r.id: r.gen_dp for r in requests})
+    isl = {r.id: r.isl for r in requests}
+    for row in rows:
+        row["isl"] = row["isl"] or isl.get(row["request"])
+    first = gathered[min(gathered)].get("env", {}) if gathered else {}
+    env = dict(first, errors=errors, predicted_s=_predict(setup, requests))
+    summary = metrics.summarize(rows, all_parts, setup, [g["peak"] for g in gathered.values()], env)
+    summary["silent_ranks"] = list(silent)
+    metrics.write(run_dir, rows, timeline, summary)
+    metrics.print_table(rows, summary)
+    for e in errors:
+        print(f"kvlab: {e}", file=sys.stderr)
+    print(f"results in {run_dir}")
+    return summary
+
+
+def finalize_from_files(setup, run_dir: Path) -> dict | None:
+    """The local launcher's fallback when rank 0 wrote no summary (it died): merge the part files."""
+    gathered = {w: p for w in range(setup.world_size) if (p := report.read_part(run_dir, w)) is not None}
+    if not gathered:
+        return None
+    requests, _, order = plan_run(setup)
+    silent = [w for w in range(setup.world_size) if w not in gathered]
+    return finalize(setup, run_dir, requests, order, gathered, silent, "dead or stopped")
 
 
 def _predict(setup, requests) -> float | None:
@@ -201,6 +315,14 @@ def _predict(setup, requests) -> float | None:
     except ImportError:
         return None
     return predict_run(setup, requests)
+
+
+def _launch(setup, run_dir: Path) -> int:
+    names = [_name(setup, w) for w in range(setup.world_size)]
+    rc = launch_local(run_dir, setup.world_size, grace_s=grace_s(setup), names=names)
+    if rc not in (0, 2) and not (run_dir / "summary.json").exists():
+        finalize_from_files(setup, run_dir)
+    return rc
 
 
 def _prepare(cfg: DictConfig, run_dir: Path) -> None:
@@ -214,9 +336,11 @@ def run_transfer(overrides: list[str] | tuple[str, ...] = (), run_dir: str | Pat
 
     cfg = compose(list(overrides))
     setup = build(cfg)
+    if needs_preflight(cfg):
+        preflight(setup)
     run_dir = Path(run_dir)
     _prepare(cfg, run_dir)
-    rc = launch_local(run_dir, setup.world_size)
+    rc = _launch(setup, run_dir)
     summary_path = run_dir / "summary.json"
     if rc == 2 or not summary_path.exists():
         raise RuntimeError(f"kvlab run failed with exit code {rc}; see the output above")
@@ -232,7 +356,14 @@ def hydra_main(cfg: DictConfig) -> None:
         rc = worker_main(cfg, run_dir)
     else:
         setup = build(cfg)
-        _prepare(cfg, run_dir)
-        rc = launch_local(run_dir, setup.world_size)
+        try:
+            if needs_preflight(cfg):
+                preflight(setup)
+        except ConfigError as e:  # multirun skips the CLI's checks; Hydra would print a traceback
+            print(f"kvlab: error: {e}", file=sys.stderr)
+            rc = 2
+        else:
+            _prepare(cfg, run_dir)
+            rc = _launch(setup, run_dir)
     if rc and not HydraConfig.get().mode.name == "MULTIRUN":
         sys.exit(rc)

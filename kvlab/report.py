@@ -1,0 +1,160 @@
+"""How every rank's results reach rank 0 when some rank may be dead or stalled.
+
+After its transfers a rank writes ``parts/rank<N>.json`` in the run directory (what it moved,
+which of its requests failed and why) and posts the same through the key-value store that
+torch.distributed already uses for rendezvous. No collective runs after the transfers: a
+collective with a dead member waits for it until the process group's timeout, and ranks
+that left the transfer loop at different moments could pair up in different collectives.
+
+Liveness instead of timeouts on the whole run: every rank bumps a counter in the store
+while it makes progress (each chunk, each fill or verify piece, each poll here), and a
+thread on rank 0 watches the counters from the start of the transfers, so that silence is
+measured from when it began. Rank 0 waits for a rank's part as long as its
+counter moves; a counter that stands still for
+``stale_s`` (the transfer timeout plus a margin: a healthy rank completes or fails a chunk
+within the timeout) marks the rank as dead or stalled, and rank 0 goes on without it. The
+other ranks wait the same way for rank 0's verdict. A store that cannot be reached (rank 0,
+which hosts it under ``kvlab run``, died) ends the exchange at once; the part files remain,
+and the launcher merges them.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import time
+from pathlib import Path
+
+PREFIX = "kvlab/"
+
+
+def part_path(run_dir: Path, world_rank: int) -> Path:
+    return Path(run_dir) / "parts" / f"rank{world_rank}.json"
+
+
+def write_part(run_dir: Path, world_rank: int, part: dict) -> None:
+    path = part_path(run_dir, world_rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(part))
+    tmp.replace(path)  # a reader never sees half a file
+
+
+def read_part(run_dir: Path, world_rank: int) -> dict | None:
+    path = part_path(run_dir, world_rank)
+    if not path.exists():
+        return None
+    part = json.loads(path.read_text())
+    part["failures"] = {int(k): v for k, v in part["failures"].items()}  # JSON keys are strings
+    return part
+
+
+class Board:
+    def __init__(self, store, rank: int, world: int, stale_s: float, beat_every_s: float = 0.5):
+        self.store, self.rank, self.world, self.stale_s = store, rank, world, stale_s
+        self.beat_every_s = beat_every_s
+        self.broken: str | None = None  # why the store stopped answering
+        self._last = 0.0
+        self._seen: dict[int, tuple] = {}  # rank -> (last beat count, monotonic time it changed)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.beat(force=True)
+
+    def watch(self) -> None:
+        """Rank 0: start observing every other rank's beats. Elsewhere nothing: a thread that polls a store
+        whose host (rank 0) has gone would only print the store's complaints, even while its rank stalls."""
+        if self.rank != 0:
+            return
+        now = time.monotonic()
+        self._seen = {r: (None, now) for r in range(self.world) if r != self.rank}
+        threading.Thread(target=self._watch_loop, name="kvlab-beats", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch_loop(self) -> None:
+        while not self._stop.is_set() and self.broken is None:
+            for r in list(self._seen):
+                self._observe(r)
+            self._stop.wait(0.5)
+
+    def _observe(self, r: int) -> None:
+        count = self._call(self.store.add, f"{PREFIX}beat/{r}", 0)
+        with self._lock:
+            if r not in self._seen or count != self._seen[r][0]:
+                self._seen[r] = (count, time.monotonic())
+
+    def silent_for(self, r: int) -> float:
+        with self._lock:
+            return time.monotonic() - self._seen[r][1]
+
+    def _call(self, fn, *args):
+        if self.broken is not None:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:  # the store's host is gone: every later call would fail the same way
+            self.broken = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return None
+
+    def beat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= self.beat_every_s:
+            self._last = now
+            self._call(self.store.add, f"{PREFIX}beat/{self.rank}", 1)
+
+    def post(self, part: dict) -> None:
+        self._call(self.store.set, f"{PREFIX}part/{self.rank}", pickle.dumps(part))
+
+    def _get(self, key: str):
+        if self._call(self.store.check, [PREFIX + key]):
+            raw = self._call(self.store.get, PREFIX + key)
+            return None if raw is None else pickle.loads(raw)
+        return None
+
+    def _wait(self, keys: dict[int, str]) -> tuple[dict, list[int]]:
+        """The value each rank puts under its key (rank -> key), giving up on a rank whose beat stands
+        still for ``stale_s``; (values by rank, ranks given up on)."""
+        got, silent = {}, []
+        pending = set(keys)
+        for r in pending:
+            if r not in self._seen:  # not watched from the start: silence counts from now
+                self._observe(r)
+        while pending and self.broken is None:
+            for r in sorted(pending):
+                value = self._get(keys[r])
+                if value is not None:
+                    got[r] = value
+                    pending.discard(r)
+                    continue
+                self._observe(r)
+                if self.silent_for(r) > self.stale_s:
+                    silent.append(r)
+                    pending.discard(r)
+            self.beat()
+            if pending:
+                time.sleep(0.05)
+        return got, sorted(silent + sorted(pending))
+
+    def collect(self) -> tuple[dict[int, dict], list[int]]:
+        """Rank 0: (part of every other rank that reported, ranks that went silent)."""
+        return self._wait({r: f"part/{r}" for r in range(self.world) if r != self.rank})
+
+    def publish(self, verdict: dict, readers: list[int], ack_wait_s: float = 10.0) -> None:
+        """Rank 0: the run's verdict; waits a little for the readers, so that a store hosted by this
+        process outlives their reading it."""
+        self._call(self.store.set, f"{PREFIX}verdict", pickle.dumps(verdict))
+        deadline = time.monotonic() + ack_wait_s
+        keys = [f"{PREFIX}ack/{r}" for r in readers]
+        while keys and time.monotonic() < deadline and self.broken is None:
+            if self._call(self.store.check, keys):
+                return
+            time.sleep(0.05)
+
+    def await_verdict(self) -> dict | None:
+        """Any rank but 0: rank 0's verdict, or None when rank 0 went silent or the store is gone."""
+        got, _ = self._wait({0: "verdict"})
+        if 0 in got:
+            self._call(self.store.set, f"{PREFIX}ack/{self.rank}", b"1")
+            return got[0]
+        return None

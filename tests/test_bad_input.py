@@ -1,0 +1,178 @@
+"""Bad configurations and requests stop before anything is allocated, with one line naming the
+field, the value and what would work: in-process for the whole catalogue, and through the real
+``kvlab run`` (exit code 2, one stderr line, nothing written) and the ranks themselves for a few."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kvlab.cli import check_overrides
+from kvlab.config import compose
+
+GPU = torch.cuda.is_available()
+
+# (id, overrides, fragments the one line must hold: the field=value it names and the fix it offers).
+# The default setup is tiny_gqa (4 layers, 6 kv heads, head_dim 16), ctx tp2 -> gen tp1, 4 x 4096 tokens.
+CATALOGUE = [
+    # sizes
+    ("tokens-per-block-zero", ["gen.tokens_per_block=0"], ["gen.tokens_per_block=0", "positive integer"]),
+    ("slot-below-one-token-row", ["transfer.slot_mib=0.0001"], ["transfer.slot_mib=0.0001", "192 B", "use >="]),
+    ("slot-zero", ["transfer.slot_mib=0"], ["transfer.slot_mib=0", "> 0"]),
+    ("slot-below-one-byte", ["transfer.slot_mib=1e-9"], ["transfer.slot_mib=1e-09", "one byte"]),
+    ("slots-zero", ["transfer.slots=0"], ["transfer.slots=0", "positive integer"]),
+    ("requests-zero", ["workload.requests=0"], ["workload.requests=0", "positive integer"]),
+    ("concurrency-negative", ["workload.concurrency=-1"], ["workload.concurrency=-1", "positive integer"]),
+    ("isl-negative", ["workload.isl=-1"], ["workload.isl=-1", "positive integer"]),
+    ("num-layers-zero", ["model.num_layers=0"], ["model.num_layers=0", "positive integer"]),
+    ("kv-heads-zero", ["model.kv_heads=0"], ["model.kv_heads=0", "positive integer"]),
+    ("window-negative", ["model.window=-3"], ["model.window=-3", "0 (full attention)"]),
+    ("pack-ctas-zero", ["transfer.pack_ctas=0"], ["transfer.pack_ctas=0", "positive integer"]),
+    ("spare-blocks-negative", ["cache.spare_blocks=-2"], ["cache.spare_blocks=-2", ">= 0"]),
+    # splits
+    ("tp-not-dividing-heads", ["ctx.tp=4"], ["ctx.tp=4", "divisor or a multiple of 6"]),
+    ("gen-tp-not-dividing-heads", ["gen.tp=5"], ["gen.tp=5", "divisor or a multiple of 6"]),
+    ("pp-more-than-layers", ["gen.pp=5"], ["gen.pp=5", "pp <= 4"]),
+    ("layer-split-wrong-length", ["ctx.pp=2", "ctx.layer_split=[4]"], ["ctx.layer_split=[4]", "per pp stage (2)"]),
+    ("layer-split-wrong-sum", ["gen.pp=2", "gen.layer_split=[1,2]"], ["gen.layer_split=[1, 2]", "add up to the 4"]),
+    ("layer-split-empty-stage", ["gen.pp=2", "gen.layer_split=[4,0]"], ["gen.layer_split=[4, 0]", "at least one"]),
+    ("dp-zero", ["ctx.dp=0"], ["ctx.dp=0", "positive integer"]),
+    # incompatible sides and settings
+    ("dtypes-mismatch", ["ctx.dtype=fp16", "gen.dtype=bf16"], ["gen.dtype=bf16", "ctx.dtype=fp16"]),
+    ("indexer-without-mla", ["model.indexer=true"], ["model.indexer=True", "attention=mla"]),
+    ("sliding-layers-without-window", ["model.local_per_global=2"], ["model.local_per_global=2", "window > 0"]),
+    ("cuda-kernels-on-cpu-cache", ["kernels=cuda", "device=cpu"], ["kernels=cuda", "kernels=torch"]),
+    # unknown names
+    ("unknown-model", ["model=foo"], ["model=foo", "llama3_8b"]),
+    ("unknown-parallel-preset", ["parallel=tp9"], ["parallel=tp9", "tp2_to_tp1"]),
+    ("unknown-strategy", ["transfer.strategy=teleport"], ["transfer.strategy=teleport", "zerocopy"]),
+    ("unknown-layout", ["gen.layout=diagonal"], ["gen.layout=diagonal", "block_major, layer_major"]),
+    ("unknown-dtype", ["ctx.dtype=int3", "gen.dtype=int3"], ["ctx.dtype=int3", "bf16"]),
+    ("unknown-attention", ["model.attention=linear"], ["model.attention=linear", "gqa, mla"]),
+    ("unknown-distribution", ["workload.distribution=zipf"], ["workload.distribution=zipf", "lognormal"]),
+    ("unknown-kernels", ["kernels=vulkan"], ["kernels=vulkan", "auto, torch or cuda"]),
+    ("unknown-device", ["device=tpu"], ["device=tpu", "auto, cpu or cuda"]),
+    ("unknown-wandb-mode", ["logger.wandb.mode=foo"], ["logger.wandb.mode=foo", "offline"]),
+    ("misspelt-key", ["ctx.tpp=2"], ["ctx.tpp=2", "no such key", "tp, pp, dp"]),
+    ("misspelt-group-key", ["workload.isl_lst=[1]"], ["workload.isl_lst=[1]", "no such key", "isl_list"]),
+    ("not-an-integer", ["ctx.tp=abc"], ["ctx.tp=abc", "must be an integer"]),
+    ("not-a-number-in-list", ["workload.isl_list=[a]"], ["workload.isl_list=[a]", "must be an integer"]),
+    ("not-a-bool", ["model.indexer=maybe"], ["model.indexer=maybe", "true or false"]),
+    # timeouts and ranges
+    ("timeout-negative", ["transfer.timeout_s=-5"], ["transfer.timeout_s=-5", "> 0 seconds"]),
+    ("timeout-zero", ["transfer.timeout_s=0"], ["transfer.timeout_s=0", "> 0 seconds"]),
+    ("layer-compute-negative", ["transfer.layer_compute_ms=-1"], ["transfer.layer_compute_ms=-1", ">= 0"]),
+    ("fragmentation-above-one", ["cache.fragmentation=1.5"], ["cache.fragmentation=1.5", "[0, 1]"]),
+    ("fragmentation-negative", ["cache.fragmentation=-0.1"], ["cache.fragmentation=-0.1", "[0, 1]"]),
+    # workload shapes
+    ("isl-max-below-isl-min", ["workload.distribution=uniform", "workload.isl_min=500", "workload.isl_max=100"],
+     ["workload.isl_max=100", "isl_min=500"]),
+    ("isl-list-empty", ["workload.isl_list=[]"], ["workload.isl_list=[]", "non-empty"]),
+    ("isl-list-negative", ["workload.isl_list=[10,-3]"], ["workload.isl_list=[10, -3]", "positive token counts"]),
+    # prompt longer than the cache can hold
+    ("prompt-longer-than-cache", ["cache.capacity_tokens=1000"],
+     ["workload.isl=4096", "cache.capacity_tokens=1000", ">= 4096"]),
+    ("lognormal-tail-longer-than-cache", ["workload=lognormal", "cache.capacity_tokens=65536"],
+     ["workload.isl_max=131072", "cache.capacity_tokens=65536"]),
+    ("listed-prompt-longer-than-cache", ["workload.isl_list=[100,9000]", "cache.capacity_tokens=8192"],
+     ["workload.isl_list=[100, 9000]", "9000-token prompt", ">= 9000"]),
+    ("capacity-negative", ["cache.capacity_tokens=-1"], ["cache.capacity_tokens=-1", "0 (sized to the workload)"]),
+    ("in-flight-requests-exceed-capacity", ["cache.capacity_tokens=4096"],
+     ["cache.capacity_tokens=4096", "workload.concurrency", ">= 16384"]),
+    # fault injection
+    ("kill-rank-out-of-range", ["fault.kill_rank=3", "fault.kill_at_chunk=0"], ["fault.kill_rank=3", "[0, 3)"]),
+    ("kill-without-chunk", ["fault.kill_rank=1"], ["fault.kill_at_chunk=-1", ">= 0"]),
+    ("kill-chunk-past-the-end", ["fault.kill_rank=1", "fault.kill_at_chunk=100000"],
+     ["fault.kill_at_chunk=100000", "rank 1 takes part in 4 chunks"]),
+    ("stall-negative", ["fault.stall_s=-1"], ["fault.stall_s=-1", ">= 0"]),
+    ("flip-without-rank", ["fault.flip_at=[1,2]"], ["fault.flip_rank=-1", "set both"]),
+    ("flip-past-the-stream", ["fault.flip_rank=2", "fault.flip_at=[5,25165824]"],
+     ["fault.flip_at=[5, 25165824]", "rank 2 moves 25165824 bytes"]),
+]
+if not GPU:
+    CATALOGUE += [
+        ("cuda-kernels-without-gpu", ["kernels=cuda"], ["kernels=cuda", "no CUDA device", "kernels=torch"]),
+        ("cuda-device-without-gpu", ["device=cuda"], ["device=cuda", "no CUDA device", "device=cpu"]),
+    ]
+
+
+def test_catalogue_is_large_and_distinct():
+    assert len(CATALOGUE) >= 40
+    assert len({c[0] for c in CATALOGUE}) == len(CATALOGUE)
+    assert len({tuple(c[1]) for c in CATALOGUE}) == len(CATALOGUE)
+
+
+@pytest.mark.parametrize("overrides,fragments", [c[1:] for c in CATALOGUE], ids=[c[0] for c in CATALOGUE])
+def test_one_line_naming_field_value_and_fix(overrides, fragments, monkeypatch):
+    # nothing may be allocated: a cache or a staging pool would show up here
+    import kvlab.cache
+    import kvlab.staging
+
+    def refuse(*a, **k):
+        raise AssertionError("allocated before the input was checked")
+
+    monkeypatch.setattr(kvlab.cache.PagedCache, "__init__", refuse)
+    monkeypatch.setattr(kvlab.staging.SlotPool, "__init__", refuse)
+    msg = check_overrides(overrides)
+    assert isinstance(msg, str) and msg, overrides
+    assert "\n" not in msg and "Traceback" not in msg
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+    assert len(msg) < 400, msg
+
+
+def test_what_the_knobs_accept_passes():
+    # a rank keeps a request's blocks until its last chunk completes, up to `slots` chunks after it was
+    # posted: with one chunk per request and 4 slots, ctx ranks hold all four 4096-token requests at once
+    assert check_overrides(["cache.capacity_tokens=16384"]) is None
+    assert check_overrides(["workload.isl_list=[100,9000]", "cache.capacity_tokens=32768"]) is None
+    assert check_overrides(["fault.kill_rank=1", "fault.kill_at_chunk=3"]) is None
+    assert check_overrides(["fault.flip_rank=2", "fault.flip_at=[0,25165823]"]) is None
+    assert check_overrides(["fault.stall_rank=0", "fault.stall_at_chunk=0", "fault.stall_s=0.5"]) is None
+
+
+def _kvlab() -> list[str]:
+    script = Path(sys.executable).parent / "kvlab"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["ctx.tp=4"], "ctx.tp=4"),
+    (["cache.capacity_tokens=1000"], "cache.capacity_tokens=1000"),
+    (["fault.kill_rank=1", "fault.kill_at_chunk=100000"], "fault.kill_at_chunk=100000"),
+    (["ctx.tpp=2"], "ctx.tpp=2"),
+], ids=["split", "prompt-longer-than-cache", "fault-past-the-end", "misspelt-key"])
+def test_kvlab_run_exits_2_with_one_line_and_writes_nothing(overrides, names, tmp_path):
+    run_dir = tmp_path / "run"
+    p = subprocess.run([*_kvlab(), "run", f"hydra.run.dir={run_dir}", "logger=quiet", *overrides], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvlab: error: ") and names in lines[0], p.stderr
+    assert not run_dir.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_ranks_started_without_the_cli_all_stop_with_one_line(tmp_path):
+    """Under torchrun the ranks check the plan themselves: every rank exits 2 before allocating, rank 0
+    says why in one line, and none of them waits for another."""
+    cfg = compose(["logger=quiet", "fault.kill_rank=1", "fault.kill_at_chunk=100000"])
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    from kvlab.launch import free_port
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "kvlab.worker", str(tmp_path)], stderr=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+             for r in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2, 2]
+    err0 = [ln for ln in outs[0][1].splitlines() if ln.startswith("kvlab")]
+    assert err0 == [ln for ln in outs[0][1].splitlines() if ln.strip()], outs[0][1]
+    assert len(err0) == 1 and "fault.kill_at_chunk=100000" in err0[0]
+    assert not any(ln.startswith("kvlab") for _, e in outs[1:] for ln in e.splitlines())
+    assert not (tmp_path / "parts").exists() and not (tmp_path / "summary.json").exists()

@@ -1,0 +1,172 @@
+"""Injected faults over gloo: a rank that dies or stalls mid-transfer ends the run cleanly and in
+bounded time, with the failed requests named; bytes flipped in flight are caught by verification,
+which names the element (request, pool, layer, component, head, token, byte)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvlab.config import build, compose
+from kvlab.fill import locate
+from kvlab.runner import plan_run, run_transfer
+from kvlab.state import CacheState
+
+QUIET = ["logger=quiet"]
+TIMEOUT_S = 4
+# default pipeline (tiny_gqa, ctx0 + ctx1 -> gen0) cut into 0.5 MiB chunks: every request is 7 chunks
+# per ctx rank, and two requests are in flight at a time
+FAULTY = ["transfer.slot_mib=0.5", "workload.requests=6", f"transfer.timeout_s={TIMEOUT_S}"]
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    return {r["request"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
+
+
+def _kvlab() -> list[str]:
+    script = Path(sys.executable).parent / "kvlab"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
+
+
+def test_killed_rank_fails_its_requests_and_the_run_ends(tmp_path):
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    # ctx1 dies as it is about to post its 25th chunk: requests 0 and 1 (its chunks 0-13) are through,
+    # 2 and 3 are in flight, 4 and 5 at most just started on ctx0
+    p = subprocess.run([*_kvlab(), "run", f"hydra.run.dir={run_dir}", *QUIET, *FAULTY, "fault.kill_rank=1",
+                        "fault.kill_at_chunk=24"], capture_output=True, text=True, timeout=TIMEOUT_S + 60)
+    wall = time.time() - t0
+    assert wall < TIMEOUT_S + 30, wall
+    assert p.returncode == 3, p.stderr  # the dead rank's code: killed by fault injection
+    assert "rank 1 (ctx1) died: exit code 3" in p.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert not summary["verified"] and summary["silent_ranks"] == [1]
+    assert summary["errors"][0].startswith("ctx1 (rank 1) sent no report")
+    rows = _rows(run_dir)
+    assert sorted(rows) == list(range(6))
+    assert summary["failed_requests"] == [2, 3, 4, 5]
+    for rid in (0, 1):
+        assert rows[rid]["verified"] and rows[rid]["error"] is None
+    for rid in (2, 3, 4, 5):  # named with the rank that gave up on them and why, or as never delivered
+        assert re.match(r"(gen0|ctx0): (aborted after )?request \d+ chunk \d+ with (ctx1|gen0): "
+                        r"|gen0 received \d+ of 14 chunks \(run stopped: ctx1 \(rank 1\) sent no report",
+                        rows[rid]["error"]), rows[rid]["error"]
+    # the survivors wrote what they knew before any exchange
+    parts = {f.name for f in (run_dir / "parts").iterdir()}
+    assert parts == {"rank0.json", "rank2.json"}
+    gen = json.loads((run_dir / "parts" / "rank2.json").read_text())
+    assert gen["errors"] and "with ctx1" in gen["errors"][0]
+    assert {int(k) for k in gen["failures"]} <= {2, 3}
+
+
+def test_stalled_rank_is_left_behind_and_the_run_ends(tmp_path):
+    t0 = time.time()
+    summary = run_transfer(QUIET + FAULTY + ["fault.stall_rank=1", "fault.stall_at_chunk=24", "fault.stall_s=300"],
+                           tmp_path)
+    wall = time.time() - t0
+    assert wall < TIMEOUT_S + 30, wall
+    assert not summary["verified"] and summary["silent_ranks"] == [1]
+    assert "silent for more than" in summary["errors"][0]
+    rows = _rows(tmp_path)
+    assert summary["failed_requests"] == [2, 3, 4, 5]
+    assert rows[0]["verified"] and rows[1]["verified"]
+    timeouts = [e for e in summary["errors"] if "not done within 4 s" in e]
+    assert timeouts, summary["errors"]  # the peers gave up after transfer.timeout_s
+    assert all(rows[r]["error"] for r in (2, 3, 4, 5))
+
+
+# -- corruption ----------------------------------------------------------------------------------
+def _coords(pool_spec, rect, j: int) -> dict:
+    """Logical coordinates of byte ``j`` of a chunk's message, from the wire order of DESIGN.md:
+    for each tile of tokens, each layer, each component, each head: the tile's rows."""
+    rows = pool_spec.comp_row_bytes()
+    bpl = rect.n_heads * sum(rows)
+    t = rect.t0
+    while True:
+        te = min(rect.t1, (t // rect.tile + 1) * rect.tile)
+        if j < (te - t) * rect.n_layers * bpl:
+            break
+        j -= (te - t) * rect.n_layers * bpl
+        t = te
+    n = te - t
+    layer, j = divmod(j, n * bpl)
+    for comp, row in enumerate(rows):
+        if j < n * rect.n_heads * row:
+            head, j = divmod(j, n * row)
+            tok, byte = divmod(j, row)
+            return {"pool": pool_spec.name, "layer": pool_spec.layers[rect.l0 + layer], "component": comp,
+                    "head": rect.h0 + head, "token": t + tok, "byte": byte}
+        j -= n * rect.n_heads * row
+    raise AssertionError("byte outside the chunk")
+
+
+def _picks(chunks, want):
+    """(index, chunk, byte) for each (predicate, where-in-chunk) in ``want``, each in a request of its own."""
+    out, used = [], set()
+    for pred, where in want:
+        i, c = next((i, c) for i, c in enumerate(chunks) if c.request not in used and pred(c))
+        used.add(c.request)
+        out.append((i, c, {"first": 0, "middle": c.nbytes // 2 + 3, "last": c.nbytes - 1}[where]))
+    return out
+
+
+CORRUPTION = [
+    # MLA latent, ctx tp1 -> gen tp2: ctx0 sends the same latent to both gen ranks, mostly in place;
+    # flipped after pack (a copy of an in-place chunk), caught only by the gen rank it was meant for
+    ("mla-zerocopy-ctx", ["model=tiny_mla", "ctx.tp=1", "gen.tp=2", "transfer=zerocopy", "transfer.slot_mib=0.25",
+                          "workload.isl=1000"], 0,
+     [(lambda c: c.ctx_in_place and c.dst == 0, "first"), (lambda c: c.ctx_in_place and c.dst == 1, "middle"),
+      (lambda c: not c.ctx_in_place, "last")]),
+    # DeepSeek-V3.2 latent + indexer (fp8 values first, fp32 scales last), ctx tp1 -> gen tp2: flipped
+    # on gen1 after the receive, in its pool for chunks received in place, in a slot otherwise
+    ("dsa-zerocopy-gen", ["model=tiny_dsa", "ctx.tp=1", "gen.tp=2", "transfer=zerocopy", "transfer.slot_mib=0.1",
+                          "workload.isl=1000"], 2,
+     [(lambda c: c.rect.pool == "mla" and c.gen_in_place, "middle"),
+      (lambda c: c.rect.pool == "indexer" and c.gen_in_place, "first"),
+      (lambda c: c.rect.pool == "indexer" and not c.gen_in_place, "last")]),
+    # GQA with sliding-window layers, ctx tp2 -> gen tp1, layerwise: flipped after pack on ctx1
+    ("swa-layerwise-ctx", ["model=tiny_swa", "ctx.tp=2", "gen.tp=1", "transfer=layerwise", "transfer.slot_mib=0.02",
+                           "workload.isl=1000", "cache.fragmentation=0.5"], 1,
+     [(lambda c: c.rect.pool == "kv_w64", "last"), (lambda c: c.rect.pool == "kv", "middle"),
+      (lambda c: c.rect.pool == "kv_w64", "middle")]),
+]
+
+
+@pytest.mark.parametrize("overrides,flip_rank,want", [c[1:] for c in CORRUPTION], ids=[c[0] for c in CORRUPTION])
+def test_flipped_bytes_are_caught_and_located(overrides, flip_rank, want, tmp_path):
+    setup = build(compose(overrides + QUIET))
+    _, _, order = plan_run(setup)
+    side, rank = setup.side_of(flip_rank)
+    mine = [c for c in order if (c.src if side.name == "ctx" else c.dst) == rank]
+    starts = [sum(c.nbytes for c in mine[:i]) for i in range(len(mine))]
+    picks = _picks(mine, want)
+    flips = [starts[i] + j for i, _, j in picks]
+    summary = run_transfer(overrides + QUIET + [f"fault.flip_rank={flip_rank}", f"fault.flip_at={flips}"], tmp_path)
+    assert not summary["verified"]
+    assert summary["errors"] == []  # no rank failed: corruption is the verifier's business
+    assert summary["failed_requests"] == sorted(c.request for _, c, _ in picks)
+    rows = _rows(tmp_path)
+    hit = set()
+    for _, c, j in picks:
+        spec = next(p for p in setup.model.pools(setup.ctx.dtype) if p.name == c.rect.pool)
+        want_at = _coords(spec, c.rect, j)
+        assert want_at == locate(CacheState(setup.model, setup.gen, c.dst).pool(c.rect.pool), c.rect, j)
+        lines = rows[c.request]["error"].split("; ")
+        assert len(lines) == 1, lines  # caught once, by the gen rank the message was for
+        m = re.fullmatch(r"request (\d+): (\d+) wrong bytes from ctx(\d+), first at pool (\w+) layer (\d+) "
+                         r"component (\d+) head (\d+) token (\d+) byte (\d+)", lines[0])
+        assert m, lines[0]
+        got = dict(zip(("pool", "layer", "component", "head", "token", "byte"),
+                       [m.group(4)] + [int(x) for x in m.groups()[4:]]))
+        assert (int(m.group(1)), int(m.group(2)), int(m.group(3))) == (c.request, 1, c.src)
+        assert got == want_at, (got, want_at)
+        hit.add((want_at["pool"], want_at["component"]))
+    if "model=tiny_dsa" in overrides:  # the latent, the indexer's fp8 values and its fp32 scales
+        assert hit == {("mla", 0), ("indexer", 0), ("indexer", 1)}
+    if "model=tiny_swa" in overrides:  # full and sliding-window layers
+        assert {pool for pool, _ in hit} == {"kv", "kv_w64"}
