@@ -22,6 +22,7 @@ notebooks): ``plot_bandwidth``, ``plot_memory``, ``plot_timeline``, ``plot_paral
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -212,11 +213,15 @@ def predict_dir(run_dir: str | Path) -> Prediction:
     """The cost model for one finished run: its resolved config, its backend and its own requests."""
     from omegaconf import OmegaConf
 
-    from kvlab.config import build
+    from kvlab.config import Config, build
     from kvlab.plan import Request
 
     run_dir = Path(run_dir)
-    cfg = OmegaConf.load(run_dir / "config.yaml")
+    # over the current schema's defaults, so that runs written before a key existed still build;
+    # not struct, so that keys added on the command line (+cost....) survive
+    schema = OmegaConf.structured(Config)
+    OmegaConf.set_struct(schema, False)
+    cfg = OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml"))
     setup = build(cfg)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     results = _read_jsonl(run_dir / "results.jsonl")
@@ -234,7 +239,11 @@ def add_predictions(df: pd.DataFrame) -> pd.DataFrame:
     for i, row in df.iterrows():
         if not (Path(row["run_dir"]) / "config.yaml").exists():
             continue
-        p = predict_dir(row["run_dir"])
+        try:
+            p = predict_dir(row["run_dir"])
+        except Exception as e:  # one unreadable run should not hide the others' estimates
+            warnings.warn(f"{row['run_dir']}: no prediction ({type(e).__name__}: {e})", stacklevel=2)
+            continue
         if pd.isna(row["predicted_s"]):
             df.at[i, "predicted_s"] = p.seconds
         df.at[i, "predicted_gbps"] = p.gbps

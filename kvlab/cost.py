@@ -9,9 +9,10 @@ clock is modelled. Each chunk goes
 - a message costs ``alpha`` plus its bytes at the wire rate of a message of that size; the
   wire rates are derived from measured one-message figures (so that ``alpha + n / rate``
   reproduces them) and interpolated in log size;
-- pack and unpack read and write every byte at the device copy rate (``copy_gbps`` counts
-  bytes read plus bytes written, times ``copy_efficiency`` for the few-CTA kernels); a chunk
-  in place on a side (``zerocopy``, consecutive blocks) skips that side's copy;
+- pack and unpack read and write every byte at the kernels' rate: ``copy_gbps_per_cta`` per
+  CTA of ``transfer.pack_ctas``, at most ``copy_efficiency`` of the device copy rate
+  ``copy_gbps`` (both count bytes read plus bytes written); a chunk in place on a side
+  (``zerocopy``, consecutive blocks) skips that side's copy;
 - a device's copies run one at a time, and so do its outgoing and its incoming messages;
   different devices run at once, so pairs on distinct GPUs overlap; ranks sit on devices
   as the runner puts them (world rank modulo the devices);
@@ -26,14 +27,21 @@ Extra device memory per rank: ``slots * slot_bytes`` (allocated once at start), 
 ``naive`` the largest sum of ``slots`` consecutive per-chunk buffers of any rank (a chunk
 is a whole segment there, so it grows with the prompt).
 
-Rates come from a profile: ``h200`` (the measured figures in DESIGN.md) or ``cpu`` (gloo
-on a small CPU machine with the torch reference copies), picked from the backend (gloo:
-cpu) or the device, and overridable key by key: ``+cost.alpha_us=20``,
-``+cost.link_gbps=[200,300,340,360]``, ``+cost.profile=cpu``.
+Rates come from a profile: ``h200`` (the measured figures in DESIGN.md and the kernel
+bench) or ``cpu`` (gloo on a small CPU machine with the torch reference copies), picked
+from the backend (gloo: cpu) or the device, and overridable key by key:
+``+cost.alpha_us=20``, ``+cost.link_gbps=[200,300,340,360]``, ``+cost.profile=cpu``.
+
+Against the 2xH200 benchmark (scripts/bench.py: Llama-3.1-8B and DeepSeek-V3.2, 4k-128k,
+every strategy) the extra memory is exact and the time within 7% for Llama at 128k tokens; short
+requests (4k) take up to 2x longer than predicted (per-request costs are not modelled), and
+chunked copies of the indexer's 4-byte scale rows 3-4x longer (the kernels' rate is
+modelled as independent of row length). On a 2-core CPU the time is within about 0.7-1.5x.
 """
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
@@ -56,8 +64,11 @@ class CostRates:
     link_mib: tuple[float, ...] = (16.0, 64.0, 256.0, 1024.0)  # one-message sizes measured ...
     link_gbps: tuple[float, ...] = (214.0, 304.0, 345.0, 365.0)  # ... and their end-to-end GB/s
     copy_gbps: float = 4210.0  # device-to-device copy, bytes read + bytes written per second
-    copy_efficiency: float = 0.9  # pack/unpack on few CTAs so that NCCL keeps its SMs
-    devices: int = 0  # devices the ranks share (0: one per rank)
+    copy_efficiency: float = 0.9  # the pack/unpack kernels' best share of it (bench: 0.91 on all 132 SMs)
+    copy_gbps_per_cta: float = 88.0  # kernels on transfer.pack_ctas CTAs (bench: ~730/1400/2800 at 8/16/32)
+    devices: int = 0  # devices the ranks share (0: one per rank; -1: this machine's CPU cores)
+    host_us: float = 0.0  # host time per staged copy (block table to copy runs, launch); unmeasured on GPUs
+    blocking: bool = False  # copies and host work share one core and the host waits for them (CPU)
 
     def __post_init__(self):
         object.__setattr__(self, "link_mib", tuple(float(x) for x in self.link_mib))
@@ -70,6 +81,8 @@ class CostRates:
         for name in ("copy_gbps", "copy_efficiency"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cost.{name}={getattr(self, name)}: must be > 0")
+        if self.host_us < 0 or self.devices < -1 or self.copy_gbps_per_cta < 0:
+            raise ValueError("cost.host_us and cost.copy_gbps_per_cta must be >= 0, cost.devices >= -1")
         if self.alpha_us < 0 or any(g <= 0 for g in self.link_gbps):
             raise ValueError("cost.alpha_us must be >= 0 and cost.link_gbps > 0")
         for n, g in zip(self.link_mib, self.link_gbps, strict=True):
@@ -101,19 +114,23 @@ class CostRates:
         """Seconds of one message of ``nbytes`` alone on a link."""
         return self.alpha_s + nbytes / self.wire_rate(nbytes)
 
-    def copy_s(self, nbytes: float) -> float:
-        """Seconds to pack or unpack ``nbytes`` (each byte read once and written once)."""
-        return 2 * nbytes / (self.copy_gbps * 1e9 * self.copy_efficiency)
+    def copy_s(self, nbytes: float, ctas: int = 0) -> float:
+        """Seconds to pack or unpack ``nbytes`` (each byte read once and written once) on ``ctas`` CTAs."""
+        rate = self.copy_gbps * self.copy_efficiency
+        if ctas and self.copy_gbps_per_cta:
+            rate = min(rate, self.copy_gbps_per_cta * ctas)
+        return 2 * nbytes / (rate * 1e9)
 
 
 PROFILES = {
     "h200": CostRates(),
-    # gloo over loopback between processes on a 2-core machine: ~0.55 ms per message and
-    # 2.5-2.8 GB/s end to end for 16-64 MiB (measured; ecosystem.md saw 0.33 GiB/s on another host);
-    # copies are the torch reference's byte-index gathers (~0.06 GB/s of payload), and all
-    # ranks share the cores, hence one device
-    "cpu": CostRates(profile="cpu", alpha_us=550.0, link_mib=(16.0, 64.0), link_gbps=(2.5, 2.77),
-                     copy_gbps=0.12, copy_efficiency=1.0, devices=1),
+    # kvlab runs over gloo on a 2-core machine, fitted: ~0.3 ms per message (in-place chunks
+    # back to back) plus 1.2-2.7 GB/s (loopback; ecosystem.md saw 0.33 GiB/s on another host),
+    # the torch reference copies at ~0.063 GB/s of payload plus ~2.6 ms of Python per copy;
+    # the ranks share the cores
+    "cpu": CostRates(profile="cpu", alpha_us=300.0, link_mib=(16.0, 64.0), link_gbps=(1.5, 2.0),
+                     copy_gbps=0.125, copy_efficiency=1.0, copy_gbps_per_cta=0.0, devices=-1, host_us=2600.0,
+                     blocking=True),
 }
 
 
@@ -127,7 +144,10 @@ class CostCfg:
     link_gbps: list[float] | None = None
     copy_gbps: float | None = None
     copy_efficiency: float | None = None
+    copy_gbps_per_cta: float | None = None
     devices: int | None = None
+    host_us: float | None = None
+    blocking: bool | None = None
 
 
 def _auto_profile(cfg: Any, backend: str | None) -> str:
@@ -236,6 +256,8 @@ class Prediction:
 def device_map(setup: Setup, devices: int) -> tuple[list[int], list[int]]:
     """Device of every ctx rank and every gen rank: world rank modulo the devices, as the runner assigns them."""
     nc, ng = setup.ctx.size, setup.gen.size
+    if devices == -1:
+        devices = os.cpu_count() or 1
     if devices <= 0 or devices >= nc + ng:
         return list(range(nc)), list(range(nc, nc + ng))
     return [r % devices for r in range(nc)], [(nc + r) % devices for r in range(ng)]
@@ -275,23 +297,26 @@ def _order(setup: Setup, reqs: list[Request], concurrency: int) -> list[Chunk]:
 
 
 def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates: CostRates | None = None,
-            backend: str | None = None, concurrency: int | None = None, blocking: bool | None = None) -> Prediction:
+            backend: str | None = None, concurrency: int | None = None) -> Prediction:
     """Place every chunk of the workload on the clock, in the executor's order and under its rules.
 
     Each rank walks its chunks of the global order with at most ``slots`` in flight: chunk
     ``k`` of a rank starts only once its chunk ``k - slots`` is complete (ctx: sent; gen:
     received and unpacked), in place or not. A ctx rank opens a request at its first chunk
     and, with ``layer_compute_ms``, sends a chunk once the simulated prefill has finished
-    the chunk's layer (``layerwise``) or every layer (the others). With ``blocking`` copies
-    (CPU) a rank's host does them itself and waits for each; on GPUs they queue on the
-    rank's stream and only the device's copy engine and the window order them.
+    the chunk's layer (``layerwise``) or every layer (the others). Every copy costs its side's
+    host ``host_us`` first. With ``blocking`` rates (CPU) a rank's core does that work and the
+    copies itself, one after the other, shared with the ranks on the same core; on GPUs
+    copies queue on the rank's stream and only the copy engine and the window order them.
     """
     rates = rates or rates_from_cfg(setup.cfg, backend)
     reqs = as_requests(setup, requests)
     by_id = {r.id: r for r in reqs}
     strategy = setup.transfer.strategy
     concurrency = concurrency or int(setup.cfg.workload.get("concurrency", 1) or 1)
-    blocking = rates.profile == "cpu" if blocking is None else blocking
+    blocking = rates.blocking
+    host_s = rates.host_us * 1e-6
+    ctas = setup.transfer.pack_ctas
     window = setup.transfer.slots
     layer_s = setup.transfer.layer_compute_ms * 1e-3
     last_layer = setup.model.num_layers - 1
@@ -299,6 +324,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     ndev = max(ctx_dev + gen_dev) + 1
     copy_free, out_free, in_free = [0.0] * ndev, [0.0] * ndev, [0.0] * ndev
     host_c = [0.0] * setup.ctx.size
+    host_g = [0.0] * setup.gen.size
     sent: list[list[float]] = [[] for _ in range(setup.ctx.size)]  # per ctx rank: send done of its k-th chunk
     done_g: list[list[float]] = [[] for _ in range(setup.gen.size)]  # per gen rank: k-th chunk unpacked
     sizes_c: list[list[int]] = [[] for _ in range(setup.ctx.size)]
@@ -314,6 +340,9 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
         rc = costs.get(c.request)
         # gen: the receive is posted once the chunk `window` places back is unpacked
         recv_ready = done_g[c.dst][kg - window] if kg >= window else 0.0
+        if not blocking and not c.gen_in_place:
+            host_g[c.dst] += host_s
+            recv_ready = max(recv_ready, host_g[c.dst])
         # ctx: same window; a blocking host waits for it before anything else
         slot_ready = sent[c.src][kc - window] if kc >= window else 0.0
         if blocking:
@@ -329,12 +358,13 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
             host_c[c.src] = max(host_c[c.src], prefill[key] + (layer + 1) * layer_s)
             rc.prefill_end_s = max(rc.prefill_end_s, prefill[key] + (last_layer + 1) * layer_s)
         t = max(host_c[c.src], slot_ready)
-        if not c.ctx_in_place:
-            t = max(t, copy_free[sd]) + rates.copy_s(n)
-            copy_free[sd] = t
-            rc.pack_s += rates.copy_s(n)
-            if blocking:
-                host_c[c.src] = t
+        pack = 0.0 if c.ctx_in_place else rates.copy_s(n, ctas)
+        rc.pack_s += pack
+        if pack and blocking:
+            t = host_c[c.src] = copy_free[sd] = max(t, copy_free[sd]) + host_s + pack
+        elif pack:
+            host_c[c.src] += host_s
+            t = copy_free[sd] = max(t, host_c[c.src], copy_free[sd]) + pack
         w0 = max(t, recv_ready, out_free[sd], in_free[dd])
         w1 = w0 + rates.message_s(n)
         out_free[sd] = in_free[dd] = w1
@@ -342,10 +372,10 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
         sent[c.src].append(w1)
         # gen completes its chunks in order: wait for the bytes, then unpack
         t = max(w1, done_g[c.dst][-1] if kg else 0.0)
-        if not c.gen_in_place:
-            t = max(t, copy_free[dd]) + rates.copy_s(n)
-            copy_free[dd] = t
-            rc.unpack_s += rates.copy_s(n)
+        unpack = 0.0 if c.gen_in_place else rates.copy_s(n, ctas)
+        rc.unpack_s += unpack
+        if unpack:
+            t = copy_free[dd] = max(t, copy_free[dd]) + (host_s if blocking else 0.0) + unpack
         done_g[c.dst].append(t)
         sizes_c[c.src].append(n)
         sizes_g[c.dst].append(n)

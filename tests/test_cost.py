@@ -55,6 +55,9 @@ def test_h200_rates_reproduce_the_measured_messages():
     for count, size, gbps in ((4096, 64 * 1024, 4.2), (128, 4 * MiB, 142.0)):
         assert count * size / (count * H200.message_s(size)) / 1e9 == pytest.approx(gbps, rel=0.1)
     assert 4 * MiB / H200.copy_s(4 * MiB) / 1e9 == pytest.approx(0.9 * 4210 / 2)
+    # the pack kernels on few CTAs: ~1.4 TB/s read + write on 16, saturating near the copy rate
+    assert 2 * 4 * MiB / H200.copy_s(4 * MiB, ctas=16) / 1e9 == pytest.approx(16 * 88)
+    assert H200.copy_s(4 * MiB, ctas=132) == H200.copy_s(4 * MiB)
 
 
 @pytest.mark.parametrize("strategy", ["naive", "chunked", "layerwise", "zerocopy"])
@@ -175,6 +178,15 @@ def test_profile_follows_backend_and_overrides():
         rates_from_cfg({"cost": {"profile": "tpu"}})
     with pytest.raises(ValueError, match="one rate per size"):
         CostRates(link_gbps=(1.0,))
+
+
+def test_fewer_copy_ctas_slow_copy_bound_transfers_only():
+    naive = {ctas: seconds("model=llama3_8b", "parallel=same", "transfer=naive", f"transfer.pack_ctas={ctas}",
+                           isl=32768).seconds for ctas in (8, 32)}
+    assert naive[8] > 1.5 * naive[32]  # one big buffer: pack, send, unpack in turn
+    zero = {ctas: seconds("model=llama3_8b", "parallel=same", "transfer=zerocopy", "transfer.slot_mib=128",
+                          f"transfer.pack_ctas={ctas}", isl=32768).seconds for ctas in (8, 32)}
+    assert zero[8] == pytest.approx(zero[32])  # in place: no copies to slow down
 
 
 def test_cpu_profile_is_slower_than_h200():

@@ -27,7 +27,7 @@ def _no_env_mode(monkeypatch):
 
 
 def test_offline_writes_one_run_per_rank(tmp_path):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     run_dir = tmp_path / "exp1"
     cfg = {**CFG, "logger": {"wandb": {**CFG["logger"]["wandb"], "group": "grp-abc"}}}
     sinks = [WandbSink.create(cfg, run_dir, 0, "ctx"), WandbSink.create(cfg, run_dir, 1, "gen")]  # world ranks
@@ -38,6 +38,7 @@ def test_offline_writes_one_run_per_rank(tmp_path):
     sinks[0].log_summary({"total_bytes": 12288, "gbps": 0.4, "ctx": {"tp": 2}, "predicted_s": None})
     for s in sinks:
         s.finish()
+    wandb.teardown()  # the service writes the run files; a worker process does this at exit
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 2
     # offline runs keep everything in one protobuf record log; its strings are stored as they are
@@ -55,12 +56,13 @@ def test_offline_writes_one_run_per_rank(tmp_path):
     assert list((run_dir / "wandb").glob("offline-run-*/files/media/table/requests_*.table.json"))
 
 def test_summary_table_holds_the_merged_results(tmp_path):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     sink = WandbSink.create(CFG, tmp_path, 0, "ctx")
     sink.log_request({"request": 0, "side": "ctx", "bytes": 1})  # this rank's part only
     sink.log_summary({"total_bytes": 1})
     sink.finish()
+    wandb.teardown()
     tables = list(tmp_path.glob("wandb/offline-run-*/files/media/table/requests_*.table.json"))
     assert len(tables) == 1
     table = json.loads(tables[0].read_text())
