@@ -80,6 +80,14 @@ def _scalars(record: dict) -> dict:
     return {k: v for k, v in record.items() if isinstance(v, (int, float))}
 
 
+def _with_rate(record: dict) -> dict:
+    """A rank's own part of a request carries start and end times: its seconds and GB/s are what a chart wants."""
+    start, end, nbytes = record.get("start"), record.get("end"), record.get("bytes")
+    if "seconds" in record or not all(isinstance(x, (int, float)) for x in (start, end, nbytes)) or end <= start:
+        return record
+    return {**record, "seconds": end - start, "gbps": nbytes / (end - start) / 1e9}
+
+
 def _cell(v: Any) -> Any:
     if v is None or isinstance(v, (int, float, str, bool)):
         return v
@@ -157,6 +165,7 @@ class _LiveSink(WandbSink):
 
     def log_request(self, record: dict) -> None:
         self.rows.append(dict(record))
+        record = _with_rate(record)
         metrics = {f"request/{k}": v for k, v in _scalars(record).items() if k != "request"}
         metrics["request"] = record.get("request", len(self.rows) - 1)
         self._guard("log_request", lambda: self.run.log(metrics))

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from kvlab.wandb_sink import WandbSink, group_name, side_rank
+from kvlab.wandb_sink import WandbSink, _with_rate, group_name, side_rank
 
 CFG = {
     "model": {"name": "tiny_gqa"},
@@ -97,6 +97,13 @@ def test_unknown_mode_warns_and_disables(tmp_path):
     with pytest.warns(UserWarning, match="unknown mode"):
         sink = WandbSink.create(_with_mode("sometimes"), tmp_path, 0, "ctx")
     assert not sink.active
+
+
+def test_rank_parts_get_their_rate():
+    part = {"request": 3, "side": "gen", "start": 10.0, "end": 10.5, "bytes": 10**9, "wire": [(10.0, 10.5)]}
+    assert _with_rate(part)["seconds"] == 0.5 and _with_rate(part)["gbps"] == 2.0
+    assert _with_rate(RECORDS[0]) == RECORDS[0]  # merged rows already have both
+    assert "gbps" not in _with_rate({**part, "end": None})
 
 
 def test_names_use_the_side_local_rank():
