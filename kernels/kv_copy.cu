@@ -2,8 +2,13 @@
 //
 // The runs are those of kvlab.layout.runs, enumerated in wire order
 // (tile -> layer -> component -> head), each a contiguous range of tile tokens' rows on
-// both sides. Warps take runs in a grid-stride loop so that the launch can be held to a
-// few CTAs: the copies then leave NCCL's kernels the rest of the SMs.
+// both sides. Runs range from a few bytes (a tile of 4-byte indexer scales) to tens of KiB
+// (a tile of 1152-byte MLA rows), so warps do not take runs: they take work items of about
+// one warp step (32 lanes x KV_UNROLL vectors of 16 bytes, 4 KiB at unroll 8). A long run
+// is cut into equal pieces of at most a step, one item each; runs shorter than a step go to
+// lane groups, several runs per item. Every item then costs a warp about the same, whatever
+// the runs look like, and the grid-stride loop over items balances with few CTAs: the launch
+// can be held to a few CTAs and leave NCCL's kernels the rest of the SMs.
 //
 // No #include: NVRTC has no default include path, and builtin types plus __ldg are enough.
 
@@ -14,54 +19,79 @@
 typedef long long i64;
 typedef unsigned long long u64;
 
-// Loads are all issued before the stores so that each lane has KV_UNROLL requests in flight:
-// with few CTAs, bytes in flight per SM, not instruction count, bounds the bandwidth.
-template <typename V>
-__device__ __forceinline__ void warp_copy_vec(char* __restrict__ dst, const char* __restrict__ src, int n, int lane) {
+// All loads of a step are issued before its stores so that each lane has KV_UNROLL requests
+// in flight: with few CTAs, bytes in flight per SM, not instruction count, bounds the
+// bandwidth. What is left after the whole steps takes one more step with clamped loads, not
+// a remainder loop, which would wait out one memory latency per vector.
+//
+// A whole warp interleaves its lanes (coalesced). A group of G < 32 lanes gives each lane
+// KV_UNROLL consecutive vectors instead: with G only known at run time, interleaving would
+// take a 64-bit address register per vector in flight and spill.
+template <typename V, bool WARP>
+__device__ __forceinline__ void group_copy_vec(char* __restrict__ dst, const char* __restrict__ src, int n, int gl,
+                                               int G) {
     const V* s = reinterpret_cast<const V*>(src);
     V* d = reinterpret_cast<V*>(dst);
-    int i = lane;
-    for (; i + (KV_UNROLL - 1) * 32 < n; i += KV_UNROLL * 32) {
+    const int apart = WARP ? 32 : 1;  // vectors between a lane's consecutive ones
+    int i = WARP ? gl : gl * KV_UNROLL;
+    const int adv = KV_UNROLL * (WARP ? 32 : G);
+    for (; i + (KV_UNROLL - 1) * apart < n; i += adv) {
         V r[KV_UNROLL];
 #pragma unroll
-        for (int k = 0; k < KV_UNROLL; ++k) r[k] = __ldg(s + i + k * 32);
+        for (int k = 0; k < KV_UNROLL; ++k) r[k] = __ldg(s + i + k * apart);
 #pragma unroll
-        for (int k = 0; k < KV_UNROLL; ++k) d[i + k * 32] = r[k];
+        for (int k = 0; k < KV_UNROLL; ++k) d[i + k * apart] = r[k];
     }
-    for (; i < n; i += 32) d[i] = __ldg(s + i);
+    if (i < n) {
+        // a partial step: the loads past the end reread the last vector so that none needs a predicate
+        V r[KV_UNROLL];
+#pragma unroll
+        for (int k = 0; k < KV_UNROLL; ++k) r[k] = __ldg(s + min(i + k * apart, n - 1));
+#pragma unroll
+        for (int k = 0; k < KV_UNROLL; ++k)
+            if (i + k * apart < n) d[i + k * apart] = r[k];
+    }
 }
 
-// Widest vector that both addresses can share: peel the head bytes until src is aligned to
-// it (dst then is too, as they agree modulo the width), vectors for the body, bytes for the
-// tail. Any row size and any buffer offset work; 16-byte accesses whenever the two
-// addresses agree modulo 16, which every pool and slot view of whole rows does.
-// A run is at most tile * row bytes: the launcher keeps it below 2^31, so lengths are int.
-__device__ __forceinline__ void copy_run(char* __restrict__ dst, const char* __restrict__ src, int len, int lane) {
+// len bytes by the G lanes (gl = 0..G-1) of a group, at the widest vector that both
+// addresses can share: peel the head bytes until src is aligned to it (dst then is too, as
+// they agree modulo the width), vectors for the body, bytes for the tail. Any row size and
+// any buffer offset work; 16-byte accesses whenever the two addresses agree modulo 16, which
+// every pool and slot view of whole rows does. The launcher keeps runs to 2^30 bytes, so that
+// lengths and piece offsets are int.
+template <bool WARP>
+__device__ __forceinline__ void copy_part(char* __restrict__ dst, const char* __restrict__ src, int len, int gl,
+                                          int G) {
     const u64 mis = reinterpret_cast<u64>(dst) ^ reinterpret_cast<u64>(src);
     const int w = (mis & 15) == 0 ? 16 : (mis & 7) == 0 ? 8 : (mis & 3) == 0 ? 4 : (mis & 1) == 0 ? 2 : 1;
     int head = (int)((w - (reinterpret_cast<u64>(src) & (u64)(w - 1))) & (u64)(w - 1));
     if (head > len) head = len;
-    if (lane < head) dst[lane] = __ldg(src + lane);
+    for (int i = gl; i < head; i += G) dst[i] = __ldg(src + i);
     dst += head;
     src += head;
     len -= head;
     const int n = len / w;
     switch (w) {
-        case 16: warp_copy_vec<uint4>(dst, src, n, lane); break;
-        case 8: warp_copy_vec<uint2>(dst, src, n, lane); break;
-        case 4: warp_copy_vec<unsigned int>(dst, src, n, lane); break;
-        case 2: warp_copy_vec<unsigned short>(dst, src, n, lane); break;
-        default: warp_copy_vec<unsigned char>(dst, src, n, lane); break;
+        case 16: group_copy_vec<uint4, WARP>(dst, src, n, gl, G); break;
+        case 8: group_copy_vec<uint2, WARP>(dst, src, n, gl, G); break;
+        case 4: group_copy_vec<unsigned int, WARP>(dst, src, n, gl, G); break;
+        case 2: group_copy_vec<unsigned short, WARP>(dst, src, n, gl, G); break;
+        default: group_copy_vec<unsigned char, WARP>(dst, src, n, gl, G); break;
     }
     const int done = n * w;
-    if (lane < len - done) dst[done + lane] = __ldg(src + done + lane);
+    for (int i = gl; i < len - done; i += G) dst[done + i] = __ldg(src + done + i);
+}
+
+// A whole run by a whole warp: the bulk kernels' path for runs they cannot stream.
+__device__ __forceinline__ void copy_run(char* __restrict__ dst, const char* __restrict__ src, int len, int lane) {
+    copy_part<true>(dst, src, len, lane, 32);
 }
 
 // The runs of one rectangle. Every size and offset is in bytes. ids_bytes: 4 (int32 block
 // table) or 8 (int64). l_off/h_off: the rectangle's first layer/head relative to the rank's
 // first held one. Counts and per-run sizes are int (the launcher checks they fit); memory
 // and wire offsets are 64-bit. 32-bit division keeps the run decoding cheap and off the
-// register budget.
+// register budget. Tiles are numbered from the rectangle's first one (u = 0).
 struct Runs {
     char* pool;
     char* wire;
@@ -73,46 +103,139 @@ struct Runs {
     int l_off, nl, h_off, nh, ncomp, row0, row1;
     i64 coff0, coff1, bs, ls;
 
-    __device__ __forceinline__ unsigned count() const {
-        return (unsigned)((t1 - 1) / T - t0 / T + 1) * (unsigned)(nl * ncomp * nh);
+    __device__ __forceinline__ unsigned tiles() const { return (unsigned)((t1 - 1) / T - t0 / T + 1); }
+
+    __device__ __forceinline__ unsigned count() const { return tiles() * (unsigned)(nl * ncomp * nh); }
+
+    __device__ __forceinline__ i64 tile_start(unsigned u) const {
+        const i64 ts = ((i64)u + t0 / T) * T;
+        return ts > t0 ? ts : t0;
     }
 
-    // Run r (in wire order): its bytes at pool + *m and at wire + *w.
+    // Physical block of tile u; checked where it is used, so that it can be loaded ahead.
+    __device__ __forceinline__ i64 block(unsigned u) const {
+        const i64 bi = tile_start(u) / tpb - block_base;
+        return ids_bytes == 8 ? (i64)__ldg(static_cast<const long long*>(ids) + bi)
+                              : (i64)__ldg(static_cast<const int*>(ids) + bi);
+    }
+
+    // Run (tile u in block blk, layer-head j = l * nh + h, component c): its bytes at
+    // pool + *m and at wire + *w.
+    __device__ __forceinline__ int locate(unsigned u, i64 blk, unsigned j, unsigned c, i64* m, i64* w) const {
+        // A bad block id would scatter into memory the pool does not own; fail loudly as torch's index checks do.
+        if ((u64)blk >= (u64)num_blocks) __trap();
+        const unsigned l = j / (unsigned)nh, h = j - l * (unsigned)nh;
+        const i64 ts = tile_start(u);
+        const i64 te = ((i64)u + t0 / T + 1) * T < t1 ? ((i64)u + t0 / T + 1) * T : t1;
+        const int ntok = (int)(te - ts);
+        const int row = c ? row1 : row0;
+        const i64 bpl = (i64)nh * (row0 + (ncomp > 1 ? row1 : 0));  // wire bytes per token per layer
+        *w = (ts - t0) * nl * bpl + (i64)ntok * ((i64)l * bpl + (c ? (i64)nh * row0 : 0) + (i64)h * row);
+        *m = blk * bs + (i64)(l + l_off) * ls + (c ? coff1 : coff0) + (i64)(h + h_off) * tpb * row + (ts % tpb) * row;
+        return ntok * row;
+    }
+
+    // Run r (in wire order).
     __device__ __forceinline__ int get(unsigned r, i64* m, i64* w) const {
         const unsigned h = r % (unsigned)nh;
         unsigned q = r / (unsigned)nh;
         const unsigned c = q % (unsigned)ncomp;
         q /= (unsigned)ncomp;
         const unsigned l = q % (unsigned)nl;
-        const i64 u = (i64)(q / (unsigned)nl) + t0 / T;
-        const i64 ts = u * T > t0 ? u * T : t0;
-        const i64 te = (u + 1) * T < t1 ? (u + 1) * T : t1;
-        const int ntok = (int)(te - ts);
-        const int row = c ? row1 : row0;
-        const i64 bpl = (i64)nh * (row0 + (ncomp > 1 ? row1 : 0));  // wire bytes per token per layer
-        const i64 bi = ts / tpb - block_base;
-        const i64 blk = ids_bytes == 8 ? static_cast<const i64*>(ids)[bi] : (i64) static_cast<const int*>(ids)[bi];
-        // A bad block id would scatter into memory the pool does not own; fail loudly as torch's index checks do.
-        if ((u64)blk >= (u64)num_blocks) __trap();
-        *w = (ts - t0) * nl * bpl + (i64)ntok * ((i64)l * bpl + (c ? (i64)nh * row0 : 0) + (i64)h * row);
-        *m = blk * bs + (i64)(l + l_off) * ls + (c ? coff1 : coff0) + (i64)(h + h_off) * tpb * row + (ts % tpb) * row;
-        return ntok * row;
+        const unsigned u = q / (unsigned)nl;
+        return locate(u, block(u), l * (unsigned)nh + h, c, m, w);
     }
 };
+
+// How the runs of one component become items; the same for every tile, from the run length
+// of a whole tile (a partial first or last tile has shorter runs: some of its pieces are
+// empty, some lanes idle). kvlab/ops/cuda.py (_work_items) mirrors it to size the grid.
+// lg < 5: runs of at most 2^lg lane steps, 32 >> lg runs per item, 2^lg lanes each.
+// lg == 5: k pieces of `piece` bytes (a multiple of 16, so that every piece has the
+// alignment of its run) per run, one item each.
+struct Plan {
+    int lg, piece;
+    unsigned k, items;  // items per tile
+};
+
+__device__ __forceinline__ Plan plan(int T, int row, unsigned runs_per_tile) {
+    const int lane_step = 16 * KV_UNROLL, step = 32 * lane_step;
+    const int L = T * row;
+    Plan p;
+    p.lg = 0;
+    while (p.lg < 5 && (lane_step << p.lg) < L) ++p.lg;
+    if (p.lg == 5) {
+        p.k = (unsigned)((L + step - 1) / step);
+        p.piece = ((L + (int)p.k - 1) / (int)p.k + 15) & ~15;
+        p.items = runs_per_tile * p.k;
+    } else {
+        p.k = 1;
+        p.piece = L;
+        p.items = (runs_per_tile + (32u >> p.lg) - 1) >> (5 - p.lg);
+    }
+    return p;
+}
 
 template <bool PACK>
 __device__ __forceinline__ void kv_copy(const Runs& R) {
     const int lane = threadIdx.x & 31;
-    const unsigned nruns = R.count();
+    const unsigned runs_per_tile = (unsigned)(R.nl * R.nh);
+    const Plan p0 = plan(R.T, R.row0, runs_per_tile);
+    const Plan p1 = R.ncomp > 1 ? plan(R.T, R.row1, runs_per_tile) : Plan{0, 0, 0, 0};
+    const unsigned per_tile = p0.items + p1.items;
+    const unsigned n = R.tiles() * per_tile;
     const unsigned nwarps = (gridDim.x * blockDim.x) >> 5;
-    for (unsigned r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < nruns; r += nwarps) {
-        i64 m, w;
-        const int len = R.get(r, &m, &w);
-        if (PACK) {
-            copy_run(R.wire + w, R.pool + m, len, lane);
-        } else {
-            copy_run(R.pool + m, R.wire + w, len, lane);
+    unsigned i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (i >= n) return;
+    unsigned u = i / per_tile;
+    i64 blk = R.block(u);
+    for (;;) {
+        // the next item's block id is loaded now so that its latency hides behind this copy
+        const unsigned next = i + nwarps;  // no wrap: the launcher keeps n + nwarps below 2^32
+        const bool more = next < n;
+        unsigned u_next = u;
+        i64 blk_next = blk;
+        if (more) {
+            u_next = next / per_tile;
+            if (u_next != u) blk_next = R.block(u_next);
         }
+        unsigned q = i - u * per_tile;
+        const unsigned c = q >= p0.items;
+        const int lg = c ? p1.lg : p0.lg;
+        q -= c ? p0.items : 0u;
+        unsigned j;
+        int off = 0, cap, gl, G;
+        if (lg == 5) {
+            const unsigned k = c ? p1.k : p0.k;
+            j = q / k;
+            cap = c ? p1.piece : p0.piece;
+            off = (int)(q - j * k) * cap;
+            gl = lane;
+            G = 32;
+        } else {
+            j = (q << (5 - lg)) + ((unsigned)lane >> lg);
+            cap = 0x7fffffff;
+            G = 1 << lg;
+            gl = lane & (G - 1);
+        }
+        if (j < runs_per_tile) {
+            i64 m, w;
+            const int len = R.locate(u, blk, j, c, &m, &w) - off;
+            if (len > 0) {
+                const int nb = len < cap ? len : cap;
+                char* d = PACK ? R.wire + w + off : R.pool + m + off;
+                const char* s = PACK ? R.pool + m + off : R.wire + w + off;
+                if (G == 32) {
+                    copy_part<true>(d, s, nb, lane, 32);
+                } else {
+                    copy_part<false>(d, s, nb, gl, G);
+                }
+            }
+        }
+        if (!more) break;
+        i = next;
+        u = u_next;
+        blk = blk_next;
     }
 }
 

@@ -1,8 +1,10 @@
 """Pack/unpack kernel bandwidth against a device-to-device copy of the same bytes, on one GPU.
 
-A Llama-3.1-8B-like pool (32 layers, 8 kv heads, head_dim 128, bf16, 32 tokens per block)
-with its blocks in a shuffled order; one chunk is a rectangle of whole blocks (all layers,
-all or half of the heads) of 64 or 256 MiB. Bandwidth counts bytes read + written, as the
+A Llama-3.1-8B-like pool (32 layers, 8 kv heads, head_dim 128, bf16, 32 tokens per block:
+runs of 8 KiB) and DeepSeek-V3.2-like pools (61 layers; the MLA latent, one 1152-byte row per
+token: runs of 36 KiB; the indexer, 128 value bytes and 4 scale bytes per token: runs of
+4 KiB and 128 bytes) with their blocks in a shuffled order; one chunk is a rectangle of whole
+blocks (all layers, all or half of the heads) of about 64 or 256 MiB. Bandwidth counts bytes read + written, as the
 copy figure of DESIGN.md does. The copy (torch ``copy_`` over the whole GPU) is measured in
 the same run; the kernels run on a given number of CTAs, the point being to stay close to
 it on few CTAs so that NCCL keeps its SMs.
@@ -28,11 +30,19 @@ from kvlab.state import RankPool
 MiB = 2**20
 DEVICE = "cuda"
 LAYERS, HEADS, HEAD_DIM, TPB = 32, 8, 128, 32
+DSV32_LAYERS = 61
 
 
 def llama8b_pool(layout: Layout, heads: range = range(HEADS)) -> RankPool:
     spec = PoolSpec("kv", Kind.kv, tuple(range(LAYERS)), 0, HEADS, (HEAD_DIM, HEAD_DIM), ("bf16", "bf16"))
     return RankPool(spec, range(LAYERS), heads, TPB, layout)
+
+
+def dsv32_pool(kind: Kind, layout: Layout = Layout.block_major) -> RankPool:
+    """DeepSeek-V3.2's MLA latent (576 bf16) or indexer K (128 fp8 values + one fp32 scale) pool, as bytes."""
+    elems, dtypes = ((576,), ("bf16",)) if kind == Kind.mla else ((128, 1), ("fp8", "fp32"))
+    spec = PoolSpec(kind.value, kind, tuple(range(DSV32_LAYERS)), 0, 1, elems, dtypes)
+    return RankPool(spec, range(DSV32_LAYERS), range(1), TPB, layout)
 
 
 def time_ms(fn, iters: int, trials: int = 5) -> float:
@@ -57,20 +67,23 @@ def gbps(nbytes: int, ms: float) -> float:
 
 
 class Chunk:
-    """A pool with shuffled blocks and one rectangle of ``chunk_bytes`` over the given heads."""
+    """A pool with shuffled blocks and one rectangle of whole blocks, at most ``chunk_bytes``, over the given heads.
 
-    def __init__(self, layout: Layout, chunk_bytes: int, heads: range, gen: torch.Generator):
-        self.pool = llama8b_pool(layout, range(HEADS))
-        tok_bytes = LAYERS * len(heads) * sum(self.pool.rows)
-        tokens = chunk_bytes // tok_bytes
-        assert tokens % TPB == 0, "chunks are whole blocks"
+    ``pool``: defaults to the Llama-3.1-8B pool in ``layout``.
+    """
+
+    def __init__(self, layout: Layout, chunk_bytes: int, heads: range, gen: torch.Generator,
+                 pool: RankPool | None = None):
+        self.pool = pool or llama8b_pool(layout, range(HEADS))
+        nl = len(self.pool.layers)
+        tok_bytes = nl * len(heads) * sum(self.pool.rows)
+        tokens = chunk_bytes // tok_bytes // TPB * TPB
         self.num_blocks = 2 * tokens // TPB  # the chunk's blocks scattered over twice as many
-        self.rect = Rect("kv", 0, LAYERS, heads.start, heads.stop, 0, tokens, TPB)
+        self.rect = Rect(self.pool.name, 0, nl, heads.start, heads.stop, 0, tokens, TPB)
         self.ids = torch.randperm(self.num_blocks, generator=gen)[: tokens // TPB].to(DEVICE)
         self.pool_bytes = torch.randint(0, 256, (self.pool.pool_bytes(self.num_blocks),), dtype=torch.uint8,
                                         device=DEVICE)
         self.nbytes = self.rect.nbytes(self.pool.rows)
-        assert self.nbytes == chunk_bytes
         self.wire = torch.empty(self.nbytes, dtype=torch.uint8, device=DEVICE)
 
     def pack(self, ctas, tuning=cuda_ops.DEFAULT_TUNING):
@@ -176,11 +189,14 @@ def main() -> None:
     for mib in args.chunks_mib:
         b.copy_gbps[mib] = d2d_copy_gbps(mib * MiB, args.iters)
 
-    cases = [("block_major", Layout.block_major, range(HEADS)), ("layer_major", Layout.layer_major, range(HEADS)),
-             ("block_major heads 0-3", Layout.block_major, range(HEADS // 2))]
-    for name, layout, heads in cases:
+    cases = [("block_major", Layout.block_major, range(HEADS), None),
+             ("layer_major", Layout.layer_major, range(HEADS), None),
+             ("block_major heads 0-3", Layout.block_major, range(HEADS // 2), None),
+             ("dsv32 mla 1152B", Layout.block_major, range(1), dsv32_pool(Kind.mla)),
+             ("dsv32 indexer 128+4B", Layout.block_major, range(1), dsv32_pool(Kind.indexer))]
+    for name, layout, heads, pool in cases:
         for mib in args.chunks_mib:
-            ch = Chunk(layout, mib * MiB, heads, gen)
+            ch = Chunk(layout, mib * MiB, heads, gen, pool)
             if mib == min(args.chunks_mib):
                 ch.verify()
             b.measure(name, ch, mib, args.ctas, cuda_ops.DEFAULT_TUNING)

@@ -46,3 +46,21 @@ def test_disk_cache(cuda_ops, tmp_path, monkeypatch):
 def test_bad_tuning_rejected(cuda_ops):
     with pytest.raises(ValueError):
         cuda_ops.Tuning(threads=100)
+
+
+@pytest.mark.parametrize("tuning", [dict(), dict(threads=512, unroll=16), dict(threads=128, bulk=True)])
+def test_no_register_spills(cuda_ops, tuning):
+    """A spill turns every vector in flight into a local-memory round trip: the copy kernels must fit in registers."""
+    import io
+
+    from cuda.core import Program
+
+    t = cuda_ops.Tuning(**tuning)
+    log = io.StringIO()
+    opts = cuda_ops._options("sm_90", t)
+    opts.ptxas_options = "-v"
+    Program(cuda_ops._source(), "c++", options=opts).compile("cubin", logs=log)
+    text = log.getvalue().replace("\0", "")
+    spills = [line for line in text.splitlines() if "spill" in line]
+    assert len(spills) >= 4, f"no ptxas report in the NVRTC log:\n{text}"
+    assert all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), text

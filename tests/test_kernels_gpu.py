@@ -136,6 +136,38 @@ _case("bf16-same_misalignment", _kv, 8, None, pool_off=6, buf_off=6)
 _case("indexer-misaligned", make_pool((128, 4), heads=1, tpb=64, kind=Kind.indexer), 5,
       Rect("p", 0, 4, 0, 1, 0, 130, 64), pool_off=2, buf_off=1)
 _case("int32_block_ids-block_base", _kv, 10, Rect("p", 0, 4, 0, 8, 70, 200, 32), ids_dtype=torch.int32, slack=2)
+# Runs longer than a warp step, cut into pieces: MLA rows (1152 B) in 64-, 128- and 256-token
+# blocks, whole and partial tiles, pieces that do not divide the run (tile 16: 18 KiB runs)
+_mla = dict(heads=1, kind=Kind.mla)
+_case("mla-1152-tpb64-tile64-61layers", make_pool((1152,), layers=61, tpb=64, **_mla), 5,
+      Rect("p", 0, 61, 0, 1, 0, 256, 64))
+_case("mla-1152-tpb128-tile128-partial_both", make_pool((1152,), tpb=128, **_mla), 6,
+      Rect("p", 0, 4, 0, 1, 37, 601, 128))
+_case("mla-1152-tpb256-tile256", make_pool((1152,), tpb=256, **_mla), 5, Rect("p", 0, 4, 0, 1, 0, 1024, 256))
+_case("mla-1152-tpb256-tile256-partial-layer_major",
+      make_pool((1152,), layers=5, held_layers=range(1, 5), tpb=256, layout=Layout.layer_major, **_mla), 6,
+      Rect("p", 2, 5, 0, 1, 255, 1030, 256))
+_case("mla-1152-tpb256-tile64", make_pool((1152,), tpb=256, **_mla), 4, Rect("p", 0, 4, 0, 1, 100, 700, 64))
+_case("mla-1152-tpb16-tile16", make_pool((1152,), tpb=16, **_mla), 20, Rect("p", 0, 4, 0, 1, 3, 300, 16))
+_case("mla-1152-tpb128-pool_off4-buf_off4", make_pool((1152,), tpb=128, **_mla), 4, Rect("p", 0, 4, 0, 1, 0, 384, 128),
+      pool_off=4, buf_off=4)
+_case("mla-1152-tpb256-misaligned", make_pool((1152,), tpb=256, **_mla), 3, Rect("p", 0, 4, 0, 1, 1, 500, 256),
+      pool_off=2, buf_off=7)
+_case("mla-1152-tpb128-gqa_heads", make_pool((1152, 1152), heads=3, tpb=128), 4, Rect("p", 0, 4, 1, 3, 5, 300, 128))
+# Runs far shorter than a warp step, batched per lane group: 4-byte rows (indexer scales)
+# alone and beside long runs, tiles of 1 to 64 tokens, many layers and heads
+_case("scale-4-tpb32-tile32-61layers", make_pool((4,), layers=61, tpb=32, heads=1, kind=Kind.indexer), 6,
+      Rect("p", 0, 61, 0, 1, 0, 150, 32))
+_case("indexer-128+4-tpb32-61layers-partial", make_pool((128, 4), layers=61, tpb=32, heads=1, kind=Kind.indexer), 8,
+      Rect("p", 3, 60, 0, 1, 7, 201, 32))
+_case("scale-4-tpb64-tile64", make_pool((4,), tpb=64, heads=1, kind=Kind.indexer), 5, Rect("p", 0, 4, 0, 1, 0, 300, 64))
+_case("scale-4-tpb1-tile1", make_pool((4,), layers=7, tpb=1, heads=1, kind=Kind.indexer), 80,
+      Rect("p", 0, 7, 0, 1, 2, 75, 1))
+_case("scale-4+4-8heads-tpb16-tile4", make_pool((4, 4), tpb=16), 12, Rect("p", 0, 4, 1, 8, 3, 170, 4))
+_case("mla+scale-1152+4-tpb256", make_pool((1152, 4), tpb=256, heads=1, kind=Kind.indexer), 4,
+      Rect("p", 0, 4, 0, 1, 9, 800, 256))
+_case("scale-4-misaligned", make_pool((4,), layers=9, tpb=32, heads=2), 6, Rect("p", 0, 9, 0, 2, 1, 140, 32),
+      pool_off=1, buf_off=2)
 
 
 @pytest.mark.parametrize("ctas", [1, 8, 132])
@@ -146,7 +178,7 @@ def test_matches_reference(cuda_ops, pool, num_blocks, rect, kw, ctas):
 
 def random_case(rng: random.Random):
     rows = tuple(rng.choice([1, 2, 3, 4, 5, 16, 128, 256, 512, 1152]) for _ in range(rng.choice([1, 2])))
-    tpb = rng.choice([1, 2, 4, 16, 32, 64])
+    tpb = rng.choice([1, 2, 4, 16, 32, 64, 128, 256])
     tile = rng.choice([d for d in range(1, tpb + 1) if tpb % d == 0])
     heads, layers = rng.randint(1, 8), rng.randint(1, 5)
     hh0 = rng.randrange(heads)

@@ -1,9 +1,10 @@
 """CUDA pack/unpack: ``kernels/kv_copy.cu`` compiled with NVRTC, launched on torch's current stream.
 
-Same signature as :mod:`kvlab.ops.reference`, plus ``ctas``: the kernels walk the runs in a
-grid-stride loop, so a launch on 8-32 CTAs moves the bytes while leaving NCCL's kernels the
-other SMs (DESIGN.md). The cubin is cached on disk per source, options and NVRTC version,
-so ranks after the first start without compiling.
+Same signature as :mod:`kvlab.ops.reference`, plus ``ctas``: the kernels walk work items of
+about one warp step (pieces of long runs, batches of short ones) in a grid-stride loop, so a
+launch on 8-32 CTAs moves the bytes while leaving NCCL's kernels the other SMs (DESIGN.md),
+whatever the run lengths of the cache kind. The cubin is cached on disk per source, options
+and NVRTC version, so ranks after the first start without compiling.
 
 The kernel source has no ``#include``: NVRTC then needs no include path, and no header
 package on the GPU machine.
@@ -203,6 +204,22 @@ def ensure_compiled(device: int | None = None, arch: str | None = None, tuning: 
     _kernels(torch.cuda.current_device() if device is None else device, tuning, arch)
 
 
+def _work_items(tile: int, rows: tuple[int, ...], runs_per_tile: int, ntiles: int, unroll: int) -> int:
+    """Work items of a launch: ``plan`` in kernels/kv_copy.cu, item for item (it sizes the grid)."""
+    lane_step = 16 * unroll
+    per_tile = 0
+    for row in rows:
+        run = tile * row
+        lg = 0
+        while lg < 5 and lane_step << lg < run:
+            lg += 1
+        if lg == 5:
+            per_tile += runs_per_tile * -(-run // (32 * lane_step))
+        else:
+            per_tile += -(-runs_per_tile // (32 >> lg))
+    return ntiles * per_tile
+
+
 def _check_cuda(pool_bytes: torch.Tensor, pool: RankPool, rect: Rect, block_ids: torch.Tensor, block_base: int,
                 buf: torch.Tensor) -> None:
     dev = pool_bytes.device
@@ -227,8 +244,9 @@ def _check_cuda(pool_bytes: torch.Tensor, pool: RankPool, rect: Rect, block_ids:
         raise ValueError(f"block table has {block_ids.numel()} blocks, tokens [{rect.t0}, {rect.t1}) need {need}")
     ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
     nruns = ntiles * rect.n_layers * len(pool.rows) * rect.n_heads
-    if nruns > _INT_MAX or T * max(pool.rows) > _INT_MAX or tpb > _INT_MAX or len(pool.rows) > 2:
-        raise ValueError(f"rect {rect} exceeds the kernel's limits (2^31 runs, 2^31-byte runs, 2 components)")
+    # pieces of a run may overshoot it by up to 15 bytes each: 2^30-byte runs keep their offsets in int
+    if nruns > _INT_MAX or T * max(pool.rows) > 2**30 or tpb > _INT_MAX or len(pool.rows) > 2:
+        raise ValueError(f"rect {rect} exceeds the kernel's limits (2^31 runs, 2^30-byte runs, 2 components)")
 
 
 def _launch(pack_dir: bool, pool_bytes, pool, num_blocks, rect, block_ids, block_base, buf, ctas, tuning):
@@ -250,8 +268,15 @@ def _launch(pack_dir: bool, pool_bytes, pool, num_blocks, rect, block_ids, block
     bs, ls = pool.strides(num_blocks)
     T = rect.tile
     ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
-    nruns = ntiles * rect.n_layers * len(rows) * rect.n_heads
-    grid = max(1, min(ctas, -(-nruns // (tuning.threads // 32))))
+    warps = tuning.threads // 32
+    if tuning.bulk:
+        work = ntiles * rect.n_layers * len(rows) * rect.n_heads  # the bulk kernels take whole runs
+    else:
+        work = _work_items(T, rows, rect.n_layers * rect.n_heads, ntiles, tuning.unroll)
+    # the kernel's item counter and its stride (all warps of the grid) stay below 2^32 together
+    if work > _INT_MAX:
+        raise ValueError(f"rect {rect} makes {work} work items, more than the kernel's 2^31")
+    grid = max(1, min(ctas, -(-work // warps)))
     smem = tuning.smem_bytes()
     if smem > 48 * 1024 and smem > _smem_optin(index):
         raise ValueError(f"{tuning} needs {smem} bytes of shared memory per CTA, more than the device has")
