@@ -47,6 +47,10 @@ def _short(e: BaseException) -> str:
     return text.split(". This is typically")[0].rstrip(".")
 
 
+class Stopped(Exception):
+    """The process was told to stop (SIGTERM from the launcher or torchrun's agent) during the transfers."""
+
+
 class TransferTimeout(RuntimeError):
     """A chunk that did not complete within ``transfer.timeout_s``, or whose peer is gone."""
 
@@ -111,6 +115,7 @@ class Executor:
         self.failures: dict[int, str] = {}  # request -> why it failed on this rank
         self.error: str | None = None  # the failure that stopped this rank's loop
         self.error_at: float | None = None
+        self.stopped = False  # told to stop from outside: nobody is left to report to
         self.transfer_peak = 0  # allocator peak of the transfer alone (fill and verify excluded)
 
     @contextlib.contextmanager
@@ -264,20 +269,23 @@ class Executor:
                     inflight.append(self._post(i, c))
                 while inflight:
                     self._complete(inflight.popleft(), segments, requests)
-        except TransferTimeout as e:
+        except (TransferTimeout, Stopped) as e:
             self._abort(e, inflight)
         if self.stream is not None and self.error is None:
             self.stream.synchronize()
         return list(self.records.values())
 
-    def _abort(self, e: TransferTimeout, inflight: deque[InFlight]) -> None:
+    def _abort(self, e: TransferTimeout | Stopped, inflight: deque[InFlight]) -> None:
         """Fail every request this rank has open and free their blocks and slots. The loop stops here:
         every rank follows one global order, so the chunks after this one would wait on the lost peer too."""
         self.error = f"{self.side}{self.rank}: {e}"
         self.error_at = time.time()
+        self.stopped = isinstance(e, Stopped)
+        failed = getattr(e, "request", None)
         for rid, rec in self.records.items():
             if rec.end is None:
-                self.failures[rid] = self.error if rid == e.request else f"{self.side}{self.rank}: aborted after {e}"
+                direct = rid == failed or self.stopped
+                self.failures[rid] = self.error if direct else f"{self.side}{self.rank}: aborted after {e}"
                 if rid in self.cache.tables:
                     self.cache.release(rid)
         for f in inflight:

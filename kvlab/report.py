@@ -49,6 +49,19 @@ def read_part(run_dir: Path, world_rank: int) -> dict | None:
     return part
 
 
+def wait_for_parts(run_dir: Path, ranks, wait_s: float) -> tuple[dict[int, dict], list[int]]:
+    """Part files of ``ranks`` as they appear in a shared run dir, for up to ``wait_s``; (parts, missing)."""
+    deadline = time.monotonic() + wait_s
+    got: dict[int, dict] = {}
+    while True:
+        for r in ranks:
+            if r not in got and (part := read_part(run_dir, r)) is not None:
+                got[r] = part
+        if len(got) == len(ranks) or time.monotonic() > deadline:
+            return got, [r for r in ranks if r not in got]
+        time.sleep(0.1)
+
+
 class Board:
     def __init__(self, store, rank: int, world: int, stale_s: float, beat_every_s: float = 0.5):
         self.store, self.rank, self.world, self.stale_s = store, rank, world, stale_s

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import signal
 import socket
 import sys
 import time
@@ -37,7 +38,7 @@ from kvlab.cache import PagedCache, blocks_for
 from kvlab.clock import Clock
 from kvlab.config import CONF_DIR, build, compose, needs_preflight, to_container
 from kvlab.errors import ConfigError
-from kvlab.executor import Executor
+from kvlab.executor import Executor, Stopped
 from kvlab.launch import launch_local, under_torchrun
 from kvlab.ops import get_ops
 from kvlab.plan import plan
@@ -98,8 +99,17 @@ def _sink(cfg: DictConfig, run_dir: Path, rank: int, side: str):
     return WandbSink.create(to_container(cfg), run_dir, rank, side)
 
 
+def _stop(signum, frame) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # one is enough: let this rank write what it knows
+    raise Stopped(f"stopped by {signal.Signals(signum).name}")
+
+
 def worker_main(cfg: DictConfig, run_dir: Path) -> int:
-    """One rank; returns its exit code (0: every request verified; 1: failures; 2: bad config)."""
+    """One rank; returns its exit code (0: every request verified; 1: failures; 2: bad config).
+
+    SIGTERM (the local launcher's grace ran out, or torchrun's agent saw another rank fail) ends
+    the transfers like a lost peer, so that this rank still writes its part file."""
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         setup = build(cfg)
         world_rank, device = transport.init(setup, setup.transfer.timeout_s)
@@ -113,7 +123,10 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
         if world_rank == 0:
             print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
+    except Stopped:
+        return 1
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -174,21 +187,35 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
             "env": {"backend": dist.get_backend(), "kernels": ops.name,
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}}
     report.write_part(run_dir, world_rank, part)  # before any exchange: what this rank knows survives it
-    board.post(part)
+    if executor.stopped and world_rank != 0:
+        return 1
     summary = None
     if world_rank == 0:
-        gathered, silent = board.collect()
+        why = f"dead, or silent for more than {board.stale_s:g} s"
+        try:
+            if executor.stopped:
+                raise Stopped()
+            board.post(part)
+            gathered, silent = board.collect()
+        except Stopped:
+            # torchrun's agent stops every rank once one has died: the others are writing their part
+            # files right now (those blocked in a transfer within transfer.timeout_s); merge what lands
+            board.broken, why = "stopped", "dead, or stopped before it could report"
+            gathered, silent = report.wait_for_parts(run_dir, range(1, setup.world_size),
+                                                     min(setup.transfer.timeout_s + 2.0, 20.0))
         gathered[0] = part
         for r in list(silent):  # a shared run dir may hold what the store could not bring
             late = report.read_part(run_dir, r)
             if late is not None:
                 gathered[r] = late
                 silent.remove(r)
-        summary = finalize(setup, run_dir, requests, order, gathered, silent,
-                           f"dead, or silent for more than {board.stale_s:g} s")
+        summary = finalize(setup, run_dir, requests, order, gathered, silent, why)
+        if executor.stopped or board.broken == "stopped":
+            return 1
         board.publish({"verified": summary["verified"]}, sorted(set(gathered) - {0, *silent}))
         verified = summary["verified"]
     else:
+        board.post(part)
         verdict = board.await_verdict()
         # without rank 0's verdict this rank can only vouch for itself
         verified = verdict["verified"] if verdict else not (failures or errors or any(p["errors"] for p in parts))

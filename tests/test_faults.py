@@ -64,6 +64,23 @@ def test_killed_rank_fails_its_requests_and_the_run_ends(tmp_path):
     assert {int(k) for k in gen["failures"]} <= {2, 3}
 
 
+def test_killed_rank_under_torchrun_is_still_reported(tmp_path):
+    """torchrun's agent stops every rank as soon as one dies: the survivors write their part files on
+    SIGTERM and rank 0 merges the ones that land in the (shared) run dir."""
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+                        "-m", "kvlab", "run", *QUIET, *FAULTY, "fault.kill_rank=1", "fault.kill_at_chunk=24"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S + 60)
+    assert time.time() - t0 < TIMEOUT_S + 30
+    assert p.returncode != 0 and "exitcode  : 3" in p.stderr  # the agent names the dead rank's code
+    (run_dir,) = (tmp_path / "outputs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["silent_ranks"] == [1] and summary["failed_requests"] == [2, 3, 4, 5]
+    assert summary["errors"][0].startswith("ctx1 (rank 1) sent no report")
+    rows = _rows(run_dir)
+    assert rows[0]["verified"] and rows[1]["verified"]
+
+
 def test_stalled_rank_is_left_behind_and_the_run_ends(tmp_path):
     t0 = time.time()
     summary = run_transfer(QUIET + FAULTY + ["fault.stall_rank=1", "fault.stall_at_chunk=24", "fault.stall_s=300"],
@@ -78,6 +95,10 @@ def test_stalled_rank_is_left_behind_and_the_run_ends(tmp_path):
     timeouts = [e for e in summary["errors"] if "not done within 4 s" in e]
     assert timeouts, summary["errors"]  # the peers gave up after transfer.timeout_s
     assert all(rows[r]["error"] for r in (2, 3, 4, 5))
+    # stopped by the launcher once rank 0 had reported, the stalled rank still wrote what it knew
+    stalled = json.loads((tmp_path / "parts" / "rank1.json").read_text())
+    assert stalled["errors"] == ["ctx1: stopped by SIGTERM"]
+    assert set(stalled["failures"].values()) == {"ctx1: stopped by SIGTERM"}
 
 
 # -- corruption ----------------------------------------------------------------------------------
