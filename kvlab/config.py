@@ -93,7 +93,7 @@ class FaultCfg:
     stall_at_chunk: int = -1
     stall_s: float = 0.0
     flip_rank: int = -1  # world rank whose messages get bytes inverted (x ^ 0xFF) in flight
-    flip_at: List[int] = field(default_factory=list)
+    flip_at: list[int] = field(default_factory=list)
 
 
 @dataclass

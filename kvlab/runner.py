@@ -183,6 +183,7 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
 
     part = {"rank": world_rank, "side": side, "side_rank": rank, "parts": parts, "failures": failures,
             "errors": errors, "error_at": executor.error_at, "peak": peak, "host": socket.gethostname(),
+            "held_blocks": sum(len(t.host) for ts in cache.tables.values() for t in ts.values()),  # 0: all freed
             "node": os.environ.get("GROUP_RANK"),
             "env": {"backend": dist.get_backend(), "kernels": ops.name,
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}}

@@ -62,6 +62,8 @@ def test_killed_rank_fails_its_requests_and_the_run_ends(tmp_path):
     gen = json.loads((run_dir / "parts" / "rank2.json").read_text())
     assert gen["errors"] and "with ctx1" in gen["errors"][0]
     assert {int(k) for k in gen["failures"]} <= {2, 3}
+    for r in (0, 2):  # the failed requests' blocks went back to the allocator
+        assert json.loads((run_dir / "parts" / f"rank{r}.json").read_text())["held_blocks"] == 0
 
 
 def test_killed_rank_under_torchrun_is_still_reported(tmp_path):
@@ -83,10 +85,14 @@ def test_killed_rank_under_torchrun_is_still_reported(tmp_path):
 
 def test_stalled_rank_is_left_behind_and_the_run_ends(tmp_path):
     t0 = time.time()
-    summary = run_transfer(QUIET + FAULTY + ["fault.stall_rank=1", "fault.stall_at_chunk=24", "fault.stall_s=300"],
-                           tmp_path)
+    p = subprocess.run([*_kvlab(), "run", f"hydra.run.dir={tmp_path}", *QUIET, *FAULTY, "fault.stall_rank=1",
+                        "fault.stall_at_chunk=24", "fault.stall_s=300"], capture_output=True, text=True,
+                       timeout=TIMEOUT_S + 60)
     wall = time.time() - t0
     assert wall < TIMEOUT_S + 30, wall
+    assert p.returncode == 1, p.stderr
+    assert "rank 1 (ctx1) was still running after rank" in p.stderr and "stopped it" in p.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
     assert not summary["verified"] and summary["silent_ranks"] == [1]
     assert "silent for more than" in summary["errors"][0]
     rows = _rows(tmp_path)
