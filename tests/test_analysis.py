@@ -61,7 +61,8 @@ def make_run(d, overrides=(), *, gbps=1.0, slot_bytes=64 * MiB, layers=4, with_s
         n = w["requests"]
         summary = dict(total_bytes=n * req_bytes, verified=failed == 0, gbps=gbps, seconds=n * req_bytes / gbps / 1e9,
                        peak_staging_bytes=slot_bytes, peak_extra_device_bytes=req_bytes if strategy == "naive"
-                       else slot_bytes, requests=n, failed_requests=failed, strategy=strategy, model="tiny_gqa",
+                       else slot_bytes, requests=n, failed_requests=list(range(failed)), errors=[],
+                       strategy=strategy, model="tiny_gqa",
                        isl_mean=isl, isl_max=isl, slot_bytes=slot_bytes, slots=4,
                        ctx=dict(tp=cfg["ctx"]["tp"], pp=1, dp=1, tokens_per_block=32, layout="block_major"),
                        gen=dict(tp=cfg["gen"]["tp"], pp=1, dp=1, tokens_per_block=32, layout="block_major"),
