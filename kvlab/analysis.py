@@ -218,7 +218,7 @@ def predict_dir(run_dir: str | Path) -> Prediction:
 
     run_dir = Path(run_dir)
     # over the current schema's defaults, so that runs written before a key existed still build;
-    # not struct, so that keys added on the command line (+cost....) survive
+    # not struct, so that keys appended on the command line (+key=value) survive
     schema = OmegaConf.structured(Config)
     OmegaConf.set_struct(schema, False)
     cfg = OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml"))

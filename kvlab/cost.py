@@ -30,7 +30,8 @@ is a whole segment there, so it grows with the prompt).
 Rates come from a profile: ``h200`` (the measured figures in DESIGN.md and the kernel
 bench) or ``cpu`` (gloo on a small CPU machine with the torch reference copies), picked
 from the backend (gloo: cpu) or the device, and overridable key by key:
-``+cost.alpha_us=20``, ``+cost.link_gbps=[200,300,340,360]``, ``+cost.profile=cpu``.
+``cost.alpha_us=20``, ``cost.link_gbps=[200,300,340,360]``, ``cost=cpu`` once ``cost`` is a
+group of conf/config.yaml; until then append them: ``+cost.alpha_us=20``, ``+cost.profile=cpu``.
 
 Against the 2xH200 benchmark (scripts/bench.py: Llama-3.1-8B and DeepSeek-V3.2, 4k-128k,
 every strategy) the extra memory is exact and the time within 7% for Llama at 128k tokens; short
