@@ -33,11 +33,12 @@ from the backend (gloo: cpu) or the device, and overridable key by key:
 ``cost.alpha_us=20``, ``cost.link_gbps=[200,300,340,360]``, ``cost=cpu`` once ``cost`` is a
 group of conf/config.yaml; until then append them: ``+cost.alpha_us=20``, ``+cost.profile=cpu``.
 
-Against the 2xH200 benchmark (scripts/bench.py: Llama-3.1-8B and DeepSeek-V3.2, 4k-128k,
-every strategy) the extra memory is exact and the time within 7% for Llama at 128k tokens; short
-requests (4k) take up to 2x longer than predicted (per-request costs are not modelled), and
-chunked copies of the indexer's 4-byte scale rows 3-4x longer (the kernels' rate is
-modelled as independent of row length). On a 2-core CPU the time is within about 0.7-1.5x.
+Against the 2xH200 benchmark (scripts/bench.py, results/bench_h200x2.json: Llama-3.1-8B at
+4k-128k and DeepSeek-V3.2 at 128k, every strategy) the extra memory is exact and the time
+within 8% for naive, zerocopy and chunked with 2 x 128 MiB slots from 32k tokens on (median
+ratio 0.94 over all 28 transfers); 4k requests take up to 2x, and layerwise at 4k 4x, longer
+than predicted (per-request and per-layer host costs are not modelled). On a 2-core CPU the
+time is within about 0.5-1.5x.
 """
 from __future__ import annotations
 
