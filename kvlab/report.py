@@ -9,13 +9,13 @@ that left the transfer loop at different moments could pair up in different coll
 Liveness instead of timeouts on the whole run: every rank bumps a counter in the store
 while it makes progress (each chunk, each fill or verify piece, each poll here), and a
 thread on rank 0 watches the counters from the start of the transfers, so that silence is
-measured from when it began. Rank 0 waits for a rank's part as long as its
-counter moves; a counter that stands still for
-``stale_s`` (the transfer timeout plus a margin: a healthy rank completes or fails a chunk
-within the timeout) marks the rank as dead or stalled, and rank 0 goes on without it. The
-other ranks wait the same way for rank 0's verdict. A store that cannot be reached (rank 0,
-which hosts it under ``kvlab run``, died) ends the exchange at once; the part files remain,
-and the launcher merges them.
+measured from when it began. Rank 0 waits for a rank's part as long as its counter moves; a
+counter that stands still for ``stale_s`` (the transfer timeout plus a margin: a healthy rank
+completes or fails a chunk within the timeout) marks the rank as dead or stalled, and rank 0
+goes on without it. The other ranks wait the same way for rank 0's verdict. A store that
+cannot be reached (rank 0, which hosts it under ``kvlab run``, died) ends the exchange at
+once; the part files remain, and the launcher merges them. A rank told to stop (SIGTERM)
+writes its part file and leaves; rank 0, told to stop, merges the part files it finds.
 """
 from __future__ import annotations
 
