@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from kvlab.cost import CostCfg
 from kvlab.errors import ConfigError, positive, require
 from kvlab.parallel import Layout, SideSpec
 from kvlab.schedule import Strategy
@@ -119,6 +120,7 @@ class Config:
     cache: CacheCfg = field(default_factory=CacheCfg)
     fault: FaultCfg = field(default_factory=FaultCfg)
     logger: LoggerCfg = field(default_factory=LoggerCfg)
+    cost: CostCfg = field(default_factory=CostCfg)
     kernels: str = "auto"  # auto | torch | cuda
     device: str = "auto"  # auto | cpu | cuda
     extra: Any = None  # free-form room for experiments
@@ -190,7 +192,8 @@ def build(cfg: DictConfig) -> Setup:
     ctx.validate_for(model)
     gen.validate_for(model)
     if ctx.dtype != gen.dtype:
-        raise ConfigError("gen.dtype", gen.dtype, f"must equal ctx.dtype={ctx.dtype}: kvlab moves cache bytes as they are")
+        raise ConfigError("gen.dtype", gen.dtype,
+                          f"must equal ctx.dtype={ctx.dtype}: kvlab moves cache bytes as they are")
     t = cfg.transfer
     require(t.slot_mib > 0, "transfer.slot_mib", t.slot_mib, "must be > 0 MiB")
     require(t.slot_mib * 2**20 >= 1, "transfer.slot_mib", t.slot_mib, "a slot must hold at least one byte")
@@ -292,7 +295,8 @@ def _check_faults(f, world: int) -> None:
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> DictConfig:
     """Compose a config outside of a Hydra app (tests, notebooks, pre-checks)."""
-    from hydra import compose as hcompose, initialize_config_dir
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()

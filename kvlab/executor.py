@@ -148,6 +148,10 @@ class Executor:
         if self.sending:
             with self._untracked():
                 self.cache.fill(req, self.ops)  # the prefill's output
+            if self.stream is not None:
+                # the simulated prefill runs on the host clock: it must not start while the device is
+                # still writing the cache, or layer-wise chunks wait behind the fill, not the layers
+                self.stream.synchronize()
             rec.prefill_start = self.clock.host()
             ms = self.setup.transfer.layer_compute_ms
             if ms:

@@ -16,7 +16,7 @@ from kvlab.errors import positive, require
 from kvlab.layout import Rect
 from kvlab.parallel import SideSpec
 from kvlab.spec import ModelSpec
-from kvlab.state import CacheState, wire_tile, window_start
+from kvlab.state import CacheState, window_start, wire_tile
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ class ModelSpec:
             return self.window
         return self.window if layer % (self.local_per_global + 1) < self.local_per_global else 0
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 -- specs are few, frozen and live as long as the process
     def pools(self, dtype: str = "bf16") -> tuple[PoolSpec, ...]:
         """The pools of this model when its cache is stored in ``dtype`` (the indexer is always fp8+fp32)."""
         require(dtype in DTYPE_BYTES, "dtype", dtype, f"use one of {', '.join(DTYPE_BYTES)}")

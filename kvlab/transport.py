@@ -76,11 +76,13 @@ def handshake(state: CacheState) -> list[dict]:
 def pair_groups(setup: Setup) -> dict[tuple[int, int], dist.ProcessGroup]:
     """One group per (ctx world rank, gen world rank), created by every rank in the same order."""
     groups = {}
+    timeout = datetime.timedelta(seconds=max(setup.transfer.timeout_s, 1.0))
     backend = "nccl" if torch.cuda.is_available() and setup.cfg.device != "cpu" else "gloo"
     for c in range(setup.ctx.size):
         for g in range(setup.gen.size):
             pair = (c, setup.ctx.size + g)
-            groups[pair] = dist.new_group(list(pair), backend=backend)
+            # a lost peer fails the pair's ops after transfer.timeout_s, not NCCL's default of minutes
+            groups[pair] = dist.new_group(list(pair), backend=backend, timeout=timeout)
     return groups
 
 

@@ -35,7 +35,8 @@ def kernels(report: dict) -> str:
     if not best:
         return ""
     copy = k.get("copy_gbps", {})
-    lines = ["| op | chunk | CTAs | GB/s (read + written) | d2d copy GB/s | ratio |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| op | chunk | CTAs | GB/s (read + written) | d2d copy GB/s | ratio |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     for name, b in best.items():
         op, size = name.split()[0], name.split()[1]
         lines.append(f"| {op} | {size} MiB {b['case']} | {b['ctas']} | {b['gbps']:.0f} | "
