@@ -1,6 +1,7 @@
 """Markdown tables of a bench JSON (scripts/bench.py), for the README: numbers are never copied by hand.
 
-    python scripts/results_table.py results/bench_h200x2.json
+    python scripts/results_table.py results/bench_h200x2.json        # transfers
+    python scripts/results_table.py results/kernel_bench_h200.json   # pack/unpack kernels
 """
 from __future__ import annotations
 
@@ -29,23 +30,26 @@ def transfers(report: dict) -> str:
     return "\n".join(lines)
 
 
-def kernels(report: dict) -> str:
-    k = report.get("kernels") or {}
-    best = k.get("best_le_32_ctas") or {}
-    if not best:
+def kernels(report: dict, kernel: str = "warp 1024x8", ctas: tuple[int, ...] = (16, 32, 132)) -> str:
+    """Pack/unpack GB/s (read + written) and the ratio to the d2d copy, per pool case and CTA count."""
+    rows = [r for r in report.get("rows", []) if r["kernel"] == kernel]
+    if not rows:
         return ""
-    copy = k.get("copy_gbps", {})
-    lines = ["| op | chunk | CTAs | GB/s (read + written) | d2d copy GB/s | ratio |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
-    for name, b in best.items():
-        op, size = name.split()[0], name.split()[1]
-        lines.append(f"| {op} | {size} MiB {b['case']} | {b['ctas']} | {b['gbps']:.0f} | "
-                     f"{copy.get(size, float('nan')):.0f} | {b['ratio']:.2f} |")
+    head = " | ".join(f"{c} CTAs" for c in ctas)
+    lines = [f"| pool, chunk | op | {head} |", "| --- | --- |" + " ---: |" * len(ctas)]
+    seen = {}
+    for r in rows:
+        seen.setdefault((r["case"], r["chunk_mib"], r["op"]), {})[r["ctas"]] = r
+    for (case, mib, op), by in seen.items():
+        cells = " | ".join(f"{by[c]['gbps']:.0f} ({by[c]['ratio']:.2f})" if c in by else "" for c in ctas)
+        lines.append(f"| {case}, {mib} MiB | {op} | {cells} |")
+    copy = report.get("copy_gbps", {})
+    lines.append("")
+    lines.append("d2d copy (torch `copy_`, whole GPU): "
+                 + ", ".join(f"{v:.0f} GB/s at {k} MiB" for k, v in copy.items()))
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     rep = json.loads(open(sys.argv[1]).read())
-    print(transfers(rep))
-    print()
-    print(kernels(rep))
+    print(kernels(rep) if "rows" in rep else transfers(rep))
