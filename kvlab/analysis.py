@@ -34,6 +34,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from kvlab.cost import Prediction, predict, rates_from_cfg
+from kvlab.metrics import flatten
 
 MiB = 2**20
 STRATEGY_ORDER = ("naive", "chunked", "layerwise", "zerocopy")
@@ -46,17 +47,6 @@ STRATEGY_STYLE = {  # one look per strategy across every plot
 
 
 # ---------------------------------------------------------------- loading
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{key}."))
-        else:
-            out[key] = v
-    return out
-
 
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
@@ -102,7 +92,7 @@ def load_run(run_dir: str | Path) -> pd.Series:
     row: dict[str, Any] = {}
     summary = run_dir / "summary.json"
     if summary.exists():
-        row.update(_flatten(json.loads(summary.read_text())))
+        row.update(flatten(json.loads(summary.read_text())))
         row["status"] = "ok" if not row.get("failed_requests") else "failed requests"
     else:
         row["status"] = "no summary"  # the job died before writing it: keep its overrides visible

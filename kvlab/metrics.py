@@ -21,6 +21,18 @@ from kvlab.clock import Clock
 from kvlab.executor import RequestRecord
 
 
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested dicts as one level of dotted keys (summary fields as table columns)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
 def _union(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):

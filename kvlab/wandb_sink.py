@@ -24,6 +24,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from kvlab.metrics import flatten
+
 MODES = ("online", "offline", "shared", "disabled")
 
 
@@ -62,17 +64,6 @@ def side_rank(cfg: dict, rank: int, side: str) -> int:
     c = cfg.get("ctx") or {}
     ctx_size = int(c.get("tp", 1)) * int(c.get("pp", 1)) * int(c.get("dp", 1))
     return rank - ctx_size if rank >= ctx_size else rank
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{key}."))
-        else:
-            out[key] = v
-    return out
 
 
 def _scalars(record: dict) -> dict:
@@ -179,7 +170,7 @@ class _LiveSink(WandbSink):
         rows = _read_results(self.run_dir) or self.rows
 
         def do():
-            self.run.summary.update({k: v for k, v in _flatten(summary).items() if v is not None})
+            self.run.summary.update({k: v for k, v in flatten(summary).items() if v is not None})
             if rows:
                 self.run.log({"requests": self._table(rows)})
 
