@@ -15,7 +15,7 @@ clock is modelled. Each chunk goes
   (``zerocopy``, consecutive blocks) skips that side's copy;
 - a device's copies run one at a time, and so do its outgoing and its incoming messages;
   different devices run at once, so pairs on distinct GPUs overlap; ranks sit on devices
-  as the runner puts them (world rank modulo the devices);
+  as the runner puts them (``kvlab.transport.gpu_index``);
 - each rank keeps at most ``slots`` chunks in flight, as the executor does, and a chunk
   waits for its turn; the simulated prefill (``layer_compute_ms`` per layer) releases a
   ``layerwise`` chunk when its layer is done and any other chunk when every layer is.
@@ -256,13 +256,19 @@ class Prediction:
 
 
 def device_map(setup: Setup, devices: int) -> tuple[list[int], list[int]]:
-    """Device of every ctx rank and every gen rank: world rank modulo the devices, as the runner assigns them."""
+    """Device of every ctx rank and every gen rank, as the runner places them on one host
+    (``kvlab.transport.gpu_index``); with ``devices=-1`` the devices are this machine's CPU cores."""
+    from kvlab.transport import gpu_index
+
     nc, ng = setup.ctx.size, setup.gen.size
-    if devices == -1:
-        devices = os.cpu_count() or 1
-    if devices <= 0 or devices >= nc + ng:
-        return list(range(nc)), list(range(nc, nc + ng))
-    return [r % devices for r in range(nc)], [(nc + r) % devices for r in range(ng)]
+    world = nc + ng
+    if devices == -1:  # gloo ranks are processes spread over the cores
+        cores = os.cpu_count() or 1
+        return [r % cores for r in range(nc)], [(nc + r) % cores for r in range(ng)]
+    if devices <= 0 or devices >= world:
+        return list(range(nc)), list(range(nc, world))
+    where = [gpu_index(setup, w, w, world, devices) for w in range(world)]
+    return where[:nc], where[nc:]
 
 
 def as_requests(setup: Setup, requests: Iterable[Request | int] | None = None) -> list[Request]:

@@ -146,7 +146,8 @@ def test_pairs_on_distinct_devices_run_at_once():
 def test_device_map():
     s = setup_of("ctx.tp=2", "gen.tp=1")
     assert device_map(s, 0) == device_map(s, 3) == ([0, 1], [2])
-    assert device_map(s, 2) == ([0, 1], [0])  # world rank modulo the devices, as the runner assigns them
+    # two GPUs for three ranks: ctx ranks share GPU0 and gen takes GPU1, so every pair spans two GPUs
+    assert device_map(s, 2) == ([0, 0], [1])
     assert device_map(s, 1) == ([0, 0], [0])
 
 
