@@ -10,19 +10,19 @@ allocated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from kvlab import paths
 from kvlab.cost import CostCfg
 from kvlab.errors import ConfigError, positive, require
 from kvlab.parallel import Layout, SideSpec
 from kvlab.schedule import Strategy
 from kvlab.spec import Attention, ModelSpec
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = paths.CONF_DIR
 
 
 @dataclass

@@ -25,9 +25,10 @@ import torch
 
 from kvlab.layout import Rect
 from kvlab.ops.reference import _check
+from kvlab.paths import KERNELS_DIR
 from kvlab.state import RankPool
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "kv_copy.cu"
+KERNEL_SOURCE = KERNELS_DIR / "kv_copy.cu"
 DEFAULT_CTAS = 16
 _INT_MAX = 2**31 - 1
 
