@@ -113,7 +113,3 @@ def schedule(model: ModelSpec, ctx: SideSpec, gen: SideSpec, segments: list[Segm
             order.sort(key=lambda c: c.ready_layer)  # stable: round-robin within a layer
     return [replace(c, seq=i) for i, c in enumerate(order)]
 
-
-def rank_chunks(chunks: list[Chunk], side: str, rank: int) -> list[Chunk]:
-    """The chunks one rank takes part in, in schedule order."""
-    return [c for c in chunks if (c.src if side == "ctx" else c.dst) == rank]
