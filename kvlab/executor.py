@@ -38,6 +38,7 @@ from kvlab.plan import Request, Segment
 from kvlab.schedule import Chunk, Strategy
 from kvlab.staging import PerChunkBuffers, SlotPool
 from kvlab.transport import post
+from kvlab.workload import chunks_of
 
 
 def _short(e: BaseException) -> str:
@@ -255,8 +256,7 @@ class Executor:
 
     def run(self, order: list[Chunk], requests: dict[int, Request], segments: dict[int, list[Segment]]
             ) -> list[RequestRecord]:
-        me = (lambda c: c.src == self.rank) if self.sending else (lambda c: c.dst == self.rank)
-        mine = [c for c in order if me(c)]
+        mine = chunks_of(order, self.setup, self.world_rank)
         counts: dict[int, int] = {}
         for c in mine:
             counts[c.request] = counts.get(c.request, 0) + 1

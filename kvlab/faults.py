@@ -18,6 +18,7 @@ import torch
 
 from kvlab.errors import ConfigError
 from kvlab.schedule import Chunk
+from kvlab.workload import chunks_of
 
 KILLED_EXIT = 3  # exit code of a rank killed by fault.kill_rank: neither success (0), failure (1) nor bad config (2)
 
@@ -43,11 +44,6 @@ class RankFaults:
         for j in offsets:
             buf[j:j + 1].bitwise_xor_(0xFF)
         return offsets
-
-
-def chunks_of(order: list[Chunk], setup, world_rank: int) -> list[Chunk]:
-    side, rank = setup.side_of(world_rank)
-    return [c for c in order if (c.src if side.name == "ctx" else c.dst) == rank]
 
 
 def locate_flip(chunks: list[Chunk], offset: int) -> tuple[int, int]:

@@ -44,7 +44,7 @@ from kvlab.ops import get_ops
 from kvlab.plan import plan
 from kvlab.schedule import Chunk, schedule
 from kvlab.state import CacheState
-from kvlab.workload import interleave, make_requests
+from kvlab.workload import chunks_of, interleave, make_requests
 
 
 def peak_blocks(state: CacheState, mine: list[Chunk], isl: dict[int, int], window: int) -> dict[str, int]:
@@ -140,7 +140,7 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
 
     requests, segments, order = plan_run(setup)
     needed = preflight(setup, requests, order, world_rank)  # the same checks on every rank: all stop or none
-    mine = faults.chunks_of(order, setup, world_rank)
+    mine = chunks_of(order, setup, world_rank)
 
     ops = get_ops(cfg.kernels, device.type)
     cache = PagedCache(state, needed, cfg.cache.spare_blocks, cfg.cache.fragmentation,
@@ -266,7 +266,7 @@ def preflight(setup, requests=None, order=None, rank: int | None = None) -> dict
     for w in range(setup.world_size) if cap else ([] if rank is None else [rank]):
         side, side_rank = setup.side_of(w)
         state = CacheState(setup.model, side, side_rank)
-        need = peak_blocks(state, faults.chunks_of(order, setup, w), isl, setup.transfer.slots)
+        need = peak_blocks(state, chunks_of(order, setup, w), isl, setup.transfer.slots)
         if cap:
             for pool in state.pools():
                 have = math.ceil(cap / pool.tokens_per_block)

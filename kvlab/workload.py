@@ -55,3 +55,8 @@ def interleave(schedules: list[list[Chunk]], concurrency: int) -> list[Chunk]:
             active.append((waiting.popleft(), 0))
     return out
 
+
+def chunks_of(order: list[Chunk], setup: Setup, world_rank: int) -> list[Chunk]:
+    """The chunks one rank sends (ctx) or receives (gen), in the global order."""
+    side, rank = setup.side_of(world_rank)
+    return [c for c in order if (c.src if side.name == "ctx" else c.dst) == rank]
