@@ -94,8 +94,8 @@ class InFlight:
 
 class Executor:
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device,
-                 cache: PagedCache, groups: dict, ops, clock: Clock, progress=None, faults: RankFaults | None = None,
-                 beat=None):
+                 cache: PagedCache, groups: dict, ops, clock: Clock | None, progress=None,
+                 faults: RankFaults | None = None, beat=None):
         self.setup, self.side, self.rank, self.world_rank = setup, side, rank, world_rank
         self.device, self.cache, self.groups, self.ops, self.clock = device, cache, groups, ops, clock
         if ops.name == "cuda":  # few CTAs: the copies must leave NCCL its SMs (DESIGN.md)

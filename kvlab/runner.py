@@ -152,14 +152,13 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
         free0 = torch.cuda.mem_get_info(device)[0]
     transport.warm_up(setup, groups, world_rank, device)  # after the baseline: NCCL's buffers count as extra
     progress = _Progress(sum(c.nbytes for c in mine), world_rank == 0 and cfg.logger.progress)
-    clock = Clock(device)
     board = report.Board(dist.distributed_c10d._get_default_store(), world_rank, setup.world_size,
                          stale_s(setup))
     cache.tick = board.beat
-    executor = Executor(setup, side, rank, world_rank, device, cache, groups, ops, clock, progress,
+    executor = Executor(setup, side, rank, world_rank, device, cache, groups, ops, None, progress,
                         faults.for_rank(cfg, setup, world_rank, mine), board.beat)
     dist.barrier()
-    clock = executor.clock = Clock(device)
+    clock = executor.clock = Clock(device)  # started right after the barrier: one epoch for every rank
     board.watch()
 
     records = executor.run(order, {r.id: r for r in requests}, segments)
