@@ -37,6 +37,7 @@ from kvlab import faults, metrics, report, transport
 from kvlab.cache import PagedCache, blocks_for
 from kvlab.clock import Clock
 from kvlab.config import CONF_DIR, build, compose, needs_preflight, to_container
+from kvlab.cost import predict_run
 from kvlab.errors import ConfigError
 from kvlab.executor import Executor, Stopped
 from kvlab.launch import launch_local, under_torchrun
@@ -315,7 +316,7 @@ def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[
     for row in rows:
         row["isl"] = row["isl"] or isl.get(row["request"])
     first = gathered[min(gathered)].get("env", {}) if gathered else {}
-    env = dict(first, errors=errors, predicted_s=_predict(setup, requests))
+    env = dict(first, errors=errors, predicted_s=predict_run(setup, requests))
     summary = metrics.summarize(rows, all_parts, setup, [g["peak"] for g in gathered.values()], env)
     summary["silent_ranks"] = list(silent)
     metrics.write(run_dir, rows, timeline, summary)
@@ -334,14 +335,6 @@ def finalize_from_files(setup, run_dir: Path) -> dict | None:
     requests, _, order = plan_run(setup)
     silent = [w for w in range(setup.world_size) if w not in gathered]
     return finalize(setup, run_dir, requests, order, gathered, silent, "dead or stopped")
-
-
-def _predict(setup, requests) -> float | None:
-    try:
-        from kvlab.cost import predict_run
-    except ImportError:
-        return None
-    return predict_run(setup, requests)
 
 
 def _launch(setup, run_dir: Path) -> int:
