@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.fill import _mix, expected, locate
+from kvlab.fill import expected, locate, mix
 from kvlab.layout import Rect
 from kvlab.plan import Request, Segment
-from kvlab.schedule import _cuts
+from kvlab.schedule import cut_rect
 from kvlab.state import CacheState, RankPool
 
 VERIFY_PIECE_BYTES = 16 << 20  # fill and verify in pieces: their temporaries stay small
@@ -107,7 +107,7 @@ class PagedCache:
     # -- contents -------------------------------------------------------------------------
     def _pieces(self, rect: Rect, pool: RankPool) -> list[Rect]:
         seg = Segment(0, 0, 0, rect, rect.nbytes(pool.rows))
-        return _cuts(seg, pool.rows, VERIFY_PIECE_BYTES, per_layer=False, split_tail=False)
+        return cut_rect(seg, pool.rows, VERIFY_PIECE_BYTES, per_layer=False, split_tail=False)
 
     def held_rect(self, name: str, isl: int) -> Rect:
         """Everything this rank holds of a request in pool ``name``."""
@@ -153,9 +153,9 @@ class PagedCache:
 
     def _canary(self, store: PoolStore, block: int) -> torch.Tensor:
         shape = (len(store.pool.layers), store.pool.block_layer_bytes)
-        seed = _mix(torch.tensor(block * 0x2545F491 + 0x1234567, dtype=torch.int64, device=self.device))
+        seed = mix(torch.tensor(block * 0x2545F491 + 0x1234567, dtype=torch.int64, device=self.device))
         x = torch.arange(shape[0] * shape[1], device=self.device, dtype=torch.int64)
-        return (_mix(seed + x) & 0xFF).to(torch.uint8).reshape(shape)
+        return (mix(seed + x) & 0xFF).to(torch.uint8).reshape(shape)
 
     def check_canaries(self) -> list[str]:
         errors = []

@@ -18,7 +18,7 @@ _KIND = {Kind.kv: 1, Kind.mla: 2, Kind.indexer: 3}
 _MASK = 0xFFFFFFFF
 
 
-def _mix(v: torch.Tensor) -> torch.Tensor:
+def mix(v: torch.Tensor) -> torch.Tensor:
     # murmur3's finaliser on 32 bits held in int64 (products wrap; masking keeps the low bits)
     v = v & _MASK
     v = ((v ^ (v >> 16)) * 0x85EBCA6B) & _MASK
@@ -31,11 +31,11 @@ def row_seeds(request: int, pool: RankPool, rect: Rect, comp: int, device) -> to
     layers = torch.tensor(pool.spec.layers[rect.l0:rect.l1], device=device, dtype=torch.int64)
     heads = torch.arange(rect.h0, rect.h1, device=device, dtype=torch.int64)
     tokens = torch.arange(rect.t0, rect.t1, device=device, dtype=torch.int64)
-    key = _mix(torch.tensor(request * 0x9E3779B1 + _KIND[pool.spec.kind] * 0x7F4A7C15 + comp * 0x6A09E667,
+    key = mix(torch.tensor(request * 0x9E3779B1 + _KIND[pool.spec.kind] * 0x7F4A7C15 + comp * 0x6A09E667,
                             device=device, dtype=torch.int64))
-    v = _mix(key + layers[:, None, None] * 0x3C6EF372)
-    v = _mix(v + heads[None, :, None] * 0xBB67AE85)
-    return _mix(v + tokens[None, None, :] * 0x510E527F)
+    v = mix(key + layers[:, None, None] * 0x3C6EF372)
+    v = mix(v + heads[None, :, None] * 0xBB67AE85)
+    return mix(v + tokens[None, None, :] * 0x510E527F)
 
 
 def _tile_groups(rect: Rect) -> list[tuple[int, int, int]]:

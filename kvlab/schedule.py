@@ -48,7 +48,7 @@ class Chunk:
     gen_in_place: bool = False
 
 
-def _cuts(seg: Segment, rows: tuple[int, ...], slot_bytes: int, per_layer: bool, split_tail: bool) -> list[Rect]:
+def cut_rect(seg: Segment, rows: tuple[int, ...], slot_bytes: int, per_layer: bool, split_tail: bool) -> list[Rect]:
     r = seg.rect
     T = r.tile
     bpl = r.n_heads * sum(rows)  # bytes per token per layer
@@ -94,7 +94,7 @@ def schedule(model: ModelSpec, ctx: SideSpec, gen: SideSpec, segments: list[Segm
         if strategy == Strategy.naive:
             rects = [seg.rect]
         else:
-            rects = _cuts(seg, rows, slot_bytes, strategy == Strategy.layerwise, strategy == Strategy.zerocopy)
+            rects = cut_rect(seg, rows, slot_bytes, strategy == Strategy.layerwise, strategy == Strategy.zerocopy)
         chunks = []
         for rect in rects:
             c = Chunk(seg.request, 0, seg.src, seg.dst, rect, rect.nbytes(rows), pool.layers[rect.l1 - 1])

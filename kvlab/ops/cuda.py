@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvlab.layout import Rect
-from kvlab.ops.reference import _check
+from kvlab.ops.reference import check_buffers
 from kvlab.paths import KERNELS_DIR
 from kvlab.state import RankPool
 
@@ -251,7 +251,7 @@ def _check_cuda(pool_bytes: torch.Tensor, pool: RankPool, rect: Rect, block_ids:
 
 
 def _launch(pack_dir: bool, pool_bytes, pool, num_blocks, rect, block_ids, block_base, buf, ctas, tuning):
-    _check(pool_bytes, pool, num_blocks, rect, buf)
+    check_buffers(pool_bytes, pool, num_blocks, rect, buf)
     _check_cuda(pool_bytes, pool, rect, block_ids, block_base, buf)
     if buf.numel() == 0:
         return

@@ -7,7 +7,7 @@ from kvlab.layout import Rect, Runs, runs
 from kvlab.state import RankPool
 
 
-def _check(pool_bytes: torch.Tensor, pool: RankPool, num_blocks: int, rect: Rect, buf: torch.Tensor) -> None:
+def check_buffers(pool_bytes: torch.Tensor, pool: RankPool, num_blocks: int, rect: Rect, buf: torch.Tensor) -> None:
     if pool_bytes.dtype != torch.uint8 or buf.dtype != torch.uint8:
         raise TypeError("pack/unpack work on uint8 tensors")
     if pool_bytes.numel() != pool.pool_bytes(num_blocks):
@@ -29,12 +29,12 @@ def _byte_index(r: Runs):
 
 
 def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out) -> None:
-    _check(pool_bytes, pool, num_blocks, rect, out)
+    check_buffers(pool_bytes, pool, num_blocks, rect, out)
     for mem, wire in _byte_index(runs(pool, num_blocks, rect, block_ids, block_base)):
         out.index_copy_(0, wire, pool_bytes.index_select(0, mem))  # far faster than advanced indexing on CPU
 
 
 def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes) -> None:
-    _check(pool_bytes, pool, num_blocks, rect, wire_buf)
+    check_buffers(pool_bytes, pool, num_blocks, rect, wire_buf)
     for mem, wire in _byte_index(runs(pool, num_blocks, rect, block_ids, block_base)):
         pool_bytes.index_copy_(0, mem, wire_buf.index_select(0, wire))
