@@ -21,6 +21,7 @@ EXTRA = 'pip install -e ".[nixl]"'
 
 def api():
     """The ``nixl_agent`` module, or a ConfigError naming the extra to install."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # not two INFO lines per agent in every rank's output
     try:
         from nixl import _api
     except ImportError:

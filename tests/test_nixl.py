@@ -1,0 +1,26 @@
+"""transport=nixl and its reference: raw NIXL WRITEs between two processes over UCX (DRAM on CPUs)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nixl_cu13", reason='the nixl extra is not installed (pip install -e ".[nixl]")')
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_raw_write_one_and_many_descriptors_verified(tmp_path):
+    """The benchmark's reference itself: the bytes land where the shuffled descriptors say, on rank 1."""
+    out = tmp_path / "raw.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "nixl_raw.py"), "--mib", "1", "--descs", "1", "64",
+                    "--out", str(out)], check=True, timeout=240)
+    report = json.loads(out.read_text())
+    assert report["nixl"] and report["ucx"]
+    rows = report["cases"]
+    assert [(r["bytes"], r["descriptors"], r["piece_bytes"]) for r in rows] == [(1 << 20, 1, 1 << 20),
+                                                                                (1 << 20, 64, 1 << 14)]
+    assert all(r["verified"] and r["seconds"] > 0 for r in rows), rows
