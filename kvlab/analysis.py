@@ -33,8 +33,9 @@ import yaml
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from kvlab.cost import Prediction, predict, rates_from_cfg
+from kvlab.cost import Prediction, predict
 from kvlab.metrics import flatten
+from kvlab.rates import CostSpec
 
 MiB = 2**20
 STRATEGY_ORDER = ("naive", "chunked", "layerwise", "zerocopy")
@@ -281,7 +282,7 @@ def plot_bandwidth(df: pd.DataFrame, x: str | None = None, rates=None, ax=None) 
     for s in _strategies(df):
         d = df[df["strategy"] == s].groupby(x, as_index=False)["gbps"].median().sort_values(x)
         ax.plot(d[x], d["gbps"], label=s, **STRATEGY_STYLE.get(s, {}))
-    rates = rates or rates_from_cfg(None, _backend(df) or "nccl")
+    rates = rates or CostSpec().rates(_backend(df) or "nccl")
     link = pd.DataFrame({x: df[x], "b": _bytes_per_request(df)}).groupby(x, as_index=False)["b"].median()
     link = link.sort_values(x)
     link_gbps = [b / rates.message_s(b) / 1e9 for b in link["b"]]

@@ -70,7 +70,7 @@ def _plain_message(flat: str, overrides: list[str]) -> str | None:
 
 def check_overrides(overrides: list[str]) -> str | None:
     """None if the overrides compose into a valid setup, else one line saying what is wrong."""
-    from kvlab.config import CONF_DIR, build, compose, needs_preflight
+    from kvlab.config import CONF_DIR, build, compose
 
     for ov in overrides:
         m = re.fullmatch(r"\+?(\w+)=(.*)", ov)
@@ -82,7 +82,7 @@ def check_overrides(overrides: list[str]) -> str | None:
     try:
         cfg = compose(overrides)
         setup = build(cfg)
-        if needs_preflight(cfg):  # fault positions and capacities that only the plan can check
+        if setup.needs_preflight:  # fault positions and capacities that only the plan can check
             from kvlab.runner import preflight
 
             preflight(setup)

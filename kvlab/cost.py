@@ -27,11 +27,9 @@ Extra device memory per rank: ``slots * slot_bytes`` (allocated once at start), 
 ``naive`` the largest sum of ``slots`` consecutive per-chunk buffers of any rank (a chunk
 is a whole segment there, so it grows with the prompt).
 
-Rates come from a profile: ``h200`` (the measured figures in DESIGN.md and the kernel
-bench) or ``cpu`` (gloo on a small CPU machine with the torch reference copies), picked
-from the backend (gloo: cpu) or the device, and overridable key by key:
-``cost.alpha_us=20``, ``cost.link_gbps=[200,300,340,360]``, ``cost=cpu`` once ``cost`` is a
-group of conf/config.yaml; until then append them: ``+cost.alpha_us=20``, ``+cost.profile=cpu``.
+Rates come from the ``cost`` group (kvlab.rates): a profile (``h200`` or ``cpu``, picked from
+the backend or the device by ``cost=auto``), any rate overridable on its own, e.g.
+``cost.alpha_us=20``, ``cost.link_gbps=[200,300,340,360]``, ``cost=cpu``.
 
 Against the 2xH200 benchmark (scripts/bench.py, results/bench_h200x2.json: Llama-3.1-8B at
 4k-128k and DeepSeek-V3.2 at 128k, every strategy) the extra memory is exact and the time
@@ -42,147 +40,20 @@ time is within about 0.5-1.5x.
 """
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvlab.plan import Request, plan
+from kvlab.rates import CostRates
 from kvlab.schedule import Chunk, Strategy, schedule
+from kvlab.workload import as_requests, interleave
 
 if TYPE_CHECKING:
     from kvlab.config import Setup
 
 MiB = 2**20
-
-
-@dataclass(frozen=True)
-class CostRates:
-    """Rates of one machine. Defaults: 2xH200 over NVLink with NCCL (DESIGN.md, measured)."""
-
-    profile: str = "h200"
-    alpha_us: float = 15.0  # fixed cost of one message: 4096 x 64 KiB moved at 4.2 GB/s
-    link_mib: tuple[float, ...] = (16.0, 64.0, 256.0, 1024.0)  # one-message sizes measured ...
-    link_gbps: tuple[float, ...] = (214.0, 304.0, 345.0, 365.0)  # ... and their end-to-end GB/s
-    copy_gbps: float = 4210.0  # device-to-device copy, bytes read + bytes written per second
-    copy_efficiency: float = 0.9  # the pack/unpack kernels' best share of it (bench: 0.91 on all 132 SMs)
-    copy_gbps_per_cta: float = 88.0  # kernels on transfer.pack_ctas CTAs (bench: ~730/1400/2800 at 8/16/32)
-    devices: int = 0  # devices the ranks share (0: one per rank; -1: this machine's CPU cores)
-    host_us: float = 0.0  # host time per staged copy (block table to copy runs, launch); unmeasured on GPUs
-    blocking: bool = False  # copies and host work share one core and the host waits for them (CPU)
-
-    def __post_init__(self):
-        object.__setattr__(self, "link_mib", tuple(float(x) for x in self.link_mib))
-        object.__setattr__(self, "link_gbps", tuple(float(x) for x in self.link_gbps))
-        if not self.link_mib or len(self.link_mib) != len(self.link_gbps):
-            raise ValueError(f"cost.link_mib ({len(self.link_mib)} sizes) and cost.link_gbps "
-                             f"({len(self.link_gbps)} rates) need one rate per size")
-        if list(self.link_mib) != sorted(self.link_mib):
-            raise ValueError(f"cost.link_mib={list(self.link_mib)}: sizes must ascend")
-        for name in ("copy_gbps", "copy_efficiency"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"cost.{name}={getattr(self, name)}: must be > 0")
-        if self.host_us < 0 or self.devices < -1 or self.copy_gbps_per_cta < 0:
-            raise ValueError("cost.host_us and cost.copy_gbps_per_cta must be >= 0, cost.devices >= -1")
-        if self.alpha_us < 0 or any(g <= 0 for g in self.link_gbps):
-            raise ValueError("cost.alpha_us must be >= 0 and cost.link_gbps > 0")
-        for n, g in zip(self.link_mib, self.link_gbps, strict=True):
-            if n * MiB / (g * 1e9) <= self.alpha_us * 1e-6:
-                raise ValueError(f"cost.link_gbps: {g} GB/s for {n} MiB is faster than alpha_us={self.alpha_us} "
-                                 "allows; lower alpha_us or the rate")
-
-    @property
-    def alpha_s(self) -> float:
-        return self.alpha_us * 1e-6
-
-    @property
-    def peak_link_gbps(self) -> float:
-        return max(self.link_gbps)
-
-    def wire_rate(self, nbytes: float) -> float:
-        """Bytes per second on the wire, after alpha, for one message of ``nbytes``."""
-        pts = [(math.log2(n * MiB), n * MiB / (n * MiB / (g * 1e9) - self.alpha_s))
-               for n, g in zip(self.link_mib, self.link_gbps, strict=True)]
-        x = math.log2(max(nbytes, 1))
-        if x <= pts[0][0]:
-            return pts[0][1]
-        for (x0, r0), (x1, r1) in zip(pts, pts[1:], strict=False):
-            if x <= x1:
-                return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
-        return pts[-1][1]
-
-    def message_s(self, nbytes: float) -> float:
-        """Seconds of one message of ``nbytes`` alone on a link."""
-        return self.alpha_s + nbytes / self.wire_rate(nbytes)
-
-    def copy_s(self, nbytes: float, ctas: int = 0) -> float:
-        """Seconds to pack or unpack ``nbytes`` (each byte read once and written once) on ``ctas`` CTAs."""
-        rate = self.copy_gbps * self.copy_efficiency
-        if ctas and self.copy_gbps_per_cta:
-            rate = min(rate, self.copy_gbps_per_cta * ctas)
-        return 2 * nbytes / (rate * 1e9)
-
-
-PROFILES = {
-    "h200": CostRates(),
-    # kvlab runs over gloo on a 2-core machine, fitted: ~0.3 ms per message (in-place chunks
-    # back to back) plus 1.2-2.7 GB/s (loopback; ecosystem.md saw 0.33 GiB/s on another host),
-    # the torch reference copies at ~0.063 GB/s of payload plus ~2.6 ms of Python per copy;
-    # the ranks share the cores
-    "cpu": CostRates(profile="cpu", alpha_us=300.0, link_mib=(16.0, 64.0), link_gbps=(1.5, 2.0),
-                     copy_gbps=0.125, copy_efficiency=1.0, copy_gbps_per_cta=0.0, devices=-1, host_us=2600.0,
-                     blocking=True),
-}
-
-
-@dataclass
-class CostCfg:
-    """Hydra schema of the ``cost`` group: ``profile`` picks the rates, any other key overrides one."""
-
-    profile: str = "auto"  # auto (gloo or no GPU: cpu, else h200) | h200 | cpu
-    alpha_us: float | None = None
-    link_mib: list[float] | None = None
-    link_gbps: list[float] | None = None
-    copy_gbps: float | None = None
-    copy_efficiency: float | None = None
-    copy_gbps_per_cta: float | None = None
-    devices: int | None = None
-    host_us: float | None = None
-    blocking: bool | None = None
-
-
-def _auto_profile(cfg: Any, backend: str | None) -> str:
-    if backend:
-        return "cpu" if "nccl" not in backend else "h200"
-    device = (cfg.get("device") if cfg is not None else None) or "auto"
-    if device == "cpu":
-        return "cpu"
-    if device == "cuda":
-        return "h200"
-    try:
-        import torch
-
-        return "h200" if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "cpu"
-
-
-def rates_from_cfg(cfg: Any = None, backend: str | None = None) -> CostRates:
-    """The rates for a composed config: ``cfg.cost`` if present (profile and key overrides), else auto."""
-    cost = cfg.get("cost") if cfg is not None else None
-    cost = dict(cost) if cost else {}
-    profile = cost.pop("profile", None) or "auto"
-    if profile == "auto":
-        profile = _auto_profile(cfg, backend)
-    if profile not in PROFILES:
-        raise ValueError(f"cost.profile={profile}: unknown profile; use auto or one of {', '.join(PROFILES)}")
-    known = {f.name for f in fields(CostRates)} - {"profile"}
-    unknown = set(cost) - known
-    if unknown:
-        raise ValueError(f"cost.{sorted(unknown)[0]}: unknown cost key; use one of {', '.join(sorted(known))}")
-    overrides = {k: (tuple(v) if k.startswith("link_") else v) for k, v in cost.items() if v is not None}
-    return replace(PROFILES[profile], **overrides)
 
 
 @dataclass
@@ -271,18 +142,6 @@ def device_map(setup: Setup, devices: int) -> tuple[list[int], list[int]]:
     return where[:nc], where[nc:]
 
 
-def as_requests(setup: Setup, requests: Iterable[Request | int] | None = None) -> list[Request]:
-    """The runner's requests (kvlab.workload) by default; bare prompt lengths are spread over the DP groups."""
-    if requests is None:
-        from kvlab.workload import make_requests
-
-        return make_requests(setup)
-    out = []
-    for i, r in enumerate(requests):
-        out.append(r if isinstance(r, Request) else Request(i, int(r), i % setup.ctx.dp, i % setup.gen.dp))
-    return out
-
-
 def request_chunks(setup: Setup, req: Request) -> list[Chunk]:
     segs = plan(setup.model, setup.ctx, setup.gen, req)
     return schedule(setup.model, setup.ctx, setup.gen, segs, setup.transfer.strategy, setup.transfer.slot_bytes)
@@ -291,8 +150,6 @@ def request_chunks(setup: Setup, req: Request) -> list[Chunk]:
 def _order(setup: Setup, reqs: list[Request], concurrency: int) -> list[Chunk]:
     """Every request's schedule, merged into the global order the executor walks."""
     from dataclasses import replace as dc_replace
-
-    from kvlab.workload import interleave
 
     shapes: dict[tuple[int, int, int], list[Chunk]] = {}  # zerocopy schedules are slow to derive: once per shape
     schedules = []
@@ -317,11 +174,11 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     copies itself, one after the other, shared with the ranks on the same core; on GPUs
     copies queue on the rank's stream and only the copy engine and the window order them.
     """
-    rates = rates or rates_from_cfg(setup.cfg, backend)
+    rates = rates or setup.cost.rates(backend, setup.device)
     reqs = as_requests(setup, requests)
     by_id = {r.id: r for r in reqs}
     strategy = setup.transfer.strategy
-    concurrency = concurrency or int(setup.cfg.workload.get("concurrency", 1) or 1)
+    concurrency = concurrency or setup.workload.concurrency
     blocking = rates.blocking
     host_s = rates.host_us * 1e-6
     ctas = setup.transfer.pack_ctas
@@ -407,13 +264,6 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     raw = sum(rates.message_s(r.bytes) for r in done if r.bytes)
     return Prediction(rates.profile, strategy.value, max((r.end_s for r in done), default=0.0) - start, total,
                       len(order), max(ec, eg), ec, eg, raw, done)
-
-
-def predict_cfg(cfg, requests: Iterable[Request | int] | None = None, backend: str | None = None) -> Prediction:
-    """``predict`` from a composed config (builds and validates it first)."""
-    from kvlab.config import build
-
-    return predict(build(cfg), requests, backend=backend)
 
 
 def predict_run(setup: Setup, requests: Iterable[Request | int] | None = None, backend: str | None = None

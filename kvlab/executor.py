@@ -25,7 +25,7 @@ import re
 import time
 import types
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +34,7 @@ from kvlab.clock import Clock
 from kvlab.config import Setup
 from kvlab.faults import RankFaults
 from kvlab.layout import first_byte
+from kvlab.metrics import RequestRecord
 from kvlab.plan import Request, Segment
 from kvlab.schedule import Chunk, Strategy
 from kvlab.staging import PerChunkBuffers, SlotPool
@@ -58,28 +59,6 @@ class TransferTimeout(RuntimeError):
     def __init__(self, message: str, request: int):
         super().__init__(message)
         self.request = request
-
-
-@dataclass
-class RequestRecord:
-    """This rank's part of one request; rank 0 merges the parts (kvlab.metrics)."""
-
-    request: int
-    isl: int
-    side: str
-    rank: int
-    chunks_total: int
-    start: object = None
-    end: object = None
-    bytes: int = 0
-    chunks: int = 0
-    in_place: int = 0
-    pack: list = field(default_factory=list)  # (start mark, end mark) per packed/unpacked chunk
-    wire: list = field(default_factory=list)  # (posted mark, done mark) per chunk
-    prefill_start: float | None = None
-    prefill_end: float | None = None
-    layer_done: dict = field(default_factory=dict)  # global layer -> mark of its last chunk's completion
-    errors: list = field(default_factory=list)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch
 
 from kvlab.errors import ConfigError
 from kvlab.schedule import Chunk
+from kvlab.spec import FaultSpec
 from kvlab.workload import chunks_of
 
 KILLED_EXIT = 3  # exit code of a rank killed by fault.kill_rank: neither success (0), failure (1) nor bad config (2)
@@ -58,13 +59,11 @@ def locate_flip(chunks: list[Chunk], offset: int) -> tuple[int, int]:
     return i, offset - starts[i]
 
 
-def check(cfg, setup, order: list[Chunk]) -> None:
+def check(setup, order: list[Chunk]) -> None:
     """ConfigError for a fault position the run never reaches (the same on every rank)."""
-    f = cfg.get("fault")
-    if f is None:
-        return
+    f = setup.fault
     for name in ("kill", "stall"):
-        r, at = f[f"{name}_rank"], f[f"{name}_at_chunk"]
+        r, at = getattr(f, f"{name}_rank"), getattr(f, f"{name}_at_chunk")
         if r >= 0:
             n = len(chunks_of(order, setup, r))
             if at >= n:
@@ -78,11 +77,8 @@ def check(cfg, setup, order: list[Chunk]) -> None:
                               f"rank {f.flip_rank} moves {total} bytes; offsets must be below that ({bad} are not)")
 
 
-def for_rank(cfg, setup, world_rank: int, mine: list[Chunk]) -> RankFaults:
-    f = cfg.get("fault")
+def for_rank(f: FaultSpec, world_rank: int, mine: list[Chunk]) -> RankFaults:
     out = RankFaults()
-    if f is None:
-        return out
     if f.kill_rank == world_rank:
         out.kill_at = f.kill_at_chunk
     if f.stall_rank == world_rank:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,7 +19,28 @@ from rich.console import Console
 from rich.table import Table
 
 from kvlab.clock import Clock
-from kvlab.executor import RequestRecord
+
+
+@dataclass
+class RequestRecord:
+    """This rank's part of one request while it runs (clock marks); ``resolve`` turns it into plain values."""
+
+    request: int
+    isl: int
+    side: str
+    rank: int
+    chunks_total: int
+    start: object = None
+    end: object = None
+    bytes: int = 0
+    chunks: int = 0
+    in_place: int = 0
+    pack: list = field(default_factory=list)  # (start mark, end mark) per packed/unpacked chunk
+    wire: list = field(default_factory=list)  # (posted mark, done mark) per chunk
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    layer_done: dict = field(default_factory=dict)  # global layer -> mark of its last chunk's completion
+    errors: list = field(default_factory=list)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

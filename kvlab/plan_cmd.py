@@ -19,13 +19,9 @@ from rich.table import Table
 
 from kvlab.config import CONF_DIR, Setup, build
 from kvlab.cost import predict
-from kvlab.plan import Request, plan
+from kvlab.plan import plan
 from kvlab.schedule import schedule
-
-
-def plan_requests(setup: Setup) -> list[Request]:
-    isl = setup.cfg.workload.isl
-    return [Request(i, isl, i % setup.ctx.dp, i % setup.gen.dp) for i in range(setup.gen.dp)]
+from kvlab.workload import plan_requests
 
 
 def summarize(setup: Setup) -> dict:
@@ -49,7 +45,7 @@ def summarize(setup: Setup) -> dict:
              **v} for (s, d), v in sorted(pairs.items())]
     return {
         "model": setup.model.name,
-        "isl": setup.cfg.workload.isl,
+        "isl": setup.workload.isl,
         "requests": len(reqs),
         "strategy": setup.transfer.strategy.value,
         "slot_bytes": setup.transfer.slot_bytes,

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from kvlab import faults, metrics, report, transport
 from kvlab.cache import PagedCache, blocks_for
 from kvlab.clock import Clock
-from kvlab.config import CONF_DIR, build, compose, needs_preflight, to_container
+from kvlab.config import CONF_DIR, build, compose
 from kvlab.cost import predict_run
 from kvlab.errors import ConfigError
 from kvlab.executor import Executor, Stopped
@@ -92,12 +92,10 @@ class _Progress:
             self.bar.stop()
 
 
-def _sink(cfg: DictConfig, run_dir: Path, rank: int, side: str):
-    try:
-        from kvlab.wandb_sink import WandbSink
-    except ImportError:
-        return None
-    return WandbSink.create(to_container(cfg), run_dir, rank, side)
+def _sink(setup, run_dir: Path, rank: int, side: str):
+    from kvlab.wandb_sink import WandbSink
+
+    return WandbSink.create(setup.to_dict(), run_dir, rank, side)
 
 
 def _stop(signum, frame) -> None:
@@ -119,7 +117,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
             print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
     try:
-        return _worker(setup, cfg, run_dir, world_rank, device)
+        return _worker(setup, run_dir, world_rank, device)
     except ConfigError as e:
         if world_rank == 0:
             print(f"kvlab: error: {e}", file=sys.stderr)
@@ -132,7 +130,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
             dist.destroy_process_group()
 
 
-def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) -> int:
+def _worker(setup, run_dir: Path, world_rank: int, device: torch.device) -> int:
     side_spec, rank = setup.side_of(world_rank)
     side = side_spec.name
     state = CacheState(setup.model, side_spec, rank)
@@ -143,21 +141,21 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
     needed = preflight(setup, requests, order, world_rank)  # the same checks on every rank: all stop or none
     mine = chunks_of(order, setup, world_rank)
 
-    ops = get_ops(cfg.kernels, device.type)
-    cache = PagedCache(state, needed, cfg.cache.spare_blocks, cfg.cache.fragmentation,
-                       cfg.workload.seed + 17 * world_rank, device)
+    ops = get_ops(setup.kernels, device.type)
+    cache = PagedCache(state, needed, setup.cache.spare_blocks, setup.cache.fragmentation,
+                       setup.workload.seed + 17 * world_rank, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base_alloc = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         free0 = torch.cuda.mem_get_info(device)[0]
     transport.warm_up(setup, groups, world_rank, device)  # after the baseline: NCCL's buffers count as extra
-    progress = _Progress(sum(c.nbytes for c in mine), world_rank == 0 and cfg.logger.progress)
+    progress = _Progress(sum(c.nbytes for c in mine), world_rank == 0 and setup.logger.progress)
     board = report.Board(dist.distributed_c10d._get_default_store(), world_rank, setup.world_size,
                          stale_s(setup))
     cache.tick = board.beat
     executor = Executor(setup, side, rank, world_rank, device, cache, groups, ops, None, progress,
-                        faults.for_rank(cfg, setup, world_rank, mine), board.beat)
+                        faults.for_rank(setup.fault, world_rank, mine), board.beat)
     dist.barrier()
     clock = executor.clock = Clock(device)  # started right after the barrier: one epoch for every rank
     board.watch()
@@ -221,7 +219,7 @@ def _worker(setup, cfg, run_dir: Path, world_rank: int, device: torch.device) ->
         # without rank 0's verdict this rank can only vouch for itself
         verified = verdict["verified"] if verdict else not (failures or errors or any(p["errors"] for p in parts))
     board.stop()
-    sink = _sink(cfg, run_dir, world_rank, side)
+    sink = _sink(setup, run_dir, world_rank, side)
     if sink is not None:
         for p in parts:
             sink.log_request(p)
@@ -249,7 +247,7 @@ def plan_run(setup) -> tuple[list, dict, list[Chunk]]:
     segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r) for r in requests}
     schedules = [schedule(setup.model, setup.ctx, setup.gen, segments[r.id], setup.transfer.strategy,
                           setup.transfer.slot_bytes) for r in requests]
-    return requests, segments, interleave(schedules, setup.cfg.workload.concurrency)
+    return requests, segments, interleave(schedules, setup.workload.concurrency)
 
 
 def preflight(setup, requests=None, order=None, rank: int | None = None) -> dict[str, int] | None:
@@ -259,9 +257,9 @@ def preflight(setup, requests=None, order=None, rank: int | None = None) -> dict
     every rank stops or none does): kvlab has no admission control for cache blocks."""
     if requests is None:
         requests, _, order = plan_run(setup)
-    faults.check(setup.cfg, setup, order)
+    faults.check(setup, order)
     isl = {r.id: r.isl for r in requests}
-    cap = setup.cfg.cache.capacity_tokens
+    cap = setup.cache.capacity_tokens
     out = None
     for w in range(setup.world_size) if cap else ([] if rank is None else [rank]):
         side, side_rank = setup.side_of(w)
@@ -356,7 +354,7 @@ def run_transfer(overrides: list[str] | tuple[str, ...] = (), run_dir: str | Pat
 
     cfg = compose(list(overrides))
     setup = build(cfg)
-    if needs_preflight(cfg):
+    if setup.needs_preflight:
         preflight(setup)
     run_dir = Path(run_dir)
     _prepare(cfg, run_dir)
@@ -377,7 +375,7 @@ def hydra_main(cfg: DictConfig) -> None:
     else:
         setup = build(cfg)
         try:
-            if needs_preflight(cfg):
+            if setup.needs_preflight:
                 preflight(setup)
         except ConfigError as e:  # multirun skips the CLI's checks; Hydra would print a traceback
             print(f"kvlab: error: {e}", file=sys.stderr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from kvlab.errors import positive, require
@@ -133,3 +133,125 @@ class ModelSpec:
         """Bytes of one request's cache over all layers and heads, windowed layers capped at their window."""
         return sum(p.token_bytes() * len(p.layers) * (min(isl, p.window) if p.window else isl)
                    for p in self.pools(dtype))
+
+
+# ---------------------------------------------------------------- the other config groups
+# One frozen dataclass per group: its fields, defaults and checks are the group's only definition;
+# kvlab.config derives the Hydra schema from it. Checks that need another group live in kvlab.config.Setup.
+
+DISTRIBUTIONS = ("fixed", "uniform", "lognormal")
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    isl: int = 4096  # prompt tokens when no list or distribution is given
+    requests: int = 4
+    concurrency: int = 2  # requests in flight at once
+    distribution: str = "fixed"  # fixed | uniform | lognormal
+    isl_list: tuple[int, ...] | None = None  # explicit prompt lengths, cycled
+    isl_min: int = 128
+    isl_max: int = 131072
+    seed: int = 0
+
+    def __post_init__(self):
+        positive("workload.isl", self.isl)
+        positive("workload.requests", self.requests)
+        positive("workload.concurrency", self.concurrency)
+        require(self.distribution in DISTRIBUTIONS, "workload.distribution", self.distribution,
+                "use fixed, uniform or lognormal")
+        positive("workload.isl_min", self.isl_min)
+        require(self.isl_max >= self.isl_min, "workload.isl_max", self.isl_max,
+                f"must be >= workload.isl_min={self.isl_min}")
+        if self.isl_list is not None:
+            object.__setattr__(self, "isl_list", tuple(self.isl_list))
+            require(len(self.isl_list) > 0 and all(isinstance(x, int) and x > 0 for x in self.isl_list),
+                    "workload.isl_list", list(self.isl_list), "must be a non-empty list of positive token counts")
+
+    def longest_prompt(self) -> tuple[str, object, int]:
+        """(field, value, tokens): the longest prompt the workload can produce, and the field that sets it
+        (kvlab.workload.prompt_lengths: a list wins, distributions are clipped to isl_max)."""
+        if self.isl_list:
+            return "workload.isl_list", list(self.isl_list), max(self.isl_list)
+        if self.distribution == "fixed":
+            return "workload.isl", self.isl, self.isl
+        return "workload.isl_max", self.isl_max, self.isl_max
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    fragmentation: float = 0.0  # share of block allocations taken from a shuffled free list
+    spare_blocks: int = 8  # canary blocks per pool beyond what the workload needs
+    capacity_tokens: int = 0  # tokens each pool of a rank holds; 0: sized to the workload's worst moment
+
+    def __post_init__(self):
+        require(0.0 <= self.fragmentation <= 1.0, "cache.fragmentation", self.fragmentation, "must be in [0, 1]")
+        require(isinstance(self.spare_blocks, int) and self.spare_blocks >= 0, "cache.spare_blocks",
+                self.spare_blocks, "must be >= 0 (canary blocks per pool)")
+        require(isinstance(self.capacity_tokens, int) and self.capacity_tokens >= 0, "cache.capacity_tokens",
+                self.capacity_tokens, "must be 0 (sized to the workload) or a positive number of tokens")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """Faults injected on purpose, to test that failures end cleanly and corruption is caught.
+
+    Chunk indices count the chunks one rank takes part in, in its own order (from 0). Byte
+    offsets in ``flip_at`` count everything ``flip_rank`` sends (a ctx rank: flipped after pack,
+    before the send) or receives (a gen rank: flipped in the receive buffer, before unpack), its
+    messages laid end to end in its chunk order. Ranks are checked against the world in
+    kvlab.config.Setup, positions against the run's chunks in kvlab.faults.check.
+    """
+
+    kill_rank: int = -1  # world rank that dies (exit code 3) just before posting chunk kill_at_chunk
+    kill_at_chunk: int = -1
+    stall_rank: int = -1  # world rank that sleeps stall_s just before posting chunk stall_at_chunk
+    stall_at_chunk: int = -1
+    stall_s: float = 0.0
+    flip_rank: int = -1  # world rank whose messages get bytes inverted (x ^ 0xFF) in flight
+    flip_at: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "flip_at", tuple(self.flip_at))
+        for name, r in self.ranks.items():
+            require(isinstance(r, int) and r >= -1, f"fault.{name}_rank", r, "must be -1 (off) or a world rank")
+        for name in ("kill", "stall"):
+            on, at = getattr(self, f"{name}_rank") >= 0, getattr(self, f"{name}_at_chunk")
+            require(at >= 0 if on else at == -1, f"fault.{name}_at_chunk", at,
+                    f"set it to the chunk (>= 0) at which fault.{name}_rank acts" if on
+                    else f"takes effect only with fault.{name}_rank >= 0; set both or neither")
+        require(self.stall_s >= 0, "fault.stall_s", self.stall_s, "must be >= 0 seconds")
+        require(self.stall_rank < 0 or self.stall_s > 0, "fault.stall_s", self.stall_s,
+                "a stall needs a duration > 0 seconds")
+        flips = list(self.flip_at)
+        require(all(isinstance(x, int) and x >= 0 for x in flips), "fault.flip_at", flips,
+                "must be byte offsets >= 0 into the flip rank's stream")
+        field_, value = ("fault.flip_at", flips) if self.flip_rank >= 0 else ("fault.flip_rank", self.flip_rank)
+        require(bool(flips) == (self.flip_rank >= 0), field_, value,
+                "fault.flip_rank and fault.flip_at go together; set both or neither")
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        return {"kill": self.kill_rank, "stall": self.stall_rank, "flip": self.flip_rank}
+
+    @property
+    def active(self) -> bool:
+        return max(self.ranks.values()) >= 0
+
+
+WANDB_MODES = ("online", "offline", "shared", "disabled")
+
+
+@dataclass(frozen=True)
+class WandbSpec:
+    mode: str = "offline"  # online | offline | shared | disabled
+    project: str = "kvlab"
+    group: str | None = None
+
+    def __post_init__(self):
+        require(self.mode in WANDB_MODES, "logger.wandb.mode", self.mode, "use online, offline, shared or disabled")
+
+
+@dataclass(frozen=True)
+class LoggerSpec:
+    wandb: WandbSpec = field(default_factory=WandbSpec)
+    progress: bool = True

@@ -33,7 +33,7 @@ def gpu_index(setup: Setup, world_rank: int, local_rank: int, local_world: int, 
 
 
 def choose_device(setup: Setup, world_rank: int) -> torch.device:
-    want = setup.cfg.device
+    want = setup.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", want, "no CUDA device is visible here; use device=cpu or device=auto")
     if want != "cpu" and torch.cuda.is_available():
@@ -77,7 +77,7 @@ def pair_groups(setup: Setup) -> dict[tuple[int, int], dist.ProcessGroup]:
     """One group per (ctx world rank, gen world rank), created by every rank in the same order."""
     groups = {}
     timeout = datetime.timedelta(seconds=max(setup.transfer.timeout_s, 1.0))
-    backend = "nccl" if torch.cuda.is_available() and setup.cfg.device != "cpu" else "gloo"
+    backend = "nccl" if torch.cuda.is_available() and setup.device != "cpu" else "gloo"
     for c in range(setup.ctx.size):
         for g in range(setup.gen.size):
             pair = (c, setup.ctx.size + g)

@@ -1,6 +1,8 @@
 """Requests and the order in which every rank serves their chunks.
 
-The request list is a pure function of the workload config (seed included), so every
+Every request kvlab builds is built here: a run's (``make_requests``), ``kvlab plan``'s
+(``plan_requests``) and the cost model's from bare prompt lengths (``as_requests``).
+The request list is a pure function of the workload spec (seed included), so every
 rank derives the same list; request ``i`` is prefilled by ctx DP group ``i % ctx.dp`` and
 decoded by gen DP group ``i % gen.dp``. ``interleave`` merges the requests' schedules into
 one global chunk order, at most ``concurrency`` requests at a time, round-robin between
@@ -13,13 +15,15 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from collections.abc import Iterable
 
 from kvlab.config import Setup
 from kvlab.plan import Request
 from kvlab.schedule import Chunk
+from kvlab.spec import WorkloadSpec
 
 
-def prompt_lengths(w, n: int) -> list[int]:
+def prompt_lengths(w: WorkloadSpec, n: int) -> list[int]:
     if w.isl_list:
         return [int(w.isl_list[i % len(w.isl_list)]) for i in range(n)]
     rng = random.Random(w.seed)
@@ -32,10 +36,27 @@ def prompt_lengths(w, n: int) -> list[int]:
     return [min(w.isl_max, max(w.isl_min, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
 
 
+def request(setup: Setup, i: int, isl: int) -> Request:
+    """Request ``i``: prefilled by ctx DP group ``i % ctx.dp``, decoded by gen DP group ``i % gen.dp``."""
+    return Request(i, int(isl), i % setup.ctx.dp, i % setup.gen.dp)
+
+
 def make_requests(setup: Setup) -> list[Request]:
-    w = setup.cfg.workload
-    return [Request(i, isl, i % setup.ctx.dp, i % setup.gen.dp)
-            for i, isl in enumerate(prompt_lengths(w, w.requests))]
+    """The run's requests."""
+    w = setup.workload
+    return [request(setup, i, isl) for i, isl in enumerate(prompt_lengths(w, w.requests))]
+
+
+def plan_requests(setup: Setup) -> list[Request]:
+    """``kvlab plan``'s requests: one of ``workload.isl`` tokens for every gen attention-DP group."""
+    return [request(setup, i, setup.workload.isl) for i in range(setup.gen.dp)]
+
+
+def as_requests(setup: Setup, requests: Iterable[Request | int] | None = None) -> list[Request]:
+    """The run's requests by default; bare prompt lengths are spread over the DP groups."""
+    if requests is None:
+        return make_requests(setup)
+    return [r if isinstance(r, Request) else request(setup, i, r) for i, r in enumerate(requests)]
 
 
 def interleave(schedules: list[list[Chunk]], concurrency: int) -> list[Chunk]:

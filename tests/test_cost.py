@@ -7,7 +7,9 @@ import yaml
 from omegaconf import OmegaConf, open_dict
 
 from kvlab.config import build, compose
-from kvlab.cost import PROFILES, CostRates, device_map, predict, rates_from_cfg
+from kvlab.cost import device_map, predict
+from kvlab.errors import ConfigError
+from kvlab.rates import PROFILES, CostRates, CostSpec
 
 MiB = 2**20
 H200 = PROFILES["h200"]
@@ -166,22 +168,24 @@ def test_in_place_chunks_skip_the_copies():
 
 
 def test_profile_follows_backend_and_overrides():
-    cfg = setup_of().cfg
-    assert rates_from_cfg(cfg, backend="gloo").profile == "cpu"
-    assert rates_from_cfg(cfg, backend="nccl").profile == "h200"
-    assert rates_from_cfg(cfg, backend="cpu:gloo,cuda:nccl").profile == "h200"
-    assert rates_from_cfg({"device": "cuda"}).profile == "h200"
-    assert rates_from_cfg(setup_of("device=cpu").cfg).profile == "cpu"
-    # keys given on the command line as Hydra appends them
-    cfg = compose([cost_key("profile=h200"), cost_key("alpha_us=30"), cost_key("link_gbps=[100,200,300,400]"),
-                   cost_key("copy_efficiency=0.5")])
-    r = rates_from_cfg(cfg, backend="gloo")
+    cost = setup_of().cost
+    assert cost.rates(backend="gloo").profile == "cpu"
+    assert cost.rates(backend="nccl").profile == "h200"
+    assert cost.rates(backend="cpu:gloo,cuda:nccl").profile == "h200"
+    assert CostSpec().rates(device="cuda").profile == "h200"
+    s = setup_of("device=cpu")
+    assert s.cost.rates(device=s.device).profile == "cpu"
+    # keys given on the command line
+    cost = build(compose([cost_key("profile=h200"), cost_key("alpha_us=30"), cost_key("link_gbps=[100,200,300,400]"),
+                          cost_key("copy_efficiency=0.5")])).cost
+    r = cost.rates(backend="gloo")
     assert (r.profile, r.alpha_us, r.link_gbps, r.copy_gbps, r.copy_efficiency) == (
         "h200", 30, (100, 200, 300, 400), 4210, 0.5)
-    with pytest.raises(ValueError, match="cost.link_speed"):
-        rates_from_cfg({"cost": {"link_speed": 3}})
-    with pytest.raises(ValueError, match="cost.profile=tpu"):
-        rates_from_cfg({"cost": {"profile": "tpu"}})
+    with pytest.raises(ConfigError, match="cost.profile=tpu"):
+        CostSpec(profile="tpu")
+    # overrides that make no valid rates stop at build, naming the key
+    with pytest.raises(ConfigError, match="cost.link_gbps"):
+        CostSpec(profile="cpu", link_gbps=(1.0, 2.0, 3.0))
     with pytest.raises(ValueError, match="one rate per size"):
         CostRates(link_gbps=(1.0,))
 

@@ -67,7 +67,7 @@ def test_every_job_is_valid_and_small(hydra_conf, preset):
             if k == "transfer":
                 assert s.transfer.strategy.value == v
             else:
-                assert str(OmegaConf.select(s.cfg, k)) == v
+                assert str(OmegaConf.select(OmegaConf.create(s.to_dict()), k)) == v
 
 
 def test_presets_sweep_what_the_issue_asks(hydra_conf):

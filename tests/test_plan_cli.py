@@ -79,7 +79,7 @@ def test_plan_summary_for_every_preset(name):
         overrides = [f"model={name}", *combo]
         setup = build(compose(overrides))
         s = summarize(setup)
-        isl = setup.cfg.workload.isl
+        isl = setup.workload.isl
         assert (s["model"], s["isl"], s["requests"]) == (name, isl, setup.gen.dp)
         assert s["strategy"] == setup.transfer.strategy.value
         per_dst: dict[int, int] = {}

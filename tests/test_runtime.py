@@ -50,7 +50,7 @@ def test_end_to_end_verified(overrides, tmp_path):
     assert summary["failed_requests"] == [] and summary["errors"] == []
     setup = build(compose(overrides + QUIET))
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert len(rows) == setup.cfg.workload.requests == summary["requests"]
+    assert len(rows) == setup.workload.requests == summary["requests"]
     # every request moved exactly what its gen ranks must hold
     from kvlab.plan import plan
     from kvlab.workload import make_requests
