@@ -3,11 +3,6 @@ field, the value and what would work: in-process for the whole catalogue, and th
 ``kvlab run`` (exit code 2, one stderr line, nothing written) and the ranks themselves for a few."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -136,43 +131,30 @@ def test_what_the_knobs_accept_passes():
     assert check_overrides(["fault.stall_rank=0", "fault.stall_at_chunk=0", "fault.stall_s=0.5"]) is None
 
 
-def _kvlab() -> list[str]:
-    script = Path(sys.executable).parent / "kvlab"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
-
-
 @pytest.mark.parametrize("overrides,names", [
     (["ctx.tp=4"], "ctx.tp=4"),
     (["cache.capacity_tokens=1000"], "cache.capacity_tokens=1000"),
     (["fault.kill_rank=1", "fault.kill_at_chunk=100000"], "fault.kill_at_chunk=100000"),
     (["ctx.tpp=2"], "ctx.tpp=2"),
 ], ids=["split", "prompt-longer-than-cache", "fault-past-the-end", "misspelt-key"])
-def test_kvlab_run_exits_2_with_one_line_and_writes_nothing(overrides, names, tmp_path):
+def test_kvlab_run_exits_2_with_one_line_and_writes_nothing(overrides, names, tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
-    p = subprocess.run([*_kvlab(), "run", f"hydra.run.dir={run_dir}", "logger=quiet", *overrides], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+    p = kvlab_cli("run", f"hydra.run.dir={run_dir}", "logger=quiet", *overrides, cwd=tmp_path, timeout=120)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvlab: error: ") and names in lines[0], p.stderr
     assert not run_dir.exists() and not (tmp_path / "outputs").exists()
 
 
-def test_ranks_started_without_the_cli_all_stop_with_one_line(tmp_path):
+def test_ranks_started_without_the_cli_all_stop_with_one_line(tmp_path, kvlab_cli):
     """Under torchrun the ranks check the plan themselves: every rank exits 2 before allocating, rank 0
     says why in one line, and none of them waits for another."""
     cfg = compose(["logger=quiet", "fault.kill_rank=1", "fault.kill_at_chunk=100000"])
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    from kvlab.launch import free_port
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "kvlab.worker", str(tmp_path)], stderr=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
-             for r in range(3)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    procs = kvlab_cli.ranks([tmp_path] * 3, env={"OMP_NUM_THREADS": "1"})
     assert [p.returncode for p in procs] == [2, 2, 2]
-    err0 = [ln for ln in outs[0][1].splitlines() if ln.startswith("kvlab")]
-    assert err0 == [ln for ln in outs[0][1].splitlines() if ln.strip()], outs[0][1]
+    err0 = [ln for ln in procs[0].stderr.splitlines() if ln.startswith("kvlab")]
+    assert err0 == [ln for ln in procs[0].stderr.splitlines() if ln.strip()], procs[0].stderr
     assert len(err0) == 1 and "fault.kill_at_chunk=100000" in err0[0]
-    assert not any(ln.startswith("kvlab") for _, e in outs[1:] for ln in e.splitlines())
+    assert not any(ln.startswith("kvlab") for p in procs[1:] for ln in p.stderr.splitlines())
     assert not (tmp_path / "parts").exists() and not (tmp_path / "summary.json").exists()

@@ -1,10 +1,6 @@
 """Presets compose and build with the published constants; bad input ends in one line naming the field."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from kvlab.cli import check_overrides
@@ -161,13 +157,8 @@ def test_slot_message_names_the_row_it_must_hold():
     assert check_overrides(["model=tiny_gqa", "parallel=tp2_to_tp1", f"transfer.slot_mib={192 / 2**20}"]) is None
 
 
-def kvlab_cmd() -> list[str]:
-    script = Path(sys.executable).parent / "kvlab"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
-
-
-def test_cli_unknown_model_exits_2_with_one_line(tmp_path):
-    p = subprocess.run([*kvlab_cmd(), "plan", "model=foo"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+def test_cli_unknown_model_exits_2_with_one_line(tmp_path, kvlab_cli):
+    p = kvlab_cli("plan", "model=foo", cwd=tmp_path, timeout=120)
     assert p.returncode == 2
     lines = p.stderr.splitlines()
     assert len(lines) == 1, p.stderr

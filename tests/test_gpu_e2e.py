@@ -11,7 +11,7 @@ import torch
 
 from kvlab.runner import run_transfer
 
-pytestmark = [pytest.mark.gpu2,
+pytestmark = [pytest.mark.gpu2, pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
 BASE = ["logger=quiet", "device=cuda", "kernels=cuda", "workload.requests=3", "workload.concurrency=2"]

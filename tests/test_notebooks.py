@@ -8,6 +8,7 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
+@pytest.mark.slow
 def test_notebooks_execute():
     pytest.importorskip("nbmake")
     pytest.importorskip("ipykernel")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -113,21 +111,15 @@ def test_mismatched_sides_spread_over_ctx_ranks():
                                                         2: 30 * 512 * 1152, 3: 30 * 512 * 1152}
 
 
-def kvlab_cmd() -> list[str]:
-    script = Path(sys.executable).parent / "kvlab"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
-
-
-def run_plan(tmp_path: Path, overrides: list[str]) -> tuple[str, dict]:
+def run_plan(kvlab_cli, tmp_path: Path, overrides: list[str]) -> tuple[str, dict]:
     out = tmp_path / "run"
-    p = subprocess.run([*kvlab_cmd(), "plan", *overrides, f"hydra.run.dir={out}"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=180)
+    p = kvlab_cli("plan", *overrides, f"hydra.run.dir={out}", cwd=tmp_path, timeout=180)
     assert p.returncode == 0, p.stderr
     return p.stdout, json.loads((out / "plan.json").read_text())
 
 
-def test_cli_tp1_to_tp1_moves_the_whole_request(tmp_path):
-    stdout, data = run_plan(tmp_path, ["model=llama3_8b", "parallel=same", "workload.isl=1000"])
+def test_cli_tp1_to_tp1_moves_the_whole_request(tmp_path, kvlab_cli):
+    stdout, data = run_plan(kvlab_cli, tmp_path, ["model=llama3_8b", "parallel=same", "workload.isl=1000"])
     assert "llama3_8b" in stdout and "ctx0" in stdout and "gen0" in stdout and "total" in stdout
     assert [set(p) >= {"src", "dst", "bytes"} for p in data["pairs"]] == [True]
     assert (data["pairs"][0]["src"], data["pairs"][0]["dst"]) == (0, 0)
@@ -136,10 +128,10 @@ def test_cli_tp1_to_tp1_moves_the_whole_request(tmp_path):
     assert "MiB" in stdout and f"{1000 * 131072 / 2**20:,.2f}" in stdout
 
 
-def test_cli_mismatched_sides_matches_in_process(tmp_path):
+def test_cli_mismatched_sides_matches_in_process(tmp_path, kvlab_cli):
     overrides = ["model=tiny_swa", "ctx.tp=2", "ctx.pp=2", "gen.tp=4", "gen.pp=3", "gen.dp=2", "transfer=zerocopy",
                  "workload.isl=300", "gen.tokens_per_block=16"]
-    stdout, data = run_plan(tmp_path, overrides)
+    stdout, data = run_plan(kvlab_cli, tmp_path, overrides)
     expect = summarize(build(compose(overrides)))
     assert [(p["src"], p["dst"], p["bytes"]) for p in data["pairs"]] == \
            [(p["src"], p["dst"], p["bytes"]) for p in expect["pairs"]]

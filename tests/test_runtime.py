@@ -3,10 +3,6 @@ mismatched sides in both directions; the long-prompt memory bound; the handshake
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -43,6 +39,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [c[1] for c in CASES], ids=[c[0] for c in CASES])
 def test_end_to_end_verified(overrides, tmp_path):
     summary = run_transfer(overrides + QUIET, tmp_path)
@@ -64,6 +61,7 @@ LONG = ["model=tiny_gqa", "model.num_layers=2", "model.kv_heads=1", "model.head_
         "workload.requests=1", "workload.concurrency=1"]
 
 
+@pytest.mark.slow
 def test_long_prompt_through_small_slots_stays_flat(tmp_path):
     # 131072 tokens x 2 layers x (K+V) x 8 x bf16 = 8 MiB through 2 slots of 64 KiB
     summary = run_transfer(LONG + QUIET + ["workload.isl=131072", "transfer=chunked", "transfer.slot_mib=0.0625",
@@ -74,6 +72,7 @@ def test_long_prompt_through_small_slots_stays_flat(tmp_path):
     assert summary["peak_extra_device_bytes"] == 2 * 65536
 
 
+@pytest.mark.slow
 def test_naive_staging_grows_with_the_prompt(tmp_path):
     peaks = []
     for isl in (8192, 32768):
@@ -83,20 +82,7 @@ def test_naive_staging_grows_with_the_prompt(tmp_path):
     assert peaks[0] == 8192 * 2 * 2 * 8 * 2 and peaks[1] == 4 * peaks[0]
 
 
-def _spawn(run_dirs: list[Path], env_extra: dict | None = None) -> list[subprocess.CompletedProcess]:
-    """Start one worker per run dir as the ranks of one job (different configs per rank)."""
-    from kvlab.launch import free_port
-    port, world = free_port(), len(run_dirs)
-    procs = []
-    for rank, d in enumerate(run_dirs):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), **(env_extra or {}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvlab.worker", str(d)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in procs]
-
-
-def test_handshake_mismatch_fails_on_every_rank(tmp_path):
+def test_handshake_mismatch_fails_on_every_rank(tmp_path, kvlab_cli):
     from omegaconf import OmegaConf
     dirs = []
     for rank, model in enumerate(["tiny_gqa", "tiny_mla"]):  # ctx serves one model, gen another
@@ -105,16 +91,16 @@ def test_handshake_mismatch_fails_on_every_rank(tmp_path):
         cfg = compose(["parallel=same", f"model={model}"] + QUIET)
         (d / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         dirs.append(d)
-    done = _spawn(dirs)
+    done = kvlab_cli.ranks(dirs)
     assert [p.returncode for p in done] == [2, 2]
     err = done[0].stderr.strip().splitlines()
     assert len(err) == 1 and "model.num_layers" not in err[0]
     assert "model.attention=gqa (ctx rank 0) vs mla (gen rank 1)" in err[0]
 
 
-def test_kvlab_run_default(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvlab", "run", f"hydra.run.dir={tmp_path}", "logger=quiet"],
-                         capture_output=True, text=True, timeout=120)
+@pytest.mark.slow
+def test_kvlab_run_default(tmp_path, kvlab_cli):
+    out = kvlab_cli("run", f"hydra.run.dir={tmp_path}", "logger=quiet", timeout=120)
     assert out.returncode == 0, out.stderr
     assert "verified" in out.stdout and f"results in {tmp_path}" in out.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -123,11 +109,10 @@ def test_kvlab_run_default(tmp_path):
     assert summary["verified"] and summary["requests"] == 4
 
 
-def test_under_torchrun_ranks_share_one_run_dir(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-                          "-m", "kvlab", "run", "logger=quiet", "workload.requests=2"],
-                         capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.mark.slow
+def test_under_torchrun_ranks_share_one_run_dir(tmp_path, kvlab_cli):
+    out = kvlab_cli("run", "logger=quiet", "workload.requests=2", torchrun=["--standalone", "--nproc-per-node=3"],
+                    cwd=tmp_path, timeout=180, env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     runs = list((tmp_path / "outputs").iterdir())
     assert len(runs) == 1, runs  # one directory for all three ranks

@@ -6,19 +6,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+
+import pytest
 
 from kvlab.launch import free_port
 
 
-def test_ctx_node_and_gen_node_verified_in_one_run_dir(tmp_path):
+@pytest.mark.slow
+def test_ctx_node_and_gen_node_verified_in_one_run_dir(tmp_path, kvlab_cli):
     port, rdzv_id = free_port(), "kvlab-two-nodes"
     agents = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-               "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id={rdzv_id}", "-m", "kvlab", "run", "logger=quiet", "ctx.tp=2", "gen.tp=2",
-               "workload.requests=2"]
+        cmd = kvlab_cli.argv("run", "logger=quiet", "ctx.tp=2", "gen.tp=2", "workload.requests=2",
+                             torchrun=["--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                                       f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}"])
         agents.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        env=dict(os.environ, OMP_NUM_THREADS="1")))
     outs = []

@@ -1,0 +1,58 @@
+"""What several test files share: running the real ``kvlab`` command line.
+
+``kvlab_cli("run", "hydra.run.dir=...", cwd=tmp_path)`` runs the console script the package
+installs (``python -m kvlab`` where there is none), ``torchrun=[...]`` the same command under
+``torch.distributed.run``; both return the finished process with its stdout and stderr as text.
+``kvlab_cli.argv(...)`` is the command line alone, for tests that start several processes at once;
+``kvlab_cli.ranks(dirs)`` starts the rank processes themselves, without a launcher.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def kvlab_argv(*args: str, torchrun: list[str] | None = None) -> list[str]:
+    """The argv of ``kvlab ARGS``, or of torchrun's agent starting ``python -m kvlab ARGS`` per rank."""
+    if torchrun is not None:
+        return [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "kvlab", *args]
+    script = Path(sys.executable).parent / "kvlab"
+    return [str(script), *args] if script.exists() else [sys.executable, "-m", "kvlab", *args]
+
+
+def _run(*args: str, cwd: Path | str | None = None, timeout: float = 180, torchrun: list[str] | None = None,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``kvlab ARGS`` to the end; ``env`` adds to this process's environment."""
+    return subprocess.run(kvlab_argv(*args, torchrun=torchrun), cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, **env) if env else None)
+
+
+def _ranks(run_dirs: list[Path], timeout: float = 120,
+           env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Start ``python -m kvlab.worker DIR`` once per entry as the ranks of one job, as torchrun would
+    (rank i reads ``run_dirs[i]/config.yaml``, so ranks may be given different configs), and wait for all."""
+    from kvlab.launch import free_port
+
+    port, world = free_port(), len(run_dirs)
+    procs = [subprocess.Popen([sys.executable, "-m", "kvlab.worker", str(d)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {})))
+             for rank, d in enumerate(run_dirs)]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+
+
+class KvlabCLI:
+    argv = staticmethod(kvlab_argv)
+    __call__ = staticmethod(_run)
+    ranks = staticmethod(_ranks)
+
+
+@pytest.fixture
+def kvlab_cli() -> KvlabCLI:
+    return KvlabCLI()
