@@ -5,6 +5,10 @@ installs (``python -m kvlab`` where there is none), ``torchrun=[...]`` the same 
 ``torch.distributed.run``; both return the finished process with its stdout and stderr as text.
 ``kvlab_cli.argv(...)`` is the command line alone, for tests that start several processes at once;
 ``kvlab_cli.ranks(dirs)`` starts the rank processes themselves, without a launcher.
+
+``pytest -m "not slow"`` is the loop a developer runs every few minutes: there the property
+tests draw a tenth of their examples (Hypothesis profile ``quick``); a run without that
+marker expression, as in CI, or with an explicit ``--hypothesis-profile``, draws them all.
 """
 from __future__ import annotations
 
@@ -14,6 +18,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# the tests scale their max_examples by the profile's share of Hypothesis' default of 100
+settings.register_profile("quick", max_examples=10)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "not slow" in (config.getoption("markexpr") or "") and config.getoption("hypothesis_profile", None) is None:
+        settings.load_profile("quick")
 
 
 def kvlab_argv(*args: str, torchrun: list[str] | None = None) -> list[str]:

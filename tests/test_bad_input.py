@@ -146,6 +146,7 @@ def test_kvlab_run_exits_2_with_one_line_and_writes_nothing(overrides, names, tm
     assert not run_dir.exists() and not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_ranks_started_without_the_cli_all_stop_with_one_line(tmp_path, kvlab_cli):
     """Under torchrun the ranks check the plan themselves: every rank exits 2 before allocating, rank 0
     says why in one line, and none of them waits for another."""

@@ -31,7 +31,6 @@ def _rows(run_dir: Path) -> dict[int, dict]:
     return {r["request"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.slow
 def _gave_up_in_time(run_dir: Path, ranks: list[int]) -> None:
     """Each surviving rank gave up within twice ``transfer.timeout_s`` of its last completed chunk:
     it waited for the peer as long as it was told to, not for the whole run."""
@@ -41,6 +40,7 @@ def _gave_up_in_time(run_dir: Path, ranks: list[int]) -> None:
         assert part["error_at"] is not None and part["error_at"] - last < 2 * TIMEOUT_S, (r, part["error_at"] - last)
 
 
+@pytest.mark.slow
 def test_killed_rank_fails_its_requests_and_the_run_ends(tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
     # ctx1 dies as it is about to post its 25th chunk: requests 0 and 1 (its chunks 0-13) are through,

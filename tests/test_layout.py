@@ -21,7 +21,8 @@ from kvlab.spec import ModelSpec
 from kvlab.state import RankPool
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
-SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SCALE = settings.default.max_examples / 100  # 0.1 under `pytest -m "not slow"` (tests/conftest.py)
+SETTINGS = settings(max_examples=int(250 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def row_bytes(rp: RankPool) -> list[int]:

@@ -182,6 +182,7 @@ def cases(draw, strategies=tuple(Strategy)):
     return Case(model, ctx, gen, req, strategy, slot)
 
 
+SCALE = settings.default.max_examples / 100  # 0.1 under `pytest -m "not slow"` (tests/conftest.py)
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -337,13 +338,13 @@ def rebuilt(state: CacheState) -> tuple[ModelSpec, SideSpec]:
 
 # ---------------------------------------------------------------- tests
 
-@settings(max_examples=1500, **SETTINGS)
+@settings(max_examples=int(1500 * SCALE), **SETTINGS)
 @given(cases(strategies=(Strategy.naive,)))
 def test_plan_exact_cover_from_holders(case):
     check_plan(case, plan(case.model, case.ctx, case.gen, case.req))
 
 
-@settings(max_examples=700, **SETTINGS)
+@settings(max_examples=int(700 * SCALE), **SETTINGS)
 @given(cases(strategies=(Strategy.naive, Strategy.chunked, Strategy.layerwise)))
 def test_schedule_partitions_segments_within_slots(case):
     segs = plan(case.model, case.ctx, case.gen, case.req)
@@ -351,7 +352,7 @@ def test_schedule_partitions_segments_within_slots(case):
     check_schedule(case, segs, chunks)
 
 
-@settings(max_examples=250, **SETTINGS)
+@settings(max_examples=int(250 * SCALE), **SETTINGS)
 @given(cases(strategies=(Strategy.zerocopy,)))
 def test_zerocopy_schedule(case):
     segs = plan(case.model, case.ctx, case.gen, case.req)
@@ -360,7 +361,7 @@ def test_zerocopy_schedule(case):
     check_zerocopy_flags(case, segs, chunks)
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=int(150 * SCALE), **SETTINGS)
 @given(cases())
 def test_both_sides_derive_the_same_schedule(case):
     # the ctx side knows its own specs and the gen side's handshake dict, and vice versa

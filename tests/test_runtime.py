@@ -82,6 +82,7 @@ def test_naive_staging_grows_with_the_prompt(tmp_path):
     assert peaks[0] == 8192 * 2 * 2 * 8 * 2 and peaks[1] == 4 * peaks[0]
 
 
+@pytest.mark.slow
 def test_handshake_mismatch_fails_on_every_rank(tmp_path, kvlab_cli):
     from omegaconf import OmegaConf
     dirs = []
