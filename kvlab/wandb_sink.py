@@ -15,6 +15,10 @@ with no network and no key, to be uploaded later with ``wandb sync``. ``disabled
 ``logger=quiet``), a machine without wandb, or any failure inside wandb give a sink that does
 nothing: metrics always reach ``results.jsonl`` and ``summary.json`` anyway, and a logger
 must never be the reason a transfer run fails.
+
+wandb is an optional dependency (the ``wandb`` extra): it is large, and a GPU machine that
+only runs transfers and benchmarks has no use for it. Without it rank 0 says so in one
+warning and the run goes on.
 """
 from __future__ import annotations
 
@@ -105,6 +109,9 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
+            if rank == 0:
+                warnings.warn(f"logger.wandb.mode={mode}: wandb is not installed, so no wandb runs are written; "
+                              "pip install 'kvlab[wandb]', or logger=quiet", stacklevel=2)
             return cls()
         try:
             return _LiveSink(wandb, cfg, Path(run_dir), rank, side, mode)

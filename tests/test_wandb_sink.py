@@ -1,5 +1,6 @@
 import json
 import sys
+import warnings
 
 import pytest
 
@@ -85,8 +86,12 @@ def test_env_switch_disables(tmp_path, monkeypatch):
 
 
 def test_without_wandb_installed_is_a_noop(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
-    sink = WandbSink.create(CFG, tmp_path, 1, "gen")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError (wandb is an extra)
+    with pytest.warns(UserWarning, match=r"wandb is not installed.*kvlab\[wandb\]"):
+        assert not WandbSink.create(CFG, tmp_path, 0, "ctx").active  # rank 0 says it once for the run
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sink = WandbSink.create(CFG, tmp_path, 1, "gen")
     assert not sink.active
     sink.log_request(RECORDS[0])
     sink.finish()

@@ -76,8 +76,8 @@ DEFAULT_TUNING = Tuning()
 
 def _source() -> str:
     if not KERNEL_SOURCE.is_file():
-        raise FileNotFoundError(f"CUDA kernel source {KERNEL_SOURCE} not found (kvlab's kernels/ ships with the "
-                                "repository, not the wheel: install kvlab editable from a checkout)")
+        raise FileNotFoundError(f"CUDA kernel source {KERNEL_SOURCE} not found (a checkout has it in kernels/, a "
+                                "wheel installs it under share/kvlab/kernels of the environment: reinstall kvlab)")
     return KERNEL_SOURCE.read_text()
 
 
