@@ -77,7 +77,7 @@ class Executor:
                  faults: RankFaults | None = None, beat=None):
         self.setup, self.side, self.rank, self.world_rank = setup, side, rank, world_rank
         self.device, self.cache, self.groups, self.ops, self.clock = device, cache, groups, ops, clock
-        if ops.name == "cuda":  # few CTAs: the copies must leave NCCL its SMs (DESIGN.md)
+        if ops.name == "cuda":  # few CTAs: the copies must leave NCCL its SMs (docs/design.md)
             ops = types.SimpleNamespace(name=ops.name, pack=functools.partial(ops.pack, ctas=setup.transfer.pack_ctas),
                                         unpack=functools.partial(ops.unpack, ctas=setup.transfer.pack_ctas))
             self.ops = ops

@@ -18,7 +18,7 @@ MiB = 2**20
 
 @dataclass(frozen=True)
 class CostRates:
-    """Rates of one machine. Defaults: 2xH200 over NVLink with NCCL (DESIGN.md, measured)."""
+    """Rates of one machine. Defaults: 2xH200 over NVLink with NCCL (measured: docs/design.md)."""
 
     profile: str = "h200"
     alpha_us: float = 15.0  # fixed cost of one message: 4096 x 64 KiB moved at 4.2 GB/s

@@ -5,7 +5,7 @@ runs of 8 KiB) and DeepSeek-V3.2-like pools (61 layers; the MLA latent, one 1152
 token: runs of 36 KiB; the indexer, 128 value bytes and 4 scale bytes per token: runs of
 4 KiB and 128 bytes) with their blocks in a shuffled order; one chunk is a rectangle of whole
 blocks (all layers, all or half of the heads) of about 64 or 256 MiB. Bandwidth counts bytes read + written, as the
-copy figure of DESIGN.md does. The copy (torch ``copy_`` over the whole GPU) is measured in
+copy figure of docs/design.md does. The copy (torch ``copy_`` over the whole GPU) is measured in
 the same run; the kernels run on a given number of CTAs, the point being to stay close to
 it on few CTAs so that NCCL keeps its SMs.
 

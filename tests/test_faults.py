@@ -115,7 +115,7 @@ def test_stalled_rank_is_left_behind_and_the_run_ends(tmp_path, kvlab_cli):
 
 # -- corruption ----------------------------------------------------------------------------------
 def _coords(pool_spec, rect, j: int) -> dict:
-    """Logical coordinates of byte ``j`` of a chunk's message, from the wire order of DESIGN.md:
+    """Logical coordinates of byte ``j`` of a chunk's message, from the wire order (kvlab.layout):
     for each tile of tokens, each layer, each component, each head: the tile's rows."""
     rows = pool_spec.comp_row_bytes()
     bpl = rect.n_heads * sum(rows)

@@ -2,7 +2,7 @@
 
 Same signature as :mod:`kvlab.ops.reference`, plus ``ctas``: the kernels walk work items of
 about one warp step (pieces of long runs, batches of short ones) in a grid-stride loop, so a
-launch on 8-32 CTAs moves the bytes while leaving NCCL's kernels the other SMs (DESIGN.md),
+launch on 8-32 CTAs moves the bytes while leaving NCCL's kernels the other SMs (docs/design.md),
 whatever the run lengths of the cache kind. The cubin is cached on disk per source, options
 and NVRTC version, so ranks after the first start without compiling.
 
