@@ -51,10 +51,6 @@ def _jobs(hydra_conf, preset):
     return params, out
 
 
-def test_the_presets_exist():
-    assert {"strategies", "parallel_matrix", "prompt_lengths"} <= set(PRESETS)
-
-
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_job_is_valid_and_small(hydra_conf, preset):
     params, setups = jobs(hydra_conf, preset)

@@ -27,8 +27,11 @@ def test_compiles_to_cubin(cuda_ops, arch):
 
 
 def test_tunings_compile(cuda_ops):
-    for tuning in (cuda_ops.Tuning(threads=512, unroll=4), cuda_ops.Tuning(threads=256, unroll=1)):
-        assert cuda_ops.compile_for_arch("sm_90", tuning, use_cache=False)[:4] == b"\x7fELF"
+    """Each tuning reaches the compiler: a cubin of its own, not the default's bytes again."""
+    tunings = (cuda_ops.DEFAULT_TUNING, cuda_ops.Tuning(threads=512, unroll=4), cuda_ops.Tuning(threads=256, unroll=1))
+    cubins = [cuda_ops.compile_for_arch("sm_90", t, use_cache=False) for t in tunings]
+    assert all(c[:4] == b"\x7fELF" for c in cubins)
+    assert len(set(cubins)) == len(tunings)
 
 
 def test_disk_cache(cuda_ops, tmp_path, monkeypatch):
@@ -44,8 +47,13 @@ def test_disk_cache(cuda_ops, tmp_path, monkeypatch):
 
 
 def test_bad_tuning_rejected(cuda_ops):
-    with pytest.raises(ValueError):
+    # the message names the field, the value and what would work
+    with pytest.raises(ValueError, match=r"Tuning\.threads=100: use a multiple of 32 in \[32, 1024\]"):
         cuda_ops.Tuning(threads=100)
+    with pytest.raises(ValueError, match=r"Tuning\.unroll=0: must be >= 1"):
+        cuda_ops.Tuning(unroll=0)
+    with pytest.raises(ValueError, match=r"Tuning\.piece=100: use a multiple of 16"):
+        cuda_ops.Tuning(bulk=True, piece=100)
 
 
 @pytest.mark.parametrize("tuning", [dict(), dict(threads=512, unroll=16), dict(threads=128, bulk=True)])
