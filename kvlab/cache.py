@@ -68,8 +68,9 @@ def blocks_for(pool: RankPool, isl: int) -> int:
 
 class PagedCache:
     def __init__(self, state: CacheState, blocks_needed: dict[str, int], spare_blocks: int, fragmentation: float,
-                 seed: int, device: torch.device):
-        """``blocks_needed[pool]``: blocks the requests in flight at the worst moment hold together."""
+                 seed: int, device: torch.device, storage_of=None):
+        """``blocks_needed[pool]``: blocks the requests in flight at the worst moment hold together;
+        ``storage_of(pool name, bytes)``: where a pool lives (a transport's choice), zeroed device memory by default."""
         self.state, self.device = state, device
         self.tick = lambda: None  # called per fill/verify piece: long requests still show progress
         self.pools: dict[str, PoolStore] = {}
@@ -79,7 +80,8 @@ class PagedCache:
             # canaries at both ends of the pool: stray writes past a request's first or last block land
             # there, and the blocks between stay consecutive for zero-copy
             canaries = sorted(set(range(spare_blocks // 2)) | set(range(n - (spare_blocks - spare_blocks // 2), n)))
-            storage = torch.zeros(pool.pool_bytes(n), dtype=torch.uint8, device=device)
+            storage = (storage_of(pool.name, pool.pool_bytes(n)) if storage_of is not None
+                       else torch.zeros(pool.pool_bytes(n), dtype=torch.uint8, device=device))
             alloc = BlockAllocator(n, set(canaries), fragmentation, seed * 7919 + state.rank * 31 + i)
             self.pools[pool.name] = PoolStore(pool, n, storage, alloc, canaries)
         for store in self.pools.values():

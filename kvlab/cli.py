@@ -11,7 +11,7 @@ import sys
 from kvlab.errors import ConfigError
 
 COMMANDS = ("plan", "run")
-GROUPS = ("model", "transfer", "workload", "logger", "parallel", "experiment", "cost")
+GROUPS = ("model", "transfer", "transport", "workload", "logger", "parallel", "experiment", "cost")
 USAGE = "usage: kvlab {plan,run} [-m] [key=value ...]   e.g. kvlab plan model=llama3_8b ctx.tp=4 gen.tp=2"
 
 
@@ -68,19 +68,23 @@ def _plain_message(flat: str, overrides: list[str]) -> str | None:
     return None
 
 
-def check_overrides(overrides: list[str]) -> str | None:
-    """None if the overrides compose into a valid setup, else one line saying what is wrong."""
+def check_overrides(overrides: list[str], search: list[str] = ()) -> str | None:
+    """None if the overrides compose into a valid setup, else one line saying what is wrong.
+    ``search``: ``hydra.searchpath=[file://DIR,...]`` overrides, whose DIRs hold a user's own group files."""
+    from pathlib import Path
+
     from kvlab.config import CONF_DIR, build, compose
 
+    dirs = [CONF_DIR] + [Path(d) for s in search for d in re.findall(r"file://([^,\]\s'\"]+)", s)]
     for ov in overrides:
         m = re.fullmatch(r"\+?(\w+)=(.*)", ov)
         if m and m.group(1) in GROUPS:
             group, value = m.groups()
-            options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+            options = sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
             if value not in options:
                 return f"{group}={value}: unknown {group}; choose one of {', '.join(options)}"
     try:
-        cfg = compose(overrides)
+        cfg = compose([*search, *overrides])
         setup = build(cfg)
         if setup.needs_preflight:  # fault positions and capacities that only the plan can check
             from kvlab.runner import preflight
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     multirun = any(a in ("-m", "--multirun") for a in rest)
     overrides = [a for a in rest if not a.startswith("-") and "=" in a and not a.startswith("hydra.")]
     if not multirun:
-        problem = check_overrides(overrides)
+        problem = check_overrides(overrides, [a for a in rest if a.startswith("hydra.searchpath=")])
         if problem:
             print(f"kvlab: error: {problem}", file=sys.stderr)
             raise SystemExit(2)

@@ -26,7 +26,7 @@ from kvlab import paths
 from kvlab.errors import ConfigError, positive, require
 from kvlab.parallel import SideSpec
 from kvlab.rates import CostSpec
-from kvlab.schedule import Strategy
+from kvlab.schedule import make_strategy
 from kvlab.spec import CacheSpec, FaultSpec, LoggerSpec, ModelSpec, WorkloadSpec
 
 CONF_DIR = paths.CONF_DIR
@@ -36,7 +36,9 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class TransferSpec:
-    strategy: Strategy = Strategy.chunked
+    # a preset's name, or {_target_: a kvlab.schedule.Strategy (sub)class or factory, and its traits};
+    # a Strategy once built
+    strategy: Any = "chunked"
     slot_mib: float = 16.0  # bytes of one staging slot, in MiB (fractions allowed)
     slots: int = 4  # staging slots per rank, allocated once at start
     timeout_s: float = 60.0  # a chunk that does not complete within this fails its request
@@ -44,7 +46,7 @@ class TransferSpec:
     pack_ctas: int = 16  # CTAs of the pack/unpack kernels: few, so NCCL keeps its SMs
 
     def __post_init__(self):
-        object.__setattr__(self, "strategy", Strategy(self.strategy))
+        object.__setattr__(self, "strategy", make_strategy(self.strategy))
         require(self.slot_mib > 0, "transfer.slot_mib", self.slot_mib, "must be > 0 MiB")
         require(self.slot_bytes >= 1, "transfer.slot_mib", self.slot_mib, "a slot must hold at least one byte")
         positive("transfer.slots", self.slots)
@@ -55,6 +57,49 @@ class TransferSpec:
     @property
     def slot_bytes(self) -> int:
         return int(self.slot_mib * 2**20)
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    """The ``transport`` group: the class that moves chunks (``_target_``) and its options."""
+
+    name: str = "p2p"
+    target: str = "kvlab.transports.p2p.P2P"
+    options: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, node) -> TransportSpec:
+        if node is None or isinstance(node, TransportSpec):
+            return node or cls()
+        if not isinstance(node, dict):
+            raise ConfigError("transport", node, "choose the group, e.g. transport=p2p or transport=ipc "
+                              "(conf/transport/<name>.yaml)")
+        d = dict(node)
+        target, name = d.pop("_target_", None), d.pop("name", None)
+        if not target or not name:
+            raise ConfigError("transport", d, "a transport file needs _target_ (the class) and name")
+        return cls(str(name), str(target), d)
+
+    def cls(self) -> type:
+        """The transport class, imported by name: the config does not depend on any transport."""
+        import inspect
+
+        from hydra.utils import get_class
+
+        try:
+            out = get_class(self.target)
+        except Exception as e:  # noqa: BLE001 - any import failure is the config's fault here
+            raise ConfigError("transport._target_", self.target, f"cannot be imported ({type(e).__name__}: {e}); "
+                              "use a kvlab.transports.Transport subclass, e.g. kvlab.transports.p2p.P2P") from None
+        bases = {f"{c.__module__}.{c.__qualname__}" for c in getattr(out, "__mro__", ())}
+        if "kvlab.transports.Transport" not in bases:
+            raise ConfigError("transport._target_", self.target, "must name a kvlab.transports.Transport subclass")
+        takes = list(inspect.signature(out.__init__).parameters)[6:]  # after self, setup, side, ranks, device
+        for key, value in self.options.items():
+            if key not in takes:
+                raise ConfigError(f"transport.{key}", value, f"transport={self.name} has no such option"
+                                  + (f"; it takes {', '.join(takes)}" if takes else ""))
+        return out
 
 
 @dataclass(frozen=True)
@@ -70,6 +115,7 @@ class Setup:
     fault: FaultSpec = field(default_factory=FaultSpec)
     logger: LoggerSpec = field(default_factory=LoggerSpec)
     cost: CostSpec = field(default_factory=CostSpec)
+    transport: Any = None  # the group's node (conf/transport/); a TransportSpec once built
     kernels: str = "auto"  # auto | torch | cuda
     device: str = "auto"  # auto | cpu | cuda
     extra: Any = None  # free-form room for experiments
@@ -100,6 +146,8 @@ class Setup:
         for name, r in self.fault.ranks.items():
             require(r < self.world_size, f"fault.{name}_rank", r,
                     f"must be -1 (off) or a world rank in [0, {self.world_size})")
+        object.__setattr__(self, "transport", TransportSpec.of(self.transport))
+        self.transport.cls().check(self)  # what only the chosen transport knows it cannot serve
 
     @property
     def world_size(self) -> int:

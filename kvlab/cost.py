@@ -12,19 +12,19 @@ clock is modelled. Each chunk goes
 - pack and unpack read and write every byte at the kernels' rate: ``copy_gbps_per_cta`` per
   CTA of ``transfer.pack_ctas``, at most ``copy_efficiency`` of the device copy rate
   ``copy_gbps`` (both count bytes read plus bytes written); a chunk in place on a side
-  (``zerocopy``, consecutive blocks) skips that side's copy;
+  (strategy trait ``in_place``, consecutive blocks) skips that side's copy;
 - a device's copies run one at a time, and so do its outgoing and its incoming messages;
   different devices run at once, so pairs on distinct GPUs overlap; ranks sit on devices
   as the runner puts them (``kvlab.transport.gpu_index``);
 - each rank keeps at most ``slots`` chunks in flight, as the executor does, and a chunk
   waits for its turn; the simulated prefill (``layer_compute_ms`` per layer) releases a
-  ``layerwise`` chunk when its layer is done and any other chunk when every layer is.
+  chunk when its layer is done (strategy trait ``ready: layer``) or when every layer is (``request``).
 
 Pipeline fill and drain, back-pressure and layer readiness follow from placing the chunks
 on the clock one by one in the global order.
 
 Extra device memory per rank: ``slots * slot_bytes`` (allocated once at start), or for
-``naive`` the largest sum of ``slots`` consecutive per-chunk buffers of any rank (a chunk
+``staging: per_chunk`` (naive) the largest sum of ``slots`` consecutive per-chunk buffers of any rank (a chunk
 is a whole segment there, so it grows with the prompt).
 
 Rates come from the ``cost`` group (kvlab.rates): a profile (``h200`` or ``cpu``, picked from
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from kvlab.plan import Request, plan
 from kvlab.rates import CostRates
-from kvlab.schedule import Chunk, Strategy, schedule
+from kvlab.schedule import Chunk, Ready, Staging, schedule
 from kvlab.workload import as_requests, interleave
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     ``k`` of a rank starts only once its chunk ``k - slots`` is complete (ctx: sent; gen:
     received and unpacked), in place or not. A ctx rank opens a request at its first chunk
     and, with ``layer_compute_ms``, sends a chunk once the simulated prefill has finished
-    the chunk's layer (``layerwise``) or every layer (the others). Every copy costs its side's
+    the chunk's layer (``ready: layer``) or every layer (``ready: request``). Every copy costs its side's
     host ``host_us`` first. With ``blocking`` rates (CPU) a rank's core does that work and the
     copies itself, one after the other, shared with the ranks on the same core; on GPUs
     copies queue on the rank's stream and only the copy engine and the window order them.
@@ -219,7 +219,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
             rc = costs[c.request] = RequestCost(c.request, by_id[c.request].isl, 0, 0, 0,
                                                 min(prefill[key], recv_ready), prefill[key], 0.0, 0.0, 0.0, 0.0)
         if layer_s:
-            layer = c.ready_layer if strategy == Strategy.layerwise else last_layer
+            layer = c.ready_layer if strategy.ready == Ready.layer else last_layer
             host_c[c.src] = max(host_c[c.src], prefill[key] + (layer + 1) * layer_s)
             rc.prefill_end_s = max(rc.prefill_end_s, prefill[key] + (last_layer + 1) * layer_s)
         t = max(host_c[c.src], slot_ready)
@@ -252,7 +252,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
         rc.layer_done_s[c.ready_layer] = max(rc.layer_done_s.get(c.ready_layer, 0.0), w1)
 
     def extra(sizes: list[list[int]]) -> int:
-        if strategy != Strategy.naive:
+        if strategy.staging == Staging.slots:
             return setup.transfer.slots * setup.transfer.slot_bytes
         # a buffer per chunk in flight, at most `window` of them
         return max((max(sum(s[max(0, i - window + 1):i + 1]) for i in range(len(s))) for s in sizes if s), default=0)
@@ -262,7 +262,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     start = min((r.start_s for r in done), default=0.0)
     total = sum(r.bytes for r in done)
     raw = sum(rates.message_s(r.bytes) for r in done if r.bytes)
-    return Prediction(rates.profile, strategy.value, max((r.end_s for r in done), default=0.0) - start, total,
+    return Prediction(rates.profile, strategy.name, max((r.end_s for r in done), default=0.0) - start, total,
                       len(order), max(ec, eg), ec, eg, raw, done)
 
 

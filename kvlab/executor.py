@@ -1,29 +1,26 @@
-"""The executor: one rank's chunks, pipelined through its staging slots.
+"""The executor: one rank's chunks, pipelined, whatever moves them.
 
 Protocol (both sides, every rank): walk the global chunk order (``workload.interleave``)
-restricted to the chunks this rank takes part in. Keep at most ``slots`` chunks in flight;
-chunk ``i`` uses slot ``i % slots``, and before chunk ``i`` is posted, chunk ``i - slots``
-is completed, so a slot is reused only after its consumer has finished.
+restricted to the chunks this rank takes part in. Keep at most ``slots`` chunks in flight:
+before chunk ``i`` is started, chunk ``i - slots`` is finished, so whatever chunk ``i``
+reuses (a staging slot, a readiness flag) is free again. How a chunk moves is the
+transport's (kvlab.transports: the protocol of that seam is at its top); what the chunks
+are and when each may go is the strategy's (kvlab.schedule); the executor owns requests:
 
-- ctx (sender): [layerwise: wait until the prefill has finished the chunk's layer]
-  pack into the slot (or send in place) -> isend. Completing = the send is done.
-- gen (receiver): irecv into the slot (or in place), posted ``slots`` chunks ahead.
-  Completing = wait for the bytes, unpack. After a request's last chunk: verify it
-  bit-exactly, then free its blocks.
+- ctx: open a request at its first chunk (allocate, fill: the prefill's output; tell the
+  transport), [strategy ready=layer: wait until the simulated prefill has finished the
+  chunk's layer; ready=request: every layer] -> start. After the request's last chunk is
+  finished: free its blocks.
+- gen: open a request at its first chunk (allocate) -> start. After its last chunk is
+  finished: verify it bit-exactly, then free its blocks.
 
-On GPUs every copy runs on one side stream; NCCL orders itself after the work queued
-there when an op is posted, and ``Work.wait`` makes the side stream wait for NCCL, so the
-host never blocks on the device inside the loop and pack(i+1) overlaps the wire of i.
-On CPUs (gloo) the same calls block the host where they must.
+A chunk that fails (timeout, lost peer) fails every request this rank has open; the loop
+stops there, since every later chunk would wait on the lost peer too.
 """
 from __future__ import annotations
 
 import contextlib
-import datetime
-import functools
-import re
 import time
-import types
 from collections import deque
 from dataclasses import dataclass
 
@@ -33,60 +30,33 @@ from kvlab.cache import PagedCache
 from kvlab.clock import Clock
 from kvlab.config import Setup
 from kvlab.faults import RankFaults
-from kvlab.layout import first_byte
 from kvlab.metrics import RequestRecord
 from kvlab.plan import Request, Segment
-from kvlab.schedule import Chunk, Strategy
-from kvlab.staging import PerChunkBuffers, SlotPool
-from kvlab.transport import post
+from kvlab.schedule import Chunk, Ready
+from kvlab.transports import ChunkFailed, Transport
 from kvlab.workload import chunks_of
-
-
-def _short(e: BaseException) -> str:
-    """The backend's reason without its source location and advice: it goes into one-line reports."""
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
-    return text.split(". This is typically")[0].rstrip(".")
 
 
 class Stopped(Exception):
     """The process was told to stop (SIGTERM from the launcher or torchrun's agent) during the transfers."""
 
 
-class TransferTimeout(RuntimeError):
-    """A chunk that did not complete within ``transfer.timeout_s``, or whose peer is gone."""
-
-    def __init__(self, message: str, request: int):
-        super().__init__(message)
-        self.request = request
-
-
 @dataclass
 class InFlight:
     index: int
     chunk: Chunk
-    work: object
-    buf: torch.Tensor
-    staged: bool
-    posted: object
+    handle: object
 
 
 class Executor:
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device,
-                 cache: PagedCache, groups: dict, ops, clock: Clock | None, progress=None,
+                 cache: PagedCache, transport: Transport, ops, clock: Clock | None, progress=None,
                  faults: RankFaults | None = None, beat=None):
         self.setup, self.side, self.rank, self.world_rank = setup, side, rank, world_rank
-        self.device, self.cache, self.groups, self.ops, self.clock = device, cache, groups, ops, clock
-        if ops.name == "cuda":  # few CTAs: the copies must leave NCCL its SMs (docs/design.md)
-            ops = types.SimpleNamespace(name=ops.name, pack=functools.partial(ops.pack, ctas=setup.transfer.pack_ctas),
-                                        unpack=functools.partial(ops.unpack, ctas=setup.transfer.pack_ctas))
-            self.ops = ops
+        self.device, self.cache, self.transport, self.ops, self.clock = device, cache, transport, ops, clock
         t = setup.transfer
         self.strategy = t.strategy
         self.window = t.slots
-        self.timeout = t.timeout_s
-        self.staging = (PerChunkBuffers(device) if self.strategy == Strategy.naive
-                        else SlotPool(t.slots, t.slot_bytes, device))
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.progress = progress
         self.records: dict[int, RequestRecord] = {}
@@ -97,6 +67,10 @@ class Executor:
         self.error_at: float | None = None
         self.stopped = False  # told to stop from outside: nobody is left to report to
         self.transfer_peak = 0  # allocator peak of the transfer alone (fill and verify excluded)
+
+    def connect(self) -> None:
+        """The transport's start-up (pair groups, staging, mapped pools); before the clock starts."""
+        self.transport.connect(self)
 
     @contextlib.contextmanager
     def _untracked(self):
@@ -115,12 +89,6 @@ class Executor:
     def sending(self) -> bool:
         return self.side == "ctx"
 
-    def _peer(self, c: Chunk) -> int:
-        return self.setup.world_rank("gen" if self.sending else "ctx", c.dst if self.sending else c.src)
-
-    def _group(self, c: Chunk):
-        return self.groups[(self.setup.world_rank("ctx", c.src), self.setup.world_rank("gen", c.dst))]
-
     # -- requests ---------------------------------------------------------------------------
     def _open(self, req: Request, n_chunks: int) -> RequestRecord:
         self.cache.allocate(req)
@@ -136,6 +104,7 @@ class Executor:
             ms = self.setup.transfer.layer_compute_ms
             if ms:
                 rec.prefill_end = rec.prefill_start + self.setup.model.num_layers * ms / 1e3
+            self.transport.opened(req)
         rec.start = self.clock.mark()
         self.records[req.id] = rec
         return rec
@@ -153,80 +122,26 @@ class Executor:
         ms = self.setup.transfer.layer_compute_ms
         if not ms:
             return
-        layer = c.ready_layer if self.strategy == Strategy.layerwise else self.setup.model.num_layers - 1
+        layer = c.ready_layer if self.strategy.ready == Ready.layer else self.setup.model.num_layers - 1
         delay = rec.prefill_start + (layer + 1) * ms / 1e3 - time.time()
         if delay > 0:
             time.sleep(delay)
 
     # -- chunks -----------------------------------------------------------------------------
-    def _buffer(self, i: int, c: Chunk) -> tuple[torch.Tensor, bool]:
-        """(buffer, staged): the pool itself when the chunk lies there in wire order, else a slot."""
-        if c.ctx_in_place if self.sending else c.gen_in_place:
-            # the shape is in wire order (schedule, from both states); it lies there when the chunk's
-            # blocks are consecutive in this side's table. Either way the message is the same.
-            store = self.cache.pools[c.rect.pool]
-            table = self.cache.tables[c.request][c.rect.pool]
-            tpb = store.pool.tokens_per_block
-            ids = table.host[c.rect.t0 // tpb - table.base:(c.rect.t1 - 1) // tpb - table.base + 1]
-            if all(b == ids[0] + k for k, b in enumerate(ids)):
-                start = first_byte(store.pool, store.num_blocks, c.rect, ids[0])
-                return store.storage[start:start + c.nbytes], False
-        return self.staging.get(i, c.nbytes), True
-
-    def _copy(self, c: Chunk, buf: torch.Tensor, rec: RequestRecord) -> None:
-        store = self.cache.pools[c.rect.pool]
-        table = self.cache.tables[c.request][c.rect.pool]
-        t0 = self.clock.mark()
-        if self.sending:
-            self.ops.pack(store.storage, store.pool, store.num_blocks, c.rect, table.ids, table.base, buf)
-        else:
-            self.ops.unpack(buf, store.pool, store.num_blocks, c.rect, table.ids, table.base, store.storage)
-        rec.pack.append((t0, self.clock.mark()))
-
-    def _post(self, i: int, c: Chunk) -> InFlight:
+    def _start(self, i: int, c: Chunk) -> InFlight:
         rec = self.records[c.request]
         if self.sending:
             self._wait_prefill(rec, c)
-        buf, staged = self._buffer(i, c)
-        if self.sending and staged:
-            self._copy(c, buf, rec)
-        if self.sending and i in self.faults.flips:
-            if not staged:  # corrupt the message, not the cache: the same bytes may go to another gen rank
-                buf, staged = self.staging.get(i, c.nbytes).copy_(buf), True
-            self.faults.flip(i, buf)
-        posted = self.clock.mark()
-        try:
-            work = post(buf, self._peer(c), self._group(c), send=self.sending)
-        except RuntimeError as e:  # gloo refuses to post to a peer whose connection is gone
-            raise self._failed(c, "posting failed", e) from e
-        return InFlight(i, c, work, buf, staged, posted)
+        return InFlight(i, c, self.transport.start(i, c, rec))
 
-    def _failed(self, c: Chunk, what: str, e: BaseException) -> TransferTimeout:
-        peer = ("gen" if self.sending else "ctx") + str(c.dst if self.sending else c.src)
-        return TransferTimeout(f"request {c.request} chunk {c.seq} with {peer}: {what}: {_short(e)}", c.request)
-
-    def _complete(self, f: InFlight, segments: dict[int, list[Segment]], requests: dict[int, Request]) -> None:
+    def _finish(self, f: InFlight, segments: dict[int, list[Segment]], requests: dict[int, Request]) -> None:
         c, rec = f.chunk, self.records[f.chunk.request]
-        try:
-            if self.stream is not None:
-                f.work.wait()  # a timeout here would block the host; NCCL's watchdog enforces transfer.timeout_s
-            else:
-                f.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as e:
-            raise self._failed(c, f"not done within {self.timeout:g} s or peer gone", e) from e
-        done = self.clock.mark()
-        rec.wire.append((f.posted, done))
-        if not self.sending:
-            self.faults.flip(f.index, f.buf)
-        if not self.sending and f.staged:
-            self._copy(c, f.buf, rec)
-        if f.staged:
-            self.staging.put(f.buf)
+        in_place = self.transport.finish(f.handle, rec)
         rec.bytes += c.nbytes
         rec.chunks += 1
-        rec.in_place += int(not f.staged)
+        rec.in_place += int(in_place)
         if self.sending:
-            rec.layer_done[c.ready_layer] = done
+            rec.layer_done[c.ready_layer] = rec.wire[-1][1]
         if rec.chunks == rec.chunks_total:
             self._close(requests[c.request], segments[c.request])
         if self.progress is not None:
@@ -247,18 +162,18 @@ class Executor:
                     if c.request not in self.records:
                         self._open(requests[c.request], counts[c.request])
                     if len(inflight) >= self.window:
-                        self._complete(inflight.popleft(), segments, requests)
+                        self._finish(inflight.popleft(), segments, requests)
                     self.faults.before_post(i)
-                    inflight.append(self._post(i, c))
+                    inflight.append(self._start(i, c))
                 while inflight:
-                    self._complete(inflight.popleft(), segments, requests)
-        except (TransferTimeout, Stopped) as e:
+                    self._finish(inflight.popleft(), segments, requests)
+        except (ChunkFailed, Stopped) as e:
             self._abort(e, inflight)
         if self.stream is not None and self.error is None:
             self.stream.synchronize()
         return list(self.records.values())
 
-    def _abort(self, e: TransferTimeout | Stopped, inflight: deque[InFlight]) -> None:
+    def _abort(self, e: ChunkFailed | Stopped, inflight: deque[InFlight]) -> None:
         """Fail every request this rank has open and free their blocks and slots. The loop stops here:
         every rank follows one global order, so the chunks after this one would wait on the lost peer too."""
         self.error = f"{self.side}{self.rank}: {e}"
@@ -272,7 +187,5 @@ class Executor:
                 if rid in self.cache.tables:
                     self.cache.release(rid)
         for f in inflight:
-            if f.staged:
-                self.staging.put(f.buf)
+            self.transport.abandon(f.handle)
         inflight.clear()
-

@@ -47,7 +47,7 @@ def summarize(setup: Setup) -> dict:
         "model": setup.model.name,
         "isl": setup.workload.isl,
         "requests": len(reqs),
-        "strategy": setup.transfer.strategy.value,
+        "strategy": setup.transfer.strategy.name,
         "slot_bytes": setup.transfer.slot_bytes,
         "ctx": {"tp": setup.ctx.tp, "pp": setup.ctx.pp, "dp": setup.ctx.dp},
         "gen": {"tp": setup.gen.tp, "pp": setup.gen.pp, "dp": setup.gen.dp},

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from kvlab import faults, metrics, report, transport
+from kvlab import faults, metrics, report, transport, transports
 from kvlab.cache import PagedCache, blocks_for
 from kvlab.clock import Clock
 from kvlab.config import CONF_DIR, build, compose
@@ -135,7 +135,15 @@ def _worker(setup, run_dir: Path, world_rank: int, device: torch.device) -> int:
     side = side_spec.name
     state = CacheState(setup.model, side_spec, rank)
     transport.handshake(state)
-    groups = transport.pair_groups(setup)
+    mover = transports.create(setup, side, rank, world_rank, device)
+    try:
+        return _transfer(setup, run_dir, world_rank, device, side, rank, state, mover)
+    finally:
+        mover.close()  # unmapped and unlinked also after a failure
+
+
+def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side: str, rank: int,
+              state: CacheState, mover) -> int:
 
     requests, segments, order = plan_run(setup)
     needed = preflight(setup, requests, order, world_rank)  # the same checks on every rank: all stop or none
@@ -143,19 +151,19 @@ def _worker(setup, run_dir: Path, world_rank: int, device: torch.device) -> int:
 
     ops = get_ops(setup.kernels, device.type)
     cache = PagedCache(state, needed, setup.cache.spare_blocks, setup.cache.fragmentation,
-                       setup.workload.seed + 17 * world_rank, device)
+                       setup.workload.seed + 17 * world_rank, device, mover.pool_storage)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base_alloc = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         free0 = torch.cuda.mem_get_info(device)[0]
-    transport.warm_up(setup, groups, world_rank, device)  # after the baseline: NCCL's buffers count as extra
     progress = _Progress(sum(c.nbytes for c in mine), world_rank == 0 and setup.logger.progress)
     board = report.Board(dist.distributed_c10d._get_default_store(), world_rank, setup.world_size,
                          stale_s(setup))
     cache.tick = board.beat
-    executor = Executor(setup, side, rank, world_rank, device, cache, groups, ops, None, progress,
+    executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat)
+    executor.connect()  # after the baseline: what the transport allocates (slots, NCCL's buffers) is extra
     dist.barrier()
     clock = executor.clock = Clock(device)  # started right after the barrier: one epoch for every rank
     board.watch()
@@ -164,7 +172,7 @@ def _worker(setup, run_dir: Path, world_rank: int, device: torch.device) -> int:
     failures = dict(executor.failures)
     errors = [executor.error] if executor.error else []
     progress.close()
-    staging = executor.staging.peak_bytes
+    staging = mover.peak_staging_bytes
     peak = {"staging": staging, "extra": staging, "cache": cache.nbytes,
             "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # host memory, Linux KiB
     if device.type == "cuda":

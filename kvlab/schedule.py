@@ -5,20 +5,35 @@ chunk is exactly one message on the wire, whatever either side does with it, so 
 choice to send or receive a chunk in place never changes what the other side posts: the
 zero-copy hang of engines that switch to one message per block cannot happen here.
 
-Strategies:
-- ``naive``: one chunk per segment, as large as the segment (a buffer sized to the request).
-- ``chunked``: chunks of at most one slot, round-robin over the segments so that every
-  pair of ranks is busy.
-- ``layerwise``: chunks never span layers and go in the order the prefill finishes layers;
-  ``Chunk.ready_layer`` is the global layer that must be done first.
-- ``zerocopy``: chunked, with the last partial tile cut off so that whole-block chunks can
-  go in place; ``ctx_in_place`` / ``gen_in_place`` say, from both cache states alone,
-  whether a chunk's shape is in wire order on that side when its blocks are consecutive.
+A strategy is data: a ``Strategy`` names its traits, and its YAML file under
+``conf/transfer/`` holds them (``transfer.strategy``, instantiated through Hydra's
+``_target_``). The schedule, the executor and the cost model read the traits, never the
+name, so a new combination (layer-wise *and* in place, say) is a new YAML file, and a
+strategy with its own cutting or ordering is a subclass in the user's own module named by
+``_target_``. The traits:
+
+- ``cut``: ``segment`` (one chunk per segment, as large as the segment), ``slot`` (at
+  most one slot, spanning as many layers as fit) or ``layer`` (at most one slot, never
+  spanning layers);
+- ``order``: ``as_is`` (segment after segment), ``round_robin`` (over the segments, so
+  that every pair of ranks is busy early) or ``ready_layer`` (round-robin within a layer,
+  layers in the order the prefill finishes them);
+- ``ready``: a chunk may leave once its ``request`` is prefilled, or once its ``layer``
+  (``Chunk.ready_layer``, the global layer that must be done first) is;
+- ``in_place``: cut the last partial tile off so that whole-block chunks can go in place;
+  ``ctx_in_place`` / ``gen_in_place`` say, from both cache states alone, whether a chunk's
+  shape is in wire order on that side when its blocks are consecutive;
+- ``staging``: ``slots`` (fixed slots allocated once) or ``per_chunk`` (a buffer per chunk,
+  sized to it: the naive baseline).
+
+The presets: ``naive`` (segment, as_is, per_chunk), ``chunked`` (slot, round_robin),
+``layerwise`` (layer, ready_layer, ready=layer), ``zerocopy`` (slot, round_robin, in place).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from enum import Enum
+from functools import cache
 
 from kvlab.errors import ConfigError
 from kvlab.layout import Rect, identity_blocks, is_in_place, runs
@@ -28,11 +43,26 @@ from kvlab.spec import ModelSpec
 from kvlab.state import CacheState
 
 
-class Strategy(str, Enum):
-    naive = "naive"
-    chunked = "chunked"
-    layerwise = "layerwise"
-    zerocopy = "zerocopy"
+class Cut(str, Enum):
+    segment = "segment"
+    slot = "slot"
+    layer = "layer"
+
+
+class Order(str, Enum):
+    as_is = "as_is"
+    round_robin = "round_robin"
+    ready_layer = "ready_layer"
+
+
+class Ready(str, Enum):
+    request = "request"
+    layer = "layer"
+
+
+class Staging(str, Enum):
+    slots = "slots"
+    per_chunk = "per_chunk"
 
 
 @dataclass(frozen=True)
@@ -83,33 +113,112 @@ def in_place_shape(state: CacheState, rect: Rect) -> bool:
     return is_in_place(runs(pool, len(ids) + 1, rect, ids, base))
 
 
+@dataclass(frozen=True)
+class Strategy:
+    """How a request's segments become chunks and when each may go (the traits above).
+
+    Both sides build the same strategy from the same config and derive the same chunks from it.
+    Subclasses may override ``rects`` and ``arrange``; they must stay pure functions of their input.
+    """
+
+    name: str
+    cut: Cut = Cut.slot
+    order: Order = Order.round_robin
+    ready: Ready = Ready.request
+    in_place: bool = False
+    staging: Staging = Staging.slots
+
+    def __post_init__(self):
+        for f, kind in (("cut", Cut), ("order", Order), ("ready", Ready), ("staging", Staging)):
+            v = getattr(self, f)
+            try:
+                object.__setattr__(self, f, kind(v.value if isinstance(v, Enum) else v))
+            except ValueError:
+                raise ConfigError(f"transfer.strategy.{f}", v, f"use {', '.join(k.value for k in kind)}") from None
+        if not isinstance(self.in_place, bool):
+            raise ConfigError("transfer.strategy.in_place", self.in_place, "use true or false")
+        if self.cut == Cut.segment and self.staging != Staging.per_chunk:
+            raise ConfigError("transfer.strategy.staging", self.staging.value,
+                              "a chunk of a whole segment does not fit a fixed slot; use per_chunk, or cut: slot")
+
+    def traits(self) -> dict:
+        return {f.name: (v.value if isinstance(v := getattr(self, f.name), Enum) else v) for f in fields(self)}
+
+    def rects(self, seg: Segment, rows: tuple[int, ...], slot_bytes: int) -> list[Rect]:
+        if self.cut == Cut.segment:
+            return [seg.rect]
+        return cut_rect(seg, rows, slot_bytes, self.cut == Cut.layer, self.in_place)
+
+    def arrange(self, per_seg: list[list[Chunk]]) -> list[Chunk]:
+        """One request's chunks in sending order, from its chunks per segment."""
+        if self.order == Order.as_is:
+            return [c for chunks in per_seg for c in chunks]
+        order = [chunks[i] for i in range(max(map(len, per_seg), default=0)) for chunks in per_seg if i < len(chunks)]
+        if self.order == Order.ready_layer:
+            order.sort(key=lambda c: c.ready_layer)  # stable: round-robin within a layer
+        return order
+
+
 def schedule(model: ModelSpec, ctx: SideSpec, gen: SideSpec, segments: list[Segment], strategy: Strategy,
              slot_bytes: int) -> list[Chunk]:
-    strategy = Strategy(strategy)
     per_seg: list[list[Chunk]] = []
     for seg in segments:
         spec = model.pools(ctx.dtype)
         pool = next(p for p in spec if p.name == seg.rect.pool)
         rows = pool.comp_row_bytes()
-        if strategy == Strategy.naive:
-            rects = [seg.rect]
-        else:
-            rects = cut_rect(seg, rows, slot_bytes, strategy == Strategy.layerwise, strategy == Strategy.zerocopy)
         chunks = []
-        for rect in rects:
+        for rect in strategy.rects(seg, rows, slot_bytes):
             c = Chunk(seg.request, 0, seg.src, seg.dst, rect, rect.nbytes(rows), pool.layers[rect.l1 - 1])
-            if strategy == Strategy.zerocopy:
+            if strategy.in_place:
                 c = replace(c, ctx_in_place=in_place_shape(CacheState(model, ctx, seg.src), rect),
                             gen_in_place=in_place_shape(CacheState(model, gen, seg.dst), rect))
             chunks.append(c)
         per_seg.append(chunks)
+    return [replace(c, seq=i) for i, c in enumerate(strategy.arrange(per_seg))]
 
-    if strategy == Strategy.naive:
-        order = [c for chunks in per_seg for c in chunks]
-    else:
-        # round-robin over segments: every ctx/gen pair gets work early
-        order = [chunks[i] for i in range(max(map(len, per_seg), default=0)) for chunks in per_seg if i < len(chunks)]
-        if strategy == Strategy.layerwise:
-            order.sort(key=lambda c: c.ready_layer)  # stable: round-robin within a layer
-    return [replace(c, seq=i) for i, c in enumerate(order)]
 
+def make_strategy(node) -> Strategy:
+    """The strategy a config names: a preset's name, or a node with ``_target_`` (a Strategy or a factory
+    in any importable module) and its traits."""
+    if isinstance(node, Strategy):
+        return node
+    if isinstance(node, str):
+        names = preset_names()
+        if node not in names:
+            raise ConfigError("transfer.strategy", node, f"use one of {', '.join(names)}, or a node with _target_ "
+                              "and traits (see conf/transfer/)")
+        return preset(node)
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    target = node.get("_target_") if hasattr(node, "get") else None
+    if not target:
+        raise ConfigError("transfer.strategy", node, "needs _target_ (e.g. kvlab.schedule.Strategy) and traits, "
+                          "or a preset name")
+    try:
+        out = instantiate(node, _convert_="all")
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise ConfigError("transfer.strategy._target_", target, f"cannot be built: {str(e).splitlines()[0]}") from None
+    if not isinstance(out, Strategy):
+        raise ConfigError("transfer.strategy._target_", target,
+                          f"built a {type(out).__name__}; it must build a kvlab.schedule.Strategy")
+    return out
+
+
+@cache
+def preset_names() -> tuple[str, ...]:
+    from kvlab.paths import CONF_DIR
+
+    return tuple(sorted(p.stem for p in (CONF_DIR / "transfer").glob("*.yaml")))
+
+
+@cache
+def preset(name: str) -> Strategy:
+    """A built-in strategy, read from its file under conf/transfer/ (the one place its traits live)."""
+    from omegaconf import OmegaConf
+
+    from kvlab.paths import CONF_DIR
+
+    return make_strategy(OmegaConf.load(CONF_DIR / "transfer" / f"{name}.yaml").strategy)

@@ -1,12 +1,8 @@
-"""Point-to-point transport over torch.distributed, and the handshake.
+"""The control plane: where each rank runs, the process group, and the handshake.
 
 World ranks: ctx ranks first (side-local order), then gen ranks. The default group uses
-gloo for control objects (handshake, results); bytes move over one two-rank group per
-ctx/gen pair, created once at start by every rank in the same order: NCCL on GPUs (a
-pair group is what lets two ranks share a GPU with a third rank elsewhere: NCCL refuses
-two ranks of one communicator on one GPU), gloo on CPUs. Every message is one
-``batch_isend_irecv`` of one contiguous uint8 tensor (batches, unlike plain send/recv, use
-the group's own communicator).
+gloo for control objects (handshake, results) and its store for small messages; how the
+bytes of a chunk move is a transport's (kvlab.transports: ``transport=p2p``, ``ipc``).
 """
 from __future__ import annotations
 
@@ -71,32 +67,3 @@ def handshake(state: CacheState) -> list[dict]:
     for r, s in gen[1:]:
         check_compatible(gen[0][1], s, (f"gen rank {gen[0][0]}", f"gen rank {r}"))
     return states
-
-
-def pair_groups(setup: Setup) -> dict[tuple[int, int], dist.ProcessGroup]:
-    """One group per (ctx world rank, gen world rank), created by every rank in the same order."""
-    groups = {}
-    timeout = datetime.timedelta(seconds=max(setup.transfer.timeout_s, 1.0))
-    backend = "nccl" if torch.cuda.is_available() and setup.device != "cpu" else "gloo"
-    for c in range(setup.ctx.size):
-        for g in range(setup.gen.size):
-            pair = (c, setup.ctx.size + g)
-            # a lost peer fails the pair's ops after transfer.timeout_s, not NCCL's default of minutes
-            groups[pair] = dist.new_group(list(pair), backend=backend, timeout=timeout)
-    return groups
-
-
-def warm_up(setup: Setup, groups: dict, world_rank: int, device: torch.device) -> None:
-    """One tiny message per pair, in one global order: NCCL builds a communicator at its first op,
-    which must not be timed as part of the first chunk."""
-    buf = torch.zeros(1, dtype=torch.uint8, device=device)
-    for (c, g), group in sorted(groups.items()):
-        if world_rank in (c, g):
-            post(buf, g if world_rank == c else c, group, send=world_rank == c).wait()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def post(buf: torch.Tensor, peer: int, group, send: bool):
-    op = dist.P2POp(dist.isend if send else dist.irecv, buf, peer, group=group)
-    return dist.batch_isend_irecv([op])[0]

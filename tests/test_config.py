@@ -100,7 +100,7 @@ def test_parallel_presets_build(parallel):
 @pytest.mark.parametrize("strategy", ["naive", "chunked", "layerwise", "zerocopy"])
 def test_transfer_presets_build(strategy):
     setup = build(compose([f"transfer={strategy}", "transfer.slot_mib=0.5"]))
-    assert setup.transfer.strategy.value == strategy
+    assert setup.transfer.strategy.name == strategy
     assert setup.transfer.slot_bytes == 2**19
 
 

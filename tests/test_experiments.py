@@ -61,7 +61,7 @@ def test_every_job_is_valid_and_small(hydra_conf, preset):
         assert 0 < total <= 128 * 2**20, (choice, total)
         for k, v in choice.items():  # the sweep really varies what it says
             if k == "transfer":
-                assert s.transfer.strategy.value == v
+                assert s.transfer.strategy.name == v
             else:
                 assert str(OmegaConf.select(OmegaConf.create(s.to_dict()), k)) == v
 

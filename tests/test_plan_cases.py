@@ -19,12 +19,16 @@ from kvlab.layout import runs
 from kvlab.ops import reference
 from kvlab.parallel import Layout, SideSpec
 from kvlab.plan import Request, plan
-from kvlab.schedule import Strategy, schedule
+from kvlab.schedule import preset as strategy_preset
+from kvlab.schedule import preset_names, schedule
 from kvlab.spec import ModelSpec
 from kvlab.state import CacheState
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+
+
+STRATEGY = {name: strategy_preset(name) for name in preset_names()}  # the presets of conf/transfer/
 
 
 def preset(name: str) -> ModelSpec:
@@ -95,7 +99,7 @@ def make_pools(model, spec, ranks, isl, fill, consecutive, gen):
     return pools
 
 
-def transfer(model, ctx, gen, req, strategy=Strategy.chunked, slot=1 << 20, consecutive=False):
+def transfer(model, ctx, gen, req, strategy=STRATEGY["chunked"], slot=1 << 20, consecutive=False):
     """Move one request between real pools; returns the chunks after checking every gen byte."""
     g = torch.Generator().manual_seed(req.isl)
     segs = plan(model, ctx, gen, req)
@@ -144,7 +148,7 @@ def test_gqa_tp2_to_tp4():
     ctx, gen = side("ctx", tp=2), side("gen", tp=4)
     segs = plan(GQA8, ctx, gen, Request(0, isl))
     assert summary(segs) == {(g // 2, g, "kv", 0, 4, 2 * g, 2 * g + 2, 0, isl) for g in range(4)}
-    transfer(GQA8, ctx, gen, Request(0, isl), Strategy.layerwise, slot=4096)
+    transfer(GQA8, ctx, gen, Request(0, isl), STRATEGY["layerwise"], slot=4096)
 
 
 def test_non_power_of_two_ratio_tp3_to_tp2():
@@ -155,7 +159,7 @@ def test_non_power_of_two_ratio_tp3_to_tp2():
     heads = {(s.src, s.dst, s.rect.h0, s.rect.h1) for s in segs}
     assert heads == {(0, 0, 0, 2), (1, 0, 2, 3), (1, 1, 3, 4), (2, 1, 4, 6)}
     assert sum(s.nbytes for s in segs) == m.request_bytes(40)
-    transfer(m, ctx, gen, Request(0, 40), Strategy.chunked, slot=2048)
+    transfer(m, ctx, gen, Request(0, 40), STRATEGY["chunked"], slot=2048)
 
 
 def test_duplicated_heads_tp6_to_tp12():
@@ -196,7 +200,7 @@ def test_pp_and_tp_mixed_on_both_sides():
     m = preset("tiny_swa")
     ctx = side("ctx", tp=2, pp=2, layer_split=(1, 5), tokens_per_block=16)
     gen = side("gen", tp=4, pp=3, tokens_per_block=8, layout=Layout.layer_major)
-    transfer(m, ctx, gen, Request(0, 150), Strategy.layerwise, slot=1024)
+    transfer(m, ctx, gen, Request(0, 150), STRATEGY["layerwise"], slot=1024)
 
 
 def test_attention_dp_groups():
@@ -241,7 +245,7 @@ def test_indexer_travels_with_its_mla_layers(ctx_kw, gen_kw):
         n_layers, n_tokens = k[3] - k[2], k[5] - k[4]
         assert s.nbytes == n_layers * n_tokens * 132
         assert mla[k].nbytes == n_layers * n_tokens * 576 * 2
-    transfer(m, ctx, gen, Request(0, 77), Strategy.chunked, slot=1 << 16)
+    transfer(m, ctx, gen, Request(0, 77), STRATEGY["chunked"], slot=1 << 16)
 
 
 # ---------------------------------------------------------------- sliding windows
@@ -272,7 +276,7 @@ def test_sliding_window_end_to_end():
     m = preset("tiny_swa")  # window 64 on even layers
     ctx = side("ctx", tp=4, tokens_per_block=16)
     gen = side("gen", tp=2, pp=2, tokens_per_block=32)
-    chunks = transfer(m, ctx, gen, Request(0, 201), Strategy.zerocopy, slot=4096)
+    chunks = transfer(m, ctx, gen, Request(0, 201), STRATEGY["zerocopy"], slot=4096)
     # window [137, 201) lies in 16-token tiles from 128 on
     assert min(c.rect.t0 for c in chunks if c.rect.pool == "kv_w64") == 128
 
@@ -284,7 +288,7 @@ def test_ctx_block_32_to_gen_block_64():
     gen = side("gen", tokens_per_block=64)
     isl = 32 * 6 + 5
     two_blocks = 2 * 32 * 4 * 8 * KV_HEAD_TOKEN
-    chunks = transfer(GQA8, ctx, gen, Request(0, isl), Strategy.zerocopy, slot=two_blocks, consecutive=True)
+    chunks = transfer(GQA8, ctx, gen, Request(0, isl), STRATEGY["zerocopy"], slot=two_blocks, consecutive=True)
     assert {c.rect.tile for c in chunks} == {32}
     assert [(c.rect.t0, c.rect.t1) for c in chunks] == [(0, 64), (64, 128), (128, 192), (192, 197)]
     # ctx: every whole 32-token block of all layers and heads is already in wire order; the tail is not
@@ -299,10 +303,10 @@ def test_block_major_to_layer_major():
     req = Request(0, 64)
     assert plan(GQA8, ctx, gen, req) == plan(GQA8, ctx, side("gen", tokens_per_block=16), req)
     block_all_layers = 4 * 8 * 16 * KV_HEAD_TOKEN
-    many = transfer(GQA8, ctx, gen, req, Strategy.zerocopy, slot=block_all_layers, consecutive=True)
+    many = transfer(GQA8, ctx, gen, req, STRATEGY["zerocopy"], slot=block_all_layers, consecutive=True)
     # a slot of one block of all layers: in place on block_major, spans layers on layer_major
     assert all(c.ctx_in_place and not c.gen_in_place and c.rect.l1 - c.rect.l0 == 4 for c in many)
-    one_layer = transfer(GQA8, ctx, gen, req, Strategy.zerocopy, slot=block_all_layers // 4, consecutive=True)
+    one_layer = transfer(GQA8, ctx, gen, req, STRATEGY["zerocopy"], slot=block_all_layers // 4, consecutive=True)
     # one layer of one block: a slice of either layout
     assert all(c.ctx_in_place and c.gen_in_place and c.rect.l1 - c.rect.l0 == 1 for c in one_layer)
 
@@ -311,35 +315,35 @@ def test_zerocopy_whole_blocks_in_place_partial_tail_not():
     ctx = side("ctx", tokens_per_block=16)
     gen = side("gen", tokens_per_block=16)
     isl = 16 * 5 + 7
-    chunks = transfer(GQA8, ctx, gen, Request(0, isl), Strategy.zerocopy, slot=1 << 20, consecutive=True)
+    chunks = transfer(GQA8, ctx, gen, Request(0, isl), STRATEGY["zerocopy"], slot=1 << 20, consecutive=True)
     spans = [(c.rect.t0, c.rect.t1, c.ctx_in_place, c.gen_in_place) for c in chunks]
     assert spans == [(0, 80, True, True), (80, 87, False, False)]
     # the same layout on a layer_major pair: chunks span all 4 layers, so neither side can take them in place
     lm = side("ctx", tokens_per_block=16, layout=Layout.layer_major)
     chunks = transfer(GQA8, lm, side("gen", tokens_per_block=16, layout=Layout.layer_major), Request(0, isl),
-                      Strategy.zerocopy, slot=1 << 20, consecutive=True)
+                      STRATEGY["zerocopy"], slot=1 << 20, consecutive=True)
     assert not any(c.ctx_in_place or c.gen_in_place for c in chunks)
 
 
 def test_naive_is_one_chunk_per_segment_whatever_the_slot():
     segs = plan(GQA8, side("ctx", tp=4), side("gen", tp=2), Request(0, 1000))
-    chunks = schedule(GQA8, side("ctx", tp=4), side("gen", tp=2), segs, Strategy.naive, 1)
+    chunks = schedule(GQA8, side("ctx", tp=4), side("gen", tp=2), segs, STRATEGY["naive"], 1)
     assert [(c.src, c.dst, c.rect, c.nbytes) for c in chunks] == [(s.src, s.dst, s.rect, s.nbytes) for s in segs]
 
 
 def test_slot_smaller_than_a_token_row_is_a_config_error():
     segs = plan(GQA8, side("ctx"), side("gen"), Request(0, 10))
     row = 8 * KV_HEAD_TOKEN  # one token of one layer, all 8 heads
-    schedule(GQA8, side("ctx"), side("gen"), segs, Strategy.chunked, row)
+    schedule(GQA8, side("ctx"), side("gen"), segs, STRATEGY["chunked"], row)
     with pytest.raises(ConfigError, match="transfer.slot_mib"):
-        schedule(GQA8, side("ctx"), side("gen"), segs, Strategy.chunked, row - 1)
+        schedule(GQA8, side("ctx"), side("gen"), segs, STRATEGY["chunked"], row - 1)
 
 
 def test_tiny_slot_zerocopy_stays_within_the_slot():
     # a slot of 3 token rows: chunks are cut inside the tile, the partial tail included
     row = 8 * KV_HEAD_TOKEN
     chunks = transfer(GQA8, side("ctx", tokens_per_block=8), side("gen", tokens_per_block=8), Request(0, 21),
-                      Strategy.zerocopy, slot=3 * row)
+                      STRATEGY["zerocopy"], slot=3 * row)
     assert max(c.nbytes for c in chunks) <= 3 * row
 
 

@@ -79,7 +79,7 @@ def test_plan_summary_for_every_preset(name):
         s = summarize(setup)
         isl = setup.workload.isl
         assert (s["model"], s["isl"], s["requests"]) == (name, isl, setup.gen.dp)
-        assert s["strategy"] == setup.transfer.strategy.value
+        assert s["strategy"] == setup.transfer.strategy.name
         per_dst: dict[int, int] = {}
         for p in s["pairs"]:
             assert 0 <= p["src"] < setup.ctx.size and 0 <= p["dst"] < setup.gen.size

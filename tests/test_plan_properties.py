@@ -20,13 +20,17 @@ from omegaconf import OmegaConf
 
 from kvlab.parallel import Layout, SideSpec
 from kvlab.plan import Request, plan
-from kvlab.schedule import Strategy, schedule
+from kvlab.schedule import Strategy, preset_names, schedule
+from kvlab.schedule import preset as strategy_preset
 from kvlab.spec import ModelSpec
 from kvlab.state import CacheState
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 INDEXER_TOKEN_BYTES = 128 + 4  # 128 fp8 values and one fp32 scale
+
+
+STRATEGY = {name: strategy_preset(name) for name in preset_names()}  # the presets of conf/transfer/
 
 
 def preset(name: str) -> ModelSpec:
@@ -166,19 +170,19 @@ def min_slot(model: ModelSpec, ctx: SideSpec, gen: SideSpec) -> int:
 
 
 @st.composite
-def cases(draw, strategies=tuple(Strategy)):
+def cases(draw, strategies=None):
     model = draw(models())
     dtype = draw(st.sampled_from(["bf16", "fp8", "fp32"]))
     ctx = draw(sides("ctx", model, dtype))
     gen = draw(sides("gen", model, dtype))
     isl = draw(st.one_of(st.integers(1, 700), st.integers(1, 200_000)))
     req = Request(draw(st.integers(0, 1000)), isl, draw(st.integers(0, ctx.dp - 1)), draw(st.integers(0, gen.dp - 1)))
-    strategy = draw(st.sampled_from(strategies))
+    strategy = draw(st.sampled_from(strategies or tuple(STRATEGY.values())))
     lo = min_slot(model, ctx, gen)
     slot = lo * draw(st.sampled_from([1, 2, 3, 7, 40, 1000, 10**6]))
     # keep the chunk count bounded: zero-copy decisions cost a few runs() calls per chunk
     moved = model.bytes_per_token(dtype) * isl * max(gen.tp, 1)
-    slot = max(slot, moved // (100 if strategy == Strategy.zerocopy else 1500))
+    slot = max(slot, moved // (100 if strategy == STRATEGY["zerocopy"] else 1500))
     return Case(model, ctx, gen, req, strategy, slot)
 
 
@@ -264,11 +268,11 @@ def check_schedule(case: Case, segs, chunks) -> None:
         assert sr.l0 <= r.l0 < r.l1 <= sr.l1 and sr.t0 <= r.t0 < r.t1 <= sr.t1
         assert c.nbytes == rect_bytes(case, r) == r.nbytes(pools_by_name(case)[r.pool].comp_row_bytes())
         _, layers, _ = elements(case, r)
-        if case.strategy == Strategy.layerwise:
+        if case.strategy == STRATEGY["layerwise"]:
             assert r.l1 - r.l0 == 1 and c.ready_layer == layers[0]
         else:
             assert c.ready_layer == max(layers)
-        if case.strategy != Strategy.naive:
+        if case.strategy != STRATEGY["naive"]:
             assert c.nbytes <= case.slot_bytes, (c, case.slot_bytes)
         for layer in range(r.l0, r.l1):
             parts[id(seg)][layer].append((r.t0, r.t1))
@@ -279,12 +283,12 @@ def check_schedule(case: Case, segs, chunks) -> None:
             ivs.sort()
             assert ivs[0][0] == seg.rect.t0 and ivs[-1][1] == seg.rect.t1
             assert all(x[1] == y[0] for x, y in pairwise(ivs))
-    if case.strategy == Strategy.naive:
+    if case.strategy == STRATEGY["naive"]:
         assert [(c.src, c.dst, c.rect, c.nbytes) for c in chunks] == [(s.src, s.dst, s.rect, s.nbytes) for s in segs]
-    if case.strategy == Strategy.layerwise:
+    if case.strategy == STRATEGY["layerwise"]:
         ready = [c.ready_layer for c in chunks]
         assert ready == sorted(ready)
-    if case.strategy in (Strategy.chunked, Strategy.zerocopy):
+    if case.strategy in (STRATEGY["chunked"], STRATEGY["zerocopy"]):
         # round-robin: every segment's first chunk goes before any segment's second
         seen, first_round = set(), True
         for c in chunks:
@@ -339,13 +343,13 @@ def rebuilt(state: CacheState) -> tuple[ModelSpec, SideSpec]:
 # ---------------------------------------------------------------- tests
 
 @settings(max_examples=int(1500 * SCALE), **SETTINGS)
-@given(cases(strategies=(Strategy.naive,)))
+@given(cases(strategies=(STRATEGY["naive"],)))
 def test_plan_exact_cover_from_holders(case):
     check_plan(case, plan(case.model, case.ctx, case.gen, case.req))
 
 
 @settings(max_examples=int(700 * SCALE), **SETTINGS)
-@given(cases(strategies=(Strategy.naive, Strategy.chunked, Strategy.layerwise)))
+@given(cases(strategies=(STRATEGY["naive"], STRATEGY["chunked"], STRATEGY["layerwise"])))
 def test_schedule_partitions_segments_within_slots(case):
     segs = plan(case.model, case.ctx, case.gen, case.req)
     chunks = schedule(case.model, case.ctx, case.gen, segs, case.strategy, case.slot_bytes)
@@ -353,7 +357,7 @@ def test_schedule_partitions_segments_within_slots(case):
 
 
 @settings(max_examples=int(250 * SCALE), **SETTINGS)
-@given(cases(strategies=(Strategy.zerocopy,)))
+@given(cases(strategies=(STRATEGY["zerocopy"],)))
 def test_zerocopy_schedule(case):
     segs = plan(case.model, case.ctx, case.gen, case.req)
     chunks = schedule(case.model, case.ctx, case.gen, segs, case.strategy, case.slot_bytes)
@@ -383,7 +387,7 @@ def test_both_sides_derive_the_same_schedule(case):
 
 
 @pytest.mark.parametrize("isl", [1, 2, 63, 64, 65, 131072, 131073])
-@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("strategy", list(STRATEGY.values()))
 def test_presets_at_edges(isl, strategy):
     for model in PRESETS:
         ctx = SideSpec("ctx", tp=2, pp=min(3, model.num_layers), tokens_per_block=16)

@@ -1,0 +1,134 @@
+"""How a chunk moves from a ctx rank's pool to a gen rank's pool: the transport seam.
+
+A transport is chosen by the Hydra group ``transport=`` (``conf/transport/<name>.yaml``):
+the file's ``_target_`` names the class, its other keys are the constructor's options.
+``p2p`` (kvlab.transports.p2p) pushes each chunk over torch.distributed, staged through
+slots or in place; ``ipc`` (kvlab.transports.ipc) lets the gen rank map the ctx rank's
+pools and pull each chunk's runs straight into its own pool. A new transport is one module
+with a subclass of ``Transport`` and one YAML file naming it; nothing else changes.
+
+The strategy (kvlab.schedule) decides what the chunks are, in which order they go and
+when each is ready; the executor (kvlab.executor) walks one rank's chunks in the global
+order with at most ``transfer.slots`` in flight and owns requests, faults and records;
+the transport moves bytes. Every strategy works with every transport.
+
+Protocol. Every rank of both sides makes these calls, in this order:
+
+1. ``cls.check(setup)`` (classmethod, in ``kvlab.config.build``): ``ConfigError`` for
+   options or setups the transport cannot serve, before anything is allocated.
+2. ``Transport(setup, side, rank, world_rank, device, **options)``: no allocation yet.
+3. ``pool_storage(pool, nbytes)``: the zeroed uint8 tensor that holds one pool of this
+   rank's cache (``kvlab.cache.PagedCache`` asks for each pool once, at start). A pull
+   transport puts the ctx pools where the gen ranks can map them.
+4. ``connect(executor)``: once, after the cache exists and after the device-memory
+   baseline (what it allocates counts as the transfer's), before the barrier that starts
+   the clock. Every rank calls it, so it may use the default group's store and
+   collectives. It may read the executor's ``setup``, ``side``, ``rank``, ``device``,
+   ``cache``, ``ops``, ``stream`` and ``faults``; ``executor.clock`` is set only after it.
+5. ``opened(request)`` on a ctx rank: the request's blocks are allocated and written (the
+   prefill's output is in the cache, and on GPUs the writes are complete); its block
+   tables are ``executor.cache.tables[request.id]``.
+6. ``start(i, chunk, rec) -> handle``: chunk ``i`` of this rank's chunks. On a ctx rank
+   the chunk's bytes are final (the strategy's readiness was waited for) and the chunk
+   ``i - slots`` of this rank has finished. On a gen rank chunk ``i`` may be posted ahead
+   of its data: nothing is assumed about the ctx side yet. ``rec`` is the request's
+   ``RequestRecord``: append ``(start, end)`` clock marks of copies to ``rec.pack``.
+7. ``finish(handle, rec) -> in_place``: called in ``start`` order, at most ``slots`` after
+   it. On a ctx rank, when it returns the chunk's bytes are no longer needed by this
+   transport (a slot may be reused; after a request's last chunk the executor frees its
+   blocks, so a pull transport returns only once the reader is done). On a gen rank,
+   when it returns the chunk's bytes are in the gen pool (the executor verifies the
+   request after its last chunk). Returns whether the chunk moved without a copy into a
+   staging buffer on this side. Appends ``(posted, done)`` to ``rec.wire``. Byte flips of
+   fault injection (``executor.faults.flip(i, buf)``, ``buf`` the chunk's bytes in wire
+   order) happen in here, on the bytes in flight. A peer that is gone or silent for
+   ``transfer.timeout_s`` raises ``ChunkFailed`` within that deadline; the host never
+   waits longer than that anywhere in this protocol.
+8. ``abandon(handle)``: a started chunk that will never be finished (the run is failing).
+9. ``close()``: once at the end, also after a failure, on every rank: unmap, unlink and
+   free what ``connect`` and ``pool_storage`` made. Idempotent.
+
+``peak_staging_bytes``: the most staging memory the transport held at once on this rank
+(0 for a transport that moves chunks without buffers).
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvlab.config import Setup
+    from kvlab.plan import Request
+    from kvlab.schedule import Chunk
+
+
+class ChunkFailed(RuntimeError):
+    """A chunk that did not complete within ``transfer.timeout_s``, or whose peer is gone."""
+
+    def __init__(self, message: str, request: int):
+        super().__init__(message)
+        self.request = request
+
+
+def short(e: BaseException) -> str:
+    """The backend's reason without its source location and advice: it goes into one-line reports."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
+    return text.split(". This is typically")[0].rstrip(".")
+
+
+def failed(side: str, c: Chunk, what: str, e: BaseException | None = None) -> ChunkFailed:
+    peer = ("gen" + str(c.dst)) if side == "ctx" else ("ctx" + str(c.src))
+    why = f": {short(e)}" if e is not None else ""
+    return ChunkFailed(f"request {c.request} chunk {c.seq} with {peer}: {what}{why}", c.request)
+
+
+class Transport:
+    """Base of every transport; see the protocol at the top of this module."""
+
+    def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device):
+        self.setup, self.side, self.rank, self.world_rank, self.device = setup, side, rank, world_rank, device
+        self.executor = None
+
+    @classmethod
+    def check(cls, setup: Setup) -> None:
+        """ConfigError for what this transport cannot serve; called before anything is allocated."""
+
+    @property
+    def sending(self) -> bool:
+        return self.side == "ctx"
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        return 0
+
+    def pool_storage(self, pool: str, nbytes: int) -> torch.Tensor:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+
+    def connect(self, executor) -> None:
+        self.executor = executor
+
+    def opened(self, req: Request) -> None:
+        pass
+
+    def start(self, i: int, c: Chunk, rec) -> object:
+        raise NotImplementedError
+
+    def finish(self, handle, rec) -> bool:
+        raise NotImplementedError
+
+    def abandon(self, handle) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def failed(self, c: Chunk, what: str, e: BaseException | None = None) -> ChunkFailed:
+        return failed(self.side, c, what, e)
+
+
+def create(setup: Setup, side: str, rank: int, world_rank: int, device: torch.device) -> Transport:
+    spec = setup.transport
+    return spec.cls()(setup, side, rank, world_rank, device, **spec.options)

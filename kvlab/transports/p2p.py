@@ -1,0 +1,169 @@
+"""``transport=p2p``: the ctx rank pushes each chunk over torch.distributed, staged or in place.
+
+Bytes move over one two-rank group per ctx/gen pair, created once at start by every rank
+in the same order: NCCL on GPUs (a pair group is what lets two ranks share a GPU with a
+third rank elsewhere: NCCL refuses two ranks of one communicator on one GPU), gloo on
+CPUs. Every chunk is one ``batch_isend_irecv`` of one contiguous uint8 tensor (batches,
+unlike plain send/recv, use the group's own communicator), whatever either side does with
+it: a side whose pool holds the chunk in wire order (``Chunk.ctx_in_place`` /
+``gen_in_place`` and consecutive blocks) sends or receives in place, else through its
+staging (kvlab.staging: fixed slots, or a buffer per chunk for the naive baseline); chunk
+``i`` uses slot ``i % slots``.
+
+- ctx: pack into the slot (or not) -> isend. Finishing = the send is done.
+- gen: irecv into the slot (or in place), posted ``slots`` chunks ahead. Finishing = wait
+  for the bytes, unpack.
+
+On GPUs every copy runs on the executor's side stream; NCCL orders itself after the work
+queued there when an op is posted, and ``Work.wait`` makes the side stream wait for NCCL,
+so the host never blocks on the device per chunk and pack(i+1) overlaps the wire of i.
+On CPUs (gloo) the same calls block the host where they must.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kvlab.layout import first_byte
+from kvlab.schedule import Chunk, Staging
+from kvlab.staging import PerChunkBuffers, SlotPool
+from kvlab.transports import Transport
+
+
+def pair_groups(setup) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """One group per (ctx world rank, gen world rank), created by every rank in the same order."""
+    groups = {}
+    timeout = datetime.timedelta(seconds=max(setup.transfer.timeout_s, 1.0))
+    backend = "nccl" if torch.cuda.is_available() and setup.device != "cpu" else "gloo"
+    for c in range(setup.ctx.size):
+        for g in range(setup.gen.size):
+            pair = (c, setup.ctx.size + g)
+            # a lost peer fails the pair's ops after transfer.timeout_s, not NCCL's default of minutes
+            groups[pair] = dist.new_group(list(pair), backend=backend, timeout=timeout)
+    return groups
+
+
+def post(buf: torch.Tensor, peer: int, group, send: bool):
+    op = dist.P2POp(dist.isend if send else dist.irecv, buf, peer, group=group)
+    return dist.batch_isend_irecv([op])[0]
+
+
+def warm_up(groups: dict, world_rank: int, device: torch.device) -> None:
+    """One tiny message per pair, in one global order: NCCL builds a communicator at its first op,
+    which must not be timed as part of the first chunk."""
+    buf = torch.zeros(1, dtype=torch.uint8, device=device)
+    for (c, g), group in sorted(groups.items()):
+        if world_rank in (c, g):
+            post(buf, g if world_rank == c else c, group, send=world_rank == c).wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Posted:
+    index: int
+    chunk: Chunk
+    work: object
+    buf: torch.Tensor
+    staged: bool
+    posted: object
+
+
+class P2P(Transport):
+    def __init__(self, setup, side, rank, world_rank, device):
+        super().__init__(setup, side, rank, world_rank, device)
+        self.groups: dict = {}
+        self.staging = None
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        return self.staging.peak_bytes if self.staging is not None else 0
+
+    def connect(self, executor) -> None:
+        super().connect(executor)
+        t = self.setup.transfer
+        self.groups = pair_groups(self.setup)
+        # the staging is allocated after the device-memory baseline: it is the transfer's extra memory
+        self.staging = (PerChunkBuffers(self.device) if t.strategy.staging == Staging.per_chunk
+                        else SlotPool(t.slots, t.slot_bytes, self.device))
+        self.ops = executor.ops
+        if self.ops.name == "cuda":  # few CTAs: the copies must leave NCCL its SMs (DESIGN.md)
+            ops, ctas = self.ops, t.pack_ctas
+            self.ops = types.SimpleNamespace(name=ops.name, pack=functools.partial(ops.pack, ctas=ctas),
+                                             unpack=functools.partial(ops.unpack, ctas=ctas))
+        warm_up(self.groups, self.world_rank, self.device)  # after the baseline: NCCL's buffers count as extra
+
+    def _peer(self, c: Chunk) -> int:
+        return self.setup.world_rank("gen" if self.sending else "ctx", c.dst if self.sending else c.src)
+
+    def _group(self, c: Chunk):
+        return self.groups[(self.setup.world_rank("ctx", c.src), self.setup.world_rank("gen", c.dst))]
+
+    def _buffer(self, i: int, c: Chunk) -> tuple[torch.Tensor, bool]:
+        """(buffer, staged): the pool itself when the chunk lies there in wire order, else staging."""
+        cache = self.executor.cache
+        if c.ctx_in_place if self.sending else c.gen_in_place:
+            # the shape is in wire order (schedule, from both states); it lies there when the chunk's
+            # blocks are consecutive in this side's table. Either way the message is the same.
+            store = cache.pools[c.rect.pool]
+            table = cache.tables[c.request][c.rect.pool]
+            tpb = store.pool.tokens_per_block
+            ids = table.host[c.rect.t0 // tpb - table.base:(c.rect.t1 - 1) // tpb - table.base + 1]
+            if all(b == ids[0] + k for k, b in enumerate(ids)):
+                start = first_byte(store.pool, store.num_blocks, c.rect, ids[0])
+                return store.storage[start:start + c.nbytes], False
+        return self.staging.get(i, c.nbytes), True
+
+    def _copy(self, c: Chunk, buf: torch.Tensor, rec) -> None:
+        cache, clock = self.executor.cache, self.executor.clock
+        store = cache.pools[c.rect.pool]
+        table = cache.tables[c.request][c.rect.pool]
+        t0 = clock.mark()
+        if self.sending:
+            self.ops.pack(store.storage, store.pool, store.num_blocks, c.rect, table.ids, table.base, buf)
+        else:
+            self.ops.unpack(buf, store.pool, store.num_blocks, c.rect, table.ids, table.base, store.storage)
+        rec.pack.append((t0, clock.mark()))
+
+    def start(self, i: int, c: Chunk, rec) -> Posted:
+        faults = self.executor.faults
+        buf, staged = self._buffer(i, c)
+        if self.sending and staged:
+            self._copy(c, buf, rec)
+        if self.sending and i in faults.flips:
+            if not staged:  # corrupt the message, not the cache: the same bytes may go to another gen rank
+                buf, staged = self.staging.get(i, c.nbytes).copy_(buf), True
+            faults.flip(i, buf)
+        posted = self.executor.clock.mark()
+        try:
+            work = post(buf, self._peer(c), self._group(c), send=self.sending)
+        except RuntimeError as e:  # gloo refuses to post to a peer whose connection is gone
+            raise self.failed(c, "posting failed", e) from e
+        return Posted(i, c, work, buf, staged, posted)
+
+    def finish(self, f: Posted, rec) -> bool:
+        c, timeout = f.chunk, self.setup.transfer.timeout_s
+        try:
+            if self.device.type == "cuda":
+                f.work.wait()  # a timeout here would block the host; NCCL's watchdog enforces transfer.timeout_s
+            else:
+                f.work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise self.failed(c, f"not done within {timeout:g} s or peer gone", e) from e
+        rec.wire.append((f.posted, self.executor.clock.mark()))
+        if not self.sending:
+            self.executor.faults.flip(f.index, f.buf)
+            if f.staged:
+                self._copy(c, f.buf, rec)
+        if f.staged:
+            self.staging.put(f.buf)
+        return not f.staged
+
+    def abandon(self, f: Posted) -> None:
+        if f.staged:
+            self.staging.put(f.buf)
