@@ -24,12 +24,14 @@ from kvlab.ops import reference
 
 def get_ops(kernels: str = "auto", device: str = "cpu"):
     if kernels == "torch" or (kernels == "auto" and device != "cuda"):
-        return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack)
+        return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
+                               copy_runs=reference.copy_runs)
     try:
         from kvlab.ops import cuda as cuda_ops
         cuda_ops.ensure_compiled()
     except Exception as e:
         if kernels == "cuda":
             raise RuntimeError(f"kernels=cuda: the CUDA kernels are unavailable here ({e}); use kernels=torch") from e
-        return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack)
-    return SimpleNamespace(name="cuda", pack=cuda_ops.pack, unpack=cuda_ops.unpack)
+        return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
+                               copy_runs=reference.copy_runs)
+    return SimpleNamespace(name="cuda", pack=cuda_ops.pack, unpack=cuda_ops.unpack, copy_runs=reference.copy_runs)

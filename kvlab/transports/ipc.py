@@ -1,0 +1,210 @@
+"""``transport=ipc``: the gen rank maps the ctx rank's pools once and pulls each chunk's runs
+straight from the ctx pool into its own pool. No slot, no wire buffer, no pack, no unpack:
+heads, layers, tokens per block and layout are resharded in the same pass.
+
+Memory. On CPUs every ctx pool is a file in POSIX shared memory (``/dev/shm``) mapped with
+``torch.from_file(shared=True)`` by its ctx rank and, once, by every gen rank; the ctx rank
+unlinks the files as soon as every gen rank has mapped them, so no file outlives the
+handshake even when a rank dies later: the pages live as long as some rank maps them, and
+the operating system frees them when the last one exits. On GPUs every ctx pool is a plain
+device allocation exported with CUDA IPC (``cuMemGetAddressRange`` for the allocation's
+base, ``cuIpcGetMemHandle``), opened once per (gen rank, ctx rank, pool) with the gen
+rank's GPU current, and closed in ``close``; a dead ctx process's memory stays valid for
+the gen ranks that opened it until they close it.
+
+Control plane: the default group's store (small keys, no tensors):
+- ``connect``: ctx publishes each pool (file path or IPC handle, bytes, blocks); gen maps
+  them and says so; ctx waits for every gen rank, then unlinks.
+- ``opened`` (ctx): the request's block ids per pool, published once the prefill wrote them
+  (the gen rank never derives the ctx rank's block ids from the config).
+- ``start`` (ctx): the chunk is ready to be pulled (the strategy's readiness was waited for).
+- ``finish`` (gen): wait until the chunk is ready, copy its runs (run ``i`` of the rectangle
+  on both sides has the same wire offset and length: ``src + mem_ctx[i]`` ->
+  ``dst + mem_gen[i]``), then say it is pulled. ``finish`` (ctx): wait until it is pulled,
+  so that a request's blocks are freed only after every gen rank reading them is done, and
+  the ctx rank runs at most ``transfer.slots`` chunks ahead of its readers.
+Every wait has the deadline ``transfer.timeout_s``: a dead or stalled peer fails the chunk's
+request there, as with ``p2p``.
+
+Fault injection: bytes are flipped in the gen pool right after the copy, at the chunk's wire
+offsets; the gen rank is the one that copies, so ``fault.flip_rank`` must be a gen rank.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from kvlab.errors import ConfigError
+from kvlab.layout import runs
+from kvlab.schedule import Chunk
+from kvlab.state import CacheState
+from kvlab.transports import Transport
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _on_gpu(setup) -> bool:
+    return setup.cfg.device != "cpu" and torch.cuda.is_available()
+
+
+class Ipc(Transport):
+    def __init__(self, setup, side, rank, world_rank, device, copy: str = "kernel"):
+        super().__init__(setup, side, rank, world_rank, device)
+        self.copy = copy
+        self.files: list[str] = []  # shared-memory files this ctx rank created and has not unlinked yet
+        self.peers: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}  # ctx rank -> pool -> (bytes, blocks)
+        self.opened_handles: list[int] = []  # CUDA IPC mappings this gen rank opened
+        self.tables: dict[tuple[int, int], dict[str, tuple[int, torch.Tensor]]] = {}  # (request, ctx) -> pool -> table
+        self.store = None
+        self.gpu = device.type == "cuda"
+
+    @classmethod
+    def check(cls, setup) -> None:
+        world = os.environ.get("WORLD_SIZE")
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if world is not None and local is not None and int(local) != int(world):
+            raise ConfigError("transport", "ipc", f"{world} ranks span several nodes ({local} on this one); ipc maps "
+                              "memory within one node: use transport=p2p across nodes")
+        if _on_gpu(setup):
+            try:
+                from kvlab.transports import cuda_ipc
+                cuda_ipc.check_supported()
+            except Exception as e:  # noqa: BLE001 - any reason ipc cannot work here is the config's to change
+                raise ConfigError("transport", "ipc", f"CUDA IPC is unavailable here ({e}); use transport=p2p, "
+                                  "or device=cpu") from None
+        f = setup.cfg.get("fault")
+        if f is not None and 0 <= f.flip_rank < setup.ctx.size:
+            raise ConfigError("fault.flip_rank", f.flip_rank, "with transport=ipc the gen rank copies the bytes; flip "
+                              f"on a gen rank (world rank {setup.ctx.size}..{setup.world_size - 1})")
+        copy = setup.transport.options.get("copy", "kernel")
+        if copy not in ("kernel", "engine"):
+            raise ConfigError("transport.copy", copy, "use kernel (one copy kernel per chunk) or engine (copy engine)")
+
+    # -- memory ---------------------------------------------------------------------------
+    def pool_storage(self, pool: str, nbytes: int) -> torch.Tensor:
+        if not self.sending or self.gpu:
+            return super().pool_storage(pool, nbytes)
+        path = os.path.join(SHM_DIR, f"kvlab-ipc-{uuid.uuid4().hex}-ctx{self.rank}-{pool}")
+        self.files.append(path)
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # a new file: zeroed
+
+    def _wait(self, key: str, what: str, c: Chunk | None = None) -> None:
+        timeout = self.setup.transfer.timeout_s
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:  # the deadline passed, or the store's host is gone
+            if c is None:
+                raise RuntimeError(f"transport=ipc: {what} not within {timeout:g} s") from e
+            raise self.failed(c, f"{what} not within {timeout:g} s or peer gone", e) from e
+
+    def connect(self, executor) -> None:
+        super().connect(executor)
+        self.store = dist.distributed_c10d._get_default_store()
+        cache = executor.cache
+        if self.sending:
+            pools = {}
+            for name, st in cache.pools.items():
+                pools[name] = {"bytes": st.storage.numel(), "blocks": st.num_blocks}
+                if self.gpu:
+                    from kvlab.transports import cuda_ipc
+                    pools[name]["handle"], pools[name]["offset"] = cuda_ipc.export(st.storage)
+                else:
+                    pools[name]["path"] = next(p for p in self.files if p.endswith(f"-ctx{self.rank}-{name}"))
+            self.store.set(f"ipc/pools/{self.rank}", json.dumps(pools))
+            for g in range(self.setup.gen.size):
+                self._wait(f"ipc/mapped/{g}", f"gen{g} mapping the pools")
+            self._unlink()
+            return
+        for src in range(self.setup.ctx.size):
+            self._wait(f"ipc/pools/{src}", f"ctx{src} publishing its pools")
+            pools = json.loads(self.store.get(f"ipc/pools/{src}"))
+            self.peers[src] = {name: (self._map(p), p["blocks"]) for name, p in pools.items()}
+        self.store.set(f"ipc/mapped/{self.rank}", "1")
+
+    def _map(self, p: dict) -> torch.Tensor:
+        if not self.gpu:
+            return torch.from_file(p["path"], shared=True, size=p["bytes"], dtype=torch.uint8)
+        from kvlab.transports import cuda_ipc
+        tensor, base = cuda_ipc.open(p["handle"], p["offset"], p["bytes"], self.device)
+        self.opened_handles.append(base)
+        return tensor
+
+    def _unlink(self) -> None:
+        for path in self.files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.files.clear()
+
+    def close(self) -> None:
+        self._unlink()
+        if self.opened_handles:
+            from kvlab.transports import cuda_ipc
+            torch.cuda.synchronize(self.device)  # no copy may still read a mapping being closed
+            for base in self.opened_handles:
+                cuda_ipc.close(base)
+            self.opened_handles.clear()
+        self.peers.clear()
+
+    # -- requests and chunks --------------------------------------------------------------
+    def opened(self, req) -> None:
+        tables = self.executor.cache.tables[req.id]
+        self.store.set(f"ipc/t/{req.id}/{self.rank}",
+                       json.dumps({name: [t.base, list(t.host)] for name, t in tables.items()}))
+
+    def _table(self, c: Chunk) -> tuple[int, torch.Tensor]:
+        key = (c.request, c.src)
+        if key not in self.tables:
+            got = json.loads(self.store.get(f"ipc/t/{c.request}/{c.src}"))
+            self.tables[key] = {name: (base, torch.tensor(ids, dtype=torch.int64, device=self.device))
+                                for name, (base, ids) in got.items()}
+        return self.tables[key][c.rect.pool]
+
+    def start(self, i: int, c: Chunk, rec):
+        posted = self.executor.clock.mark()
+        if self.sending:
+            self.store.set(f"ipc/r/{c.request}/{c.seq}", "1")
+        return i, c, posted
+
+    def finish(self, handle, rec) -> bool:
+        i, c, posted = handle
+        if self.sending:
+            self._wait(f"ipc/d/{c.request}/{c.seq}", "pulled by the gen rank", c)
+            for k in (f"ipc/r/{c.request}/{c.seq}", f"ipc/d/{c.request}/{c.seq}"):
+                self.store.delete_key(k)
+            if rec.chunks + 1 == rec.chunks_total:  # every reader of this request's blocks is done
+                self.store.delete_key(f"ipc/t/{c.request}/{self.rank}")
+        else:
+            self._wait(f"ipc/r/{c.request}/{c.seq}", "ready on the ctx rank", c)
+            self._pull(i, c, rec)
+            self.store.set(f"ipc/d/{c.request}/{c.seq}", "1")
+            if rec.chunks + 1 == rec.chunks_total:
+                self.tables = {k: v for k, v in self.tables.items() if k[0] != c.request}
+        rec.wire.append((posted, self.executor.clock.mark()))
+        return True
+
+    def _pull(self, i: int, c: Chunk, rec) -> None:
+        ex = self.executor
+        t0 = ex.clock.mark()
+        src_bytes, src_blocks = self.peers[c.src][c.rect.pool]
+        src_pool = CacheState(self.setup.model, self.setup.ctx, c.src).pool(c.rect.pool)
+        base, ids = self._table(c)
+        src = runs(src_pool, src_blocks, c.rect, ids, base)
+        store = ex.cache.pools[c.rect.pool]
+        table = ex.cache.tables[c.request][c.rect.pool]
+        dst = runs(store.pool, store.num_blocks, c.rect, table.ids, table.base)
+        ex.ops.copy_runs(src_bytes, src, store.storage, dst)
+        for j in ex.faults.flips.get(i, []):  # inside the copy's output, at the chunk's wire offset j
+            k = int(((dst.wire <= j) & (j < dst.wire + dst.length)).nonzero()[0])
+            at = int(dst.mem[k]) + j - int(dst.wire[k])
+            store.storage[at:at + 1].bitwise_xor_(0xFF)
+        if self.gpu:
+            ex.stream.synchronize()  # the ctx rank may free the blocks once this chunk is reported pulled
+        rec.pack.append((t0, ex.clock.mark()))

@@ -1,0 +1,136 @@
+"""``transport=ipc`` on CPUs: gen ranks map the ctx ranks' pools in shared memory and pull every chunk's
+runs straight into their own pools. Every strategy and cache kind, mismatched sides, no staging, block
+tables that travel, a dead or stalled ctx rank ending the run within the deadline, flipped bytes caught
+and located, and no shared-memory file left behind."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab.config import build, compose
+from kvlab.errors import ConfigError
+from kvlab.fill import locate
+from kvlab.plan import plan
+from kvlab.runner import plan_run, run_transfer
+from kvlab.state import CacheState
+from kvlab.transports import ipc
+from kvlab.workload import make_requests
+
+QUIET = ["logger=quiet", "transport=ipc"]
+TIMEOUT_S = 4
+
+CASES = [
+    ("gqa-tp2-tp1-chunked", ["transfer=chunked", "transfer.slot_mib=0.25", "workload.isl=2000"]),
+    ("gqa-tp1-tp3-naive", ["parallel=tp1_to_tp2", "gen.tp=3", "transfer=naive", "workload.isl=1000"]),
+    ("gqa-tp3-tp2-layerwise-layout", ["ctx.tp=3", "gen.tp=2", "transfer=layerwise", "transfer.layer_compute_ms=1",
+                                      "gen.layout=layer_major", "gen.tokens_per_block=64", "transfer.slot_mib=0.1",
+                                      "workload.isl=1500"]),
+    ("gqa-pp2-tp2-zerocopy-fragmented", ["parallel=pp2_to_tp2", "transfer=zerocopy", "cache.fragmentation=0.5",
+                                         "workload.isl=3000"]),
+    ("mla-pp2-pp3-zerocopy", ["model=tiny_mla", "ctx.tp=1", "ctx.pp=2", "gen.tp=1", "gen.pp=3",
+                              "model.num_layers=5", "transfer=zerocopy", "workload.isl=1500"]),
+    ("dsa-tp1-tp2-gen-dp2", ["model=tiny_dsa", "ctx.tp=1", "gen.tp=2", "gen.dp=2", "transfer=chunked",
+                             "workload.isl=1200", "ctx.tokens_per_block=16", "gen.tokens_per_block=64",
+                             "transfer.slot_mib=0.3"]),
+    ("swa-tp1-dp2-tp2-layerwise", ["model=tiny_swa", "ctx.tp=1", "ctx.dp=2", "gen.tp=2", "transfer=layerwise",
+                                   "transfer.layer_compute_ms=1", "workload.isl=777", "gen.layout=layer_major"]),
+]
+
+
+def _ours() -> set[str]:
+    return {p.name for p in Path(ipc.SHM_DIR).glob("kvlab-ipc-*")}
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    return {r["request"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
+
+
+def _kvlab() -> list[str]:
+    script = Path(sys.executable).parent / "kvlab"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_pulled_and_verified(overrides, tmp_path):
+    before = _ours()
+    summary = run_transfer(overrides + QUIET, tmp_path)
+    assert summary["verified"], summary
+    assert summary["failed_requests"] == [] and summary["errors"] == []
+    assert summary["transport"] == "ipc"
+    assert summary["peak_staging_bytes"] == 0
+    setup = build(compose(overrides + QUIET))
+    rows = _rows(tmp_path)
+    assert len(rows) == setup.cfg.workload.requests
+    for req in make_requests(setup):  # every request moved exactly what its gen ranks must hold
+        assert rows[req.id]["bytes"] == sum(s.nbytes for s in plan(setup.model, setup.ctx, setup.gen, req))
+        assert rows[req.id]["in_place_chunks"] == rows[req.id]["chunks"]  # no chunk went through a buffer
+    assert _ours() <= before  # every shared-memory file was unlinked
+
+
+def test_bad_input_names_the_transport(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"^transport=ipc: 6 ranks span several nodes .* use transport=p2p"):
+        build(compose(QUIET))
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ConfigError, match=r"^fault.flip_rank=0: with transport=ipc the gen rank copies"):
+        build(compose(QUIET + ["fault.flip_rank=0", "fault.flip_at=[3]"]))
+    with pytest.raises(ConfigError, match=r"^transport.copy=dma: use kernel"):
+        build(compose(QUIET + ["transport.copy=dma"]))
+
+
+@pytest.mark.slow
+def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path):
+    before = _ours()
+    run_dir = tmp_path / "run"
+    # every wait has the deadline transfer.timeout_s, so the run ends; the subprocess timeout only guards
+    # against a hang (shared cores make wall time a poor assertion)
+    p = subprocess.run([*_kvlab(), "run", f"hydra.run.dir={run_dir}", *QUIET, "transfer.slot_mib=0.5",
+                        "workload.requests=6", f"transfer.timeout_s={TIMEOUT_S}", "fault.kill_rank=1",
+                        "fault.kill_at_chunk=24"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 3, p.stderr
+    assert "rank 1 (ctx1) died: exit code 3" in p.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert not summary["verified"] and summary["silent_ranks"] == [1]
+    failed = summary["failed_requests"]
+    assert failed and set(failed) <= {2, 3, 4, 5} and 2 in failed  # ctx1's chunk 24 belongs to request 3 or 2
+    rows = _rows(run_dir)
+    assert rows[0]["verified"] and rows[1]["verified"]
+    for rid in failed:  # named with the rank that gave up on them and why, or as never delivered
+        assert re.match(r"(gen0|ctx0): (aborted after )?request \d+ chunk \d+ with (ctx1|gen0): "
+                        r"|gen0 received \d+ of 14 chunks", rows[rid]["error"]), rows[rid]["error"]
+    gen = json.loads((run_dir / "parts" / "rank2.json").read_text())
+    assert "ready on the ctx rank not within 4 s" in gen["errors"][0] and "with ctx1" in gen["errors"][0]
+    assert gen["held_blocks"] == 0
+    assert _ours() <= before  # unlinked at the handshake: a dead ctx rank leaves no file behind
+
+
+@pytest.mark.slow
+def test_flips_in_the_copy_are_caught_and_located(tmp_path):
+    overrides = ["model=tiny_dsa", "ctx.tp=1", "gen.tp=2", "transfer=zerocopy", "transfer.slot_mib=0.1",
+                 "workload.isl=1000"] + QUIET
+    setup = build(compose(overrides))
+    _, _, order = plan_run(setup)
+    mine = [c for c in order if c.dst == 1]  # gen1, world rank 2
+    starts = [sum(c.nbytes for c in mine[:i]) for i in range(len(mine))]
+    picks, used = [], set()
+    for pool in ("mla", "indexer"):
+        i, c = next((i, c) for i, c in enumerate(mine) if c.rect.pool == pool and c.request not in used)
+        used.add(c.request)
+        picks.append((i, c, c.nbytes // 2 + 3))
+    flips = [starts[i] + j for i, _, j in picks]
+    summary = run_transfer(overrides + ["fault.flip_rank=2", f"fault.flip_at={flips}"], tmp_path)
+    assert not summary["verified"] and summary["errors"] == []
+    assert summary["failed_requests"] == sorted(c.request for _, c, _ in picks)
+    rows = _rows(tmp_path)
+    for _, c, j in picks:
+        at = locate(CacheState(setup.model, setup.gen, c.dst).pool(c.rect.pool), c.rect, j)
+        assert rows[c.request]["error"] == (
+            f"request {c.request}: 1 wrong bytes from ctx{c.src}, first at pool {at['pool']} layer {at['layer']} "
+            f"component {at['component']} head {at['head']} token {at['token']} byte {at['byte']}")
