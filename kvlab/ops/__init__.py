@@ -9,6 +9,11 @@ Signature of both::
 
     pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out)
     unpack(wire, pool, num_blocks, rect, block_ids, block_base, pool_bytes)
+    copy_runs(src_pool_bytes, src_runs, dst_pool_bytes, dst_runs)
+
+``copy_runs`` moves one rectangle straight from one pool into another (``transport=ipc``):
+run ``i`` of ``src_runs`` (``kvlab.layout.runs`` on the source side) into run ``i`` of
+``dst_runs``; the runs of one rectangle share wire offsets and lengths in every layout.
 
 ``pool_bytes`` is the pool's uint8 storage, ``block_ids[i]`` the physical block of logical
 block ``block_base + i`` (int32 or int64, on the pool's device), ``out``/``wire`` a uint8
@@ -34,4 +39,4 @@ def get_ops(kernels: str = "auto", device: str = "cpu"):
             raise RuntimeError(f"kernels=cuda: the CUDA kernels are unavailable here ({e}); use kernels=torch") from e
         return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
                                copy_runs=reference.copy_runs)
-    return SimpleNamespace(name="cuda", pack=cuda_ops.pack, unpack=cuda_ops.unpack, copy_runs=reference.copy_runs)
+    return SimpleNamespace(name="cuda", pack=cuda_ops.pack, unpack=cuda_ops.unpack, copy_runs=cuda_ops.copy_runs)

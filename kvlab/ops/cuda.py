@@ -23,12 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvlab.layout import Rect
-from kvlab.ops.reference import check_buffers
+from kvlab.layout import Rect, Runs
+from kvlab.ops.reference import check_buffers, check_runs
 from kvlab.paths import KERNELS_DIR
 from kvlab.state import RankPool
 
 KERNEL_SOURCE = KERNELS_DIR / "kv_copy.cu"
+RUN_COPY_SOURCE = KERNELS_DIR / "run_copy.cu"
+RUN_COPY_THREADS = 256
 DEFAULT_CTAS = 16
 _INT_MAX = 2**31 - 1
 
@@ -74,11 +76,11 @@ class Tuning:
 DEFAULT_TUNING = Tuning()
 
 
-def _source() -> str:
-    if not KERNEL_SOURCE.is_file():
-        raise FileNotFoundError(f"CUDA kernel source {KERNEL_SOURCE} not found (a checkout has it in kernels/, a "
+def _source(path: Path = KERNEL_SOURCE) -> str:
+    if not path.is_file():
+        raise FileNotFoundError(f"CUDA kernel source {path} not found (a checkout has it in kernels/, a "
                                 "wheel installs it under share/kvlab/kernels of the environment: reinstall kvlab)")
-    return KERNEL_SOURCE.read_text()
+    return path.read_text()
 
 
 @lru_cache(maxsize=1)
@@ -91,10 +93,10 @@ def _nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-def _options(arch: str, tuning: Tuning):
+def _options(arch: str, tuning: Tuning, name: str = "kv_copy"):
     from cuda.core import ProgramOptions
 
-    return ProgramOptions(arch=arch, std="c++17", name="kv_copy", define_macro=list(tuning.defines()))
+    return ProgramOptions(arch=arch, std="c++17", name=name, define_macro=list(tuning.defines()))
 
 
 def cache_dir() -> Path:
@@ -115,19 +117,21 @@ def _cache_key(src: str, arch: str, tuning: Tuning) -> str:
     return h.hexdigest()[:32]
 
 
-def compile_for_arch(arch: str, tuning: Tuning = DEFAULT_TUNING, *, use_cache: bool = True) -> bytes:
-    """Cubin of ``kernels/kv_copy.cu`` for ``arch`` (e.g. ``sm_90``); needs NVRTC, not a GPU."""
+def compile_for_arch(arch: str, tuning: Tuning = DEFAULT_TUNING, *, use_cache: bool = True,
+                     source: Path = KERNEL_SOURCE) -> bytes:
+    """Cubin of ``source`` (``kernels/kv_copy.cu`` by default) for ``arch`` (e.g. ``sm_90``); needs NVRTC,
+    not a GPU."""
     from cuda.core import Program
 
-    src = _source()
-    path = cache_dir() / f"kv_copy-{arch}-{_cache_key(src, arch, tuning)}.cubin"
+    src = _source(source)
+    path = cache_dir() / f"{source.stem}-{arch}-{_cache_key(src, arch, tuning)}.cubin"
     if use_cache and path.is_file():
         return path.read_bytes()
     log = io.StringIO()
     try:
-        cubin = bytes(Program(src, "c++", options=_options(arch, tuning)).compile("cubin", logs=log).code)
+        cubin = bytes(Program(src, "c++", options=_options(arch, tuning, source.stem)).compile("cubin", logs=log).code)
     except Exception as e:
-        raise RuntimeError(f"NVRTC failed on {KERNEL_SOURCE} for {arch}: {e}\n{log.getvalue()}") from e
+        raise RuntimeError(f"NVRTC failed on {source} for {arch}: {e}\n{log.getvalue()}") from e
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -303,3 +307,35 @@ def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *, ctas
 def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, *, ctas: int = DEFAULT_CTAS,
            tuning: Tuning = DEFAULT_TUNING) -> None:
     _launch(False, pool_bytes, pool, num_blocks, rect, block_ids, block_base, wire_buf, ctas, tuning)
+
+
+@cache
+def _run_copy_kernel(index: int):
+    from cuda.core import Device, ObjectCode
+
+    Device(index).set_current()
+    obj = ObjectCode.from_cubin(compile_for_arch(device_arch(index), source=RUN_COPY_SOURCE), name="run_copy")
+    return obj.get_kernel("kv_copy_runs"), obj
+
+
+def copy_runs(src_bytes: torch.Tensor, src: Runs, dst_bytes: torch.Tensor, dst: Runs, *, ctas: int | None = None
+              ) -> None:
+    """``kernels/run_copy.cu`` on the current stream: run ``i`` of ``src`` into run ``i`` of ``dst``, one launch
+    for every run of a rectangle. ``src_bytes`` may be another process's pool opened through CUDA IPC."""
+    check_runs(src, dst)
+    dev = dst_bytes.device
+    if dev.type != "cuda" or src_bytes.device != dev or dst.mem.device != dev:
+        raise ValueError(f"copy_runs needs both pools and the runs on one CUDA device ({src_bytes.device}, {dev}, "
+                         f"{dst.mem.device})")
+    n = src.mem.numel()
+    if n == 0:
+        return
+    from cuda.core import Device, LaunchConfig, Stream, launch
+
+    Device(dev.index).set_current()
+    kernel, _ = _run_copy_kernel(dev.index)
+    ctas = ctas or torch.cuda.get_device_properties(dev).multi_processor_count * 8
+    stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
+    mem_s, mem_d, length = src.mem.contiguous(), dst.mem.contiguous(), src.length.contiguous()
+    launch(stream, LaunchConfig(grid=max(1, min(ctas, n)), block=RUN_COPY_THREADS), kernel, src_bytes.data_ptr(),
+           dst_bytes.data_ptr(), mem_s.data_ptr(), mem_d.data_ptr(), length.data_ptr(), np.int64(n))

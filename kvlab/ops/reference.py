@@ -40,10 +40,14 @@ def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes) 
         pool_bytes.index_copy_(0, mem, wire_buf.index_select(0, wire))
 
 
+def check_runs(src: Runs, dst: Runs) -> None:
+    if not (torch.equal(src.wire, dst.wire) and torch.equal(src.length, dst.length)):
+        raise ValueError("copy_runs: the two sides' runs are not of one rectangle")
+
+
 def copy_runs(src_bytes: torch.Tensor, src: Runs, dst_bytes: torch.Tensor, dst: Runs) -> None:
     """Run ``i`` of ``src`` into run ``i`` of ``dst``: one rectangle straight from one pool into another
     (the runs of one rectangle have the same wire offsets and lengths in every layout)."""
-    if not (torch.equal(src.wire, dst.wire) and torch.equal(src.length, dst.length)):
-        raise ValueError("copy_runs: the two sides' runs are not of one rectangle")
+    check_runs(src, dst)
     for (src_mem, _), (dst_mem, _) in zip(_byte_index(src), _byte_index(dst)):  # equal lengths: equal groups
         dst_bytes.index_copy_(0, dst_mem, src_bytes.index_select(0, src_mem))

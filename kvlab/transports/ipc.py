@@ -50,13 +50,12 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def _on_gpu(setup) -> bool:
-    return setup.cfg.device != "cpu" and torch.cuda.is_available()
+    return setup.device != "cpu" and torch.cuda.is_available()
 
 
 class Ipc(Transport):
-    def __init__(self, setup, side, rank, world_rank, device, copy: str = "kernel"):
+    def __init__(self, setup, side, rank, world_rank, device):
         super().__init__(setup, side, rank, world_rank, device)
-        self.copy = copy
         self.files: list[str] = []  # shared-memory files this ctx rank created and has not unlinked yet
         self.peers: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}  # ctx rank -> pool -> (bytes, blocks)
         self.opened_handles: list[int] = []  # CUDA IPC mappings this gen rank opened
@@ -78,13 +77,10 @@ class Ipc(Transport):
             except Exception as e:  # noqa: BLE001 - any reason ipc cannot work here is the config's to change
                 raise ConfigError("transport", "ipc", f"CUDA IPC is unavailable here ({e}); use transport=p2p, "
                                   "or device=cpu") from None
-        f = setup.cfg.get("fault")
-        if f is not None and 0 <= f.flip_rank < setup.ctx.size:
+        f = setup.fault
+        if 0 <= f.flip_rank < setup.ctx.size:
             raise ConfigError("fault.flip_rank", f.flip_rank, "with transport=ipc the gen rank copies the bytes; flip "
                               f"on a gen rank (world rank {setup.ctx.size}..{setup.world_size - 1})")
-        copy = setup.transport.options.get("copy", "kernel")
-        if copy not in ("kernel", "engine"):
-            raise ConfigError("transport.copy", copy, "use kernel (one copy kernel per chunk) or engine (copy engine)")
 
     # -- memory ---------------------------------------------------------------------------
     def pool_storage(self, pool: str, nbytes: int) -> torch.Tensor:
@@ -131,7 +127,7 @@ class Ipc(Transport):
         if not self.gpu:
             return torch.from_file(p["path"], shared=True, size=p["bytes"], dtype=torch.uint8)
         from kvlab.transports import cuda_ipc
-        tensor, base = cuda_ipc.open(p["handle"], p["offset"], p["bytes"], self.device)
+        tensor, base = cuda_ipc.open_handle(p["handle"], p["offset"], p["bytes"], self.device)
         self.opened_handles.append(base)
         return tensor
 

@@ -1,0 +1,71 @@
+"""CUDA IPC for ``transport=ipc`` on GPUs, through ``cuda.bindings``' driver API.
+
+A pool is a plain device allocation (torch's caching allocator: cudaMalloc underneath). Its
+exporter finds the allocation's base with ``cuMemGetAddressRange`` (a pool may start inside
+a larger cached segment), and publishes the handle of the base and the pool's offset in it.
+An importer opens the handle once with its own GPU current and lazy peer access (a mapping
+opened in another device's context faults in this device's kernels), and closes it after
+the run. The memory stays valid for an importer until it closes it, even if the exporter
+dies; the exporter must not free it while importers still read.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def _ok(result, what: str):
+    from cuda.bindings import driver
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {err.name if hasattr(err, 'name') else err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def check_supported() -> None:
+    """Raise with the reason when this machine cannot share device memory between processes."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"CUDA IPC needs Linux, this is {sys.platform}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is visible")
+    from cuda.bindings import driver  # noqa: F401 - the import is the check: the bindings are installed
+
+
+class _Mapped:
+    """A device pointer as a CUDA array, so that torch can view it without owning it."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                         "strides": None}
+
+
+def export(t: torch.Tensor) -> tuple[str, int]:
+    """(handle of the allocation holding ``t``, as hex; offset of ``t`` in it)."""
+    from cuda.bindings import driver
+
+    ptr = t.data_ptr()
+    base, _size = _ok(driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+    handle = _ok(driver.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
+    return bytes(handle.reserved).hex(), ptr - int(base)
+
+
+def open_handle(handle_hex: str, offset: int, nbytes: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(uint8 view of the exported pool, base pointer to ``close``), opened with ``device`` current."""
+    from cuda.bindings import driver
+
+    torch.cuda.set_device(device)
+    torch.cuda.current_stream(device)  # makes sure this thread has the device's primary context current
+    h = driver.CUipcMemHandle()
+    h.reserved = bytes.fromhex(handle_hex)
+    flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+    base = _ok(driver.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle")
+    view = torch.as_tensor(_Mapped(int(base) + offset, nbytes), device=device)
+    return view, int(base)
+
+
+def close(base: int) -> None:
+    from cuda.bindings import driver
+
+    _ok(driver.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
