@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, in one call on the 2-GPU machine: carried wheels, GPU tests, benchmark, table.
-#   device run (kind nvidia-h200-x2, carry .whl):  bash scripts/gpu_check.sh [--no-tests] [--no-bench] [--quick]
+# The GPU check, in one call: carried wheels, GPU tests, benchmarks, tables. On one GPU the tests that
+# need two skip and only the ipc benchmark runs (ctx and gen on the same GPU); on two, bench.py too.
+#   device run (carry .whl):  bash scripts/gpu_check.sh [--no-tests] [--no-bench] [--quick]
 # .whl comes from ../shared/scripts/device-wheels.sh (hydra-core, omegaconf, antlr4 runtime).
 set -uo pipefail
 out=${OUT:-/tmp/kvlab-gpu}
@@ -13,5 +14,7 @@ python3 -c 'import torch, cuda.core; print("torch", torch.__version__, "cuda", t
 tests=1; [ "${1:-}" = "--no-tests" ] && { tests=0; shift; }
 bench=1; [ "${1:-}" = "--no-bench" ] && { bench=0; shift; }
 [ $tests = 1 ] && python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" tests/ 2>&1 | tee "$out/gpu_tests.log" | tail -25
-[ $bench = 1 ] && python3 scripts/bench.py --out "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+[ $bench = 1 ] && [ "$gpus" -ge 2 ] && python3 scripts/bench.py --out "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
+[ $bench = 1 ] && python3 scripts/ipc_bench.py --out "$out/ipc.json" "$@" 2>&1 | tee "$out/ipc.log"
 true

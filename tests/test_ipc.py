@@ -134,3 +134,25 @@ def test_flips_in_the_copy_are_caught_and_located(tmp_path):
         assert rows[c.request]["error"] == (
             f"request {c.request}: 1 wrong bytes from ctx{c.src}, first at pool {at['pool']} layer {at['layer']} "
             f"component {at['component']} head {at['head']} token {at['token']} byte {at['byte']}")
+
+
+GPU = ["logger=quiet", "transport=ipc", "device=cuda", "kernels=cuda", "workload.requests=3", "workload.concurrency=2"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("overrides", [
+    ["model=tiny_gqa", "parallel=same", "transfer=chunked"],
+    ["model=tiny_gqa", "ctx.tp=1", "gen.tp=2", "transfer=zerocopy", "gen.layout=layer_major",
+     "gen.tokens_per_block=64"],
+    ["model=tiny_mla", "ctx.tp=2", "gen.tp=1", "transfer=layerwise", "transfer.layer_compute_ms=1"],
+    ["model=tiny_dsa", "ctx.tp=1", "gen.tp=2", "transfer=naive", "cache.fragmentation=0.5"],
+    ["model=tiny_swa", "ctx.tp=2", "gen.tp=1", "transfer=chunked", "transfer.slot_mib=0.05"],
+], ids=["gqa-same-chunked", "gqa-tp1-tp2-zerocopy-layout", "mla-tp2-tp1-layerwise", "dsa-tp1-tp2-naive",
+        "swa-tp2-tp1-chunked"])
+def test_cuda_ipc_verified(overrides, tmp_path):
+    """Every rank on whatever GPUs there are (one is enough: ipc has no one-rank-per-GPU rule)."""
+    summary = run_transfer(GPU + overrides + ["workload.isl=5000"], tmp_path)
+    assert summary["verified"], summary
+    assert summary["peak_staging_bytes"] == 0 and summary["transport"] == "ipc"
+    assert summary["kernels"] == "cuda"

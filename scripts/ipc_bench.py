@@ -1,0 +1,192 @@
+"""``transport=ipc`` on one GPU: ctx and gen processes on the same device, every figure next to a
+``copy_`` of the same bytes on that device, measured in the same run.
+
+For each case (Llama-3.1-8B at 32k and 128k prompt tokens, DeepSeek-V3.2 at 128k; ctx TP1 -> gen
+TP1 with equal layouts, TP1 -> TP2, TP2 -> TP1, block_major tpb 32 -> layer_major tpb 64) one
+``kvlab run transport=ipc`` of one verified request: GB/s delivered (kvlab's own clock: ctx's
+first chunk to the gen rank's last) / GB/s of one ``copy_`` of the same number of bytes between
+two buffers of this GPU (median of 3). Then the copy of one whole reshard (block_major tpb 32 ->
+layer_major tpb 64) by the run-copy kernel against the copy engine (``cudaMemcpyBatchAsync`` over
+the same runs), both checked byte for byte.
+
+    python scripts/ipc_bench.py --out ipc.json            # every case
+    python scripts/ipc_bench.py --out ipc.json --quick    # Llama-3.1-8B 32k only
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GiB = 2**30
+MODELS = [("llama3_8b", 32768), ("llama3_8b", 131072), ("deepseek_v32", 131072)]
+SIDES = [("TP1 -> TP1", ["ctx.tp=1", "gen.tp=1"]),
+         ("TP1 -> TP2", ["ctx.tp=1", "gen.tp=2"]),
+         ("TP2 -> TP1", ["ctx.tp=2", "gen.tp=1"]),
+         ("block_major tpb 32 -> layer_major tpb 64", ["ctx.tp=1", "gen.tp=1", "gen.tokens_per_block=64",
+                                                       "gen.layout=layer_major"])]
+# chunks of 1 GiB: ipc allocates no slot, so transfer.slot_mib only sets how many chunks (and store round
+# trips) a request takes
+COMMON = ["transport=ipc", "device=cuda", "kernels=cuda", "logger=quiet", "workload.requests=1",
+          "transfer=chunked", "transfer.slot_mib=1024", "transfer.timeout_s=120"]
+
+
+def copy_gbps(n: int, reps: int = 3) -> float:
+    """Bytes delivered per second by one ``copy_`` of ``n`` bytes on this GPU (median of ``reps``)."""
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return n / sorted(times)[len(times) // 2] / 1e9
+
+
+def run_case(model: str, isl: int, label: str, overrides: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        args = [sys.executable, "-m", "kvlab", "run", f"hydra.run.dir={d}", f"model={model}",
+                f"workload.isl={isl}", *COMMON, *overrides]
+        t0 = time.time()
+        p = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=400)
+        path = Path(d) / "summary.json"
+        if p.returncode or not path.exists():
+            return {"model": model, "isl": isl, "sides": label, "error": (p.stderr or p.stdout)[-2000:]}
+        s = json.loads(path.read_text())
+    return {"model": model, "isl": isl, "sides": label, "overrides": overrides, "bytes": s["total_bytes"],
+            "gbps": s["gbps"], "seconds": s["seconds"], "verified": s["verified"],
+            "peak_staging_bytes": s["peak_staging_bytes"], "peak_extra_device_bytes": s["peak_extra_device_bytes"],
+            "wall_s": time.time() - t0}
+
+
+def kernel_vs_engine(isl: int = 32768) -> dict:
+    """One whole reshard of Llama-3.1-8B's cache in one process: the run-copy kernel and the copy engine."""
+    from cuda.bindings import runtime as rt
+
+    from kvlab.layout import Runs, runs
+    from kvlab.ops import cuda as cuda_ops
+    from kvlab.ops import reference
+    from kvlab.parallel import Layout, SideSpec
+    from kvlab.plan import Request, plan
+    from kvlab.spec import ModelSpec
+    from kvlab.state import CacheState
+
+    model = ModelSpec("llama3_8b", 32, kv_heads=8, head_dim=128)
+    ctx, gen = SideSpec("ctx", tokens_per_block=32), SideSpec("gen", tokens_per_block=64, layout=Layout.layer_major)
+    (seg,) = plan(model, ctx, gen, Request(0, isl))
+    dev = torch.device("cuda")
+    sides = []
+    for side in (ctx, gen):
+        pool = CacheState(model, side, 0).pool(seg.rect.pool)
+        nb = -(-isl // pool.tokens_per_block)
+        ids = torch.arange(nb, device=dev)
+        storage = torch.zeros(pool.pool_bytes(nb), dtype=torch.uint8, device=dev)
+        sides.append((storage, runs(pool, nb, seg.rect, ids, 0)))
+    (src, rs), (dst, rd) = sides
+    src.random_(0, 256)
+    n = int(rd.length.sum())
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[1]
+
+    kernel_s = timed(lambda: cuda_ops.copy_runs(src, rs, dst, rd))
+    want = dst.clone()
+    out = {"bytes": n, "runs": rs.mem.numel(), "kernel_gbps": n / kernel_s / 1e9, "copy_gbps": copy_gbps(n)}
+    dst.zero_()
+    try:
+        srcs = (rs.mem + src.data_ptr()).tolist()
+        dsts = (rd.mem + dst.data_ptr()).tolist()
+        sizes = rd.length.tolist()
+        attr = rt.cudaMemcpyAttributes()
+        attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        stream = torch.cuda.current_stream().cuda_stream
+        batch = 1 << 16
+
+        def engine():
+            for i in range(0, len(sizes), batch):
+                k = min(batch, len(sizes) - i)
+                (err, *_rest) = rt.cudaMemcpyBatchAsync(dsts[i:i + k], srcs[i:i + k], sizes[i:i + k], k, [attr], [0],
+                                                        1, stream)
+                if err != rt.cudaError_t.cudaSuccess:
+                    raise RuntimeError(f"cudaMemcpyBatchAsync: {err}")
+
+        engine_s = timed(engine)
+        out.update(engine_gbps=n / engine_s / 1e9, engine_verified=bool(torch.equal(dst, want)))
+    except Exception as e:  # noqa: BLE001 - the comparison is reported, not required
+        out["engine_error"] = f"{type(e).__name__}: {e}"
+    sub = slice(0, min(rs.mem.numel(), 4096))  # the kernel against the reference on a slice of the runs
+    part_s = Runs(rs.mem[sub], rs.wire[sub], rs.length[sub])
+    part_d = Runs(rd.mem[sub], rd.wire[sub], rd.length[sub])
+    check = torch.zeros_like(dst)
+    reference.copy_runs(src, part_s, check, part_d)
+    touched = check != 0
+    out["kernel_verified"] = bool(torch.equal(want[touched], check[touched]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    models = MODELS[:1] if a.quick else MODELS
+    env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpus": torch.cuda.device_count()}
+    import cuda.bindings
+    env["cuda_bindings"] = cuda.bindings.__version__
+    print(json.dumps(env))
+    out = {"env": env, "kernel_vs_engine": kernel_vs_engine(), "runs": []}
+    print(json.dumps(out["kernel_vs_engine"]))
+    torch.cuda.empty_cache()
+    refs: dict[int, float] = {}
+    for model, isl in models:
+        for label, ov in SIDES:
+            r = run_case(model, isl, label, ov)
+            if "bytes" in r:
+                if r["bytes"] not in refs:
+                    refs[r["bytes"]] = copy_gbps(r["bytes"])
+                r["copy_gbps"] = refs[r["bytes"]]
+                r["ratio"] = r["gbps"] / r["copy_gbps"]
+            out["runs"].append(r)
+            print(json.dumps(r), flush=True)
+            a.out.write_text(json.dumps(out, indent=1))
+    print("| model | tokens | sides | GiB | GB/s | copy_ GB/s (same bytes) | ratio | staging MiB | extra MiB "
+          "| verified |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for r in out["runs"]:
+        if "bytes" not in r:
+            print(f"| {r['model']} | {r['isl']} | {r['sides']} | failed: {r['error'][-200:]!r} |")
+            continue
+        print(f"| {r['model']} | {r['isl']} | {r['sides']} | {r['bytes'] / GiB:.2f} | {r['gbps']:,.0f} | "
+              f"{r['copy_gbps']:,.0f} | {r['ratio']:.3f} | {r['peak_staging_bytes'] / 2**20:.0f} | "
+              f"{r['peak_extra_device_bytes'] / 2**20:.1f} | {'yes' if r['verified'] else 'NO'} |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
