@@ -10,9 +10,12 @@ dies; the exporter must not free it while importers still read.
 """
 from __future__ import annotations
 
+import ctypes
 import sys
 
 import torch
+
+HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 
 
 def _ok(result, what: str):
@@ -48,7 +51,7 @@ def export(t: torch.Tensor) -> tuple[str, int]:
     ptr = t.data_ptr()
     base, _size = _ok(driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
     handle = _ok(driver.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
-    return bytes(handle.reserved).hex(), ptr - int(base)
+    return ctypes.string_at(handle.getPtr(), HANDLE_BYTES).hex(), ptr - int(base)
 
 
 def open_handle(handle_hex: str, offset: int, nbytes: int, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -58,9 +61,10 @@ def open_handle(handle_hex: str, offset: int, nbytes: int, device: torch.device)
     torch.cuda.set_device(device)
     torch.cuda.current_stream(device)  # makes sure this thread has the device's primary context current
     h = driver.CUipcMemHandle()
-    h.reserved = bytes.fromhex(handle_hex)
+    raw = bytes.fromhex(handle_hex)
+    ctypes.memmove(h.getPtr(), raw, HANDLE_BYTES)
     flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-    base = _ok(driver.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle")
+    base = _ok(driver.cuIpcOpenMemHandle(h, int(getattr(flags, "value", flags))), "cuIpcOpenMemHandle")
     view = torch.as_tensor(_Mapped(int(base) + offset, nbytes), device=device)
     return view, int(base)
 
