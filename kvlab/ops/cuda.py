@@ -309,6 +309,11 @@ def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, 
     _launch(False, pool_bytes, pool, num_blocks, rect, block_ids, block_base, wire_buf, ctas, tuning)
 
 
+def ensure_run_copy(index: int) -> None:
+    """Load the run-copy kernel on device ``index`` now, not inside the first timed copy."""
+    _run_copy_kernel(index)
+
+
 @cache
 def _run_copy_kernel(index: int):
     from cuda.core import Device, ObjectCode
@@ -335,7 +340,9 @@ def copy_runs(src_bytes: torch.Tensor, src: Runs, dst_bytes: torch.Tensor, dst: 
     Device(dev.index).set_current()
     kernel, _ = _run_copy_kernel(dev.index)
     ctas = ctas or torch.cuda.get_device_properties(dev).multi_processor_count * 8
+    warps = RUN_COPY_THREADS // 32  # a warp per run
     stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
     mem_s, mem_d, length = src.mem.contiguous(), dst.mem.contiguous(), src.length.contiguous()
-    launch(stream, LaunchConfig(grid=max(1, min(ctas, n)), block=RUN_COPY_THREADS), kernel, src_bytes.data_ptr(),
+    grid = max(1, min(ctas, -(-n // warps)))
+    launch(stream, LaunchConfig(grid=grid, block=RUN_COPY_THREADS), kernel, src_bytes.data_ptr(),
            dst_bytes.data_ptr(), mem_s.data_ptr(), mem_d.data_ptr(), length.data_ptr(), np.int64(n))
