@@ -92,7 +92,9 @@ def merge(parts: list[dict], failures: dict[int, str], ctx_dp: dict[int, int], g
         gen = [p for p in ps if p["side"] == "gen"]
         # the transfer starts when ctx has the request (gen ranks open it earlier to post receives)
         start = min((p["start"] for p in (ctx or ps)), default=None)
-        end = max((p["end"] for p in ps if p["end"] is not None), default=None)
+        # it ends when the last gen rank holds the bytes (a pull transport's ctx rank finishes later, once the
+        # readers have said so; on a shared GPU its end mark may also queue behind the gen rank's verification)
+        end = max((p["end"] for p in (gen or ps) if p["end"] is not None), default=None)
         nbytes = sum(p["bytes"] for p in gen)
         seconds = (end - start) if start is not None and end is not None else None
         prefill_end = max((p["prefill_end"] for p in ctx if p["prefill_end"]), default=None)
@@ -130,7 +132,8 @@ def merge(parts: list[dict], failures: dict[int, str], ctx_dp: dict[int, int], g
 
 def summarize(rows: list[dict], parts: list[dict], setup, peaks: list[dict], env: dict) -> dict:
     starts = [p["start"] for p in parts if p["side"] == "ctx"] or [p["start"] for p in parts]
-    ends = [p["end"] for p in parts if p["end"] is not None]
+    ends = ([p["end"] for p in parts if p["side"] == "gen" and p["end"] is not None]
+            or [p["end"] for p in parts if p["end"] is not None])
     seconds = (max(ends) - min(starts)) if starts and ends else 0.0
     total = sum(r["bytes"] for r in rows)
     isl = [r["isl"] for r in rows if r["isl"]]

@@ -138,8 +138,9 @@ class _LiveSink(WandbSink):
         self.rows: list[dict] = []
         run_dir.mkdir(parents=True, exist_ok=True)
         wcfg = _wandb_cfg(cfg)
-        tags = [str(t) for t in ((cfg.get("transfer") or {}).get("strategy"), (cfg.get("model") or {}).get("name"))
-                if t]
+        strategy = (cfg.get("transfer") or {}).get("strategy")
+        strategy = strategy.get("name") if isinstance(strategy, dict) else strategy  # a node with traits, or a name
+        tags = [str(t) for t in (strategy, (cfg.get("model") or {}).get("name")) if t]
         kwargs = dict(project=wcfg.get("project") or "kvlab", group=group_name(cfg, run_dir), job_type=side,
                       name=f"{side}{side_rank(cfg, rank, side)}", config=cfg, dir=str(run_dir), mode=mode, tags=tags,
                       settings=wandb.Settings(x_disable_stats=True, console="off", silent=True))

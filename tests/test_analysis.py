@@ -41,7 +41,7 @@ def make_run(d, overrides=(), *, gbps=1.0, slot_bytes=64 * MiB, layers=4, with_s
     (d / ".hydra" / "rank0").mkdir(parents=True)
     (d / ".hydra" / "rank0" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-    strategy = cfg["transfer"]["strategy"]
+    strategy = cfg["transfer"]["strategy"]["name"]
     w = cfg["workload"]
     isl = w["isl"]
     req_bytes = isl * 4 * 6 * 16 * 2 * 2  # tiny_gqa: 4 layers, 6 heads of 16 bf16 K and V
