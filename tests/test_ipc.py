@@ -112,6 +112,22 @@ def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path):
 
 
 @pytest.mark.slow
+def test_stalled_ctx_rank_is_left_behind_and_the_run_ends(tmp_path):
+    p = subprocess.run([*_kvlab(), "run", f"hydra.run.dir={tmp_path}", *QUIET, "transfer.slot_mib=0.5",
+                        "workload.requests=6", f"transfer.timeout_s={TIMEOUT_S}", "fault.stall_rank=1",
+                        "fault.stall_at_chunk=24", "fault.stall_s=300"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stderr
+    assert "rank 1 (ctx1) was still running after rank" in p.stderr and "stopped it" in p.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary["verified"] and summary["silent_ranks"] == [1]
+    rows = _rows(tmp_path)
+    assert rows[0]["verified"] and rows[1]["verified"]
+    assert any("ready on the ctx rank not within 4 s" in e for e in summary["errors"]), summary["errors"]
+    stalled = json.loads((tmp_path / "parts" / "rank1.json").read_text())
+    assert stalled["errors"] == ["ctx1: stopped by SIGTERM"]
+
+
+@pytest.mark.slow
 def test_flips_in_the_copy_are_caught_and_located(tmp_path):
     overrides = ["model=tiny_dsa", "ctx.tp=1", "gen.tp=2", "transfer=zerocopy", "transfer.slot_mib=0.1",
                  "workload.isl=1000"] + QUIET
