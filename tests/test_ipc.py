@@ -66,7 +66,7 @@ def test_pulled_and_verified(overrides, tmp_path):
     assert summary["peak_staging_bytes"] == 0
     setup = build(compose(overrides + QUIET))
     rows = _rows(tmp_path)
-    assert len(rows) == setup.cfg.workload.requests
+    assert len(rows) == setup.workload.requests
     for req in make_requests(setup):  # every request moved exactly what its gen ranks must hold
         assert rows[req.id]["bytes"] == sum(s.nbytes for s in plan(setup.model, setup.ctx, setup.gen, req))
         assert rows[req.id]["in_place_chunks"] == rows[req.id]["chunks"]  # no chunk went through a buffer
