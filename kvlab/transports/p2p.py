@@ -92,7 +92,7 @@ class P2P(Transport):
         self.staging = (PerChunkBuffers(self.device) if t.strategy.staging == Staging.per_chunk
                         else SlotPool(t.slots, t.slot_bytes, self.device))
         self.ops = executor.ops
-        if self.ops.name == "cuda":  # few CTAs: the copies must leave NCCL its SMs (DESIGN.md)
+        if self.ops.name == "cuda":  # few CTAs: the copies must leave NCCL its SMs (docs/design.md)
             ops, ctas = self.ops, t.pack_ctas
             self.ops = types.SimpleNamespace(name=ops.name, pack=functools.partial(ops.pack, ctas=ctas),
                                              unpack=functools.partial(ops.unpack, ctas=ctas))
