@@ -1,6 +1,8 @@
 """NVRTC compiles kernels/kv_copy.cu without a GPU: CI catches a kernel that does not build."""
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 
 pytest.importorskip("cuda.core")
@@ -26,12 +28,32 @@ def test_compiles_to_cubin(cuda_ops, arch):
     assert b"kv_pack" in cubin and b"kv_unpack" in cubin
 
 
-def test_tunings_compile(cuda_ops):
+TUNINGS = [dict(), dict(threads=512, unroll=16), dict(threads=128, bulk=True)]
+
+
+@pytest.fixture(scope="module")
+def verbose_build(cuda_ops):
+    """The sm_90 cubin and ptxas's report for a tuning, compiled once for all the tests that read them."""
+    import io
+
+    from cuda.core import Program
+
+    @cache
+    def build(**tuning) -> tuple[bytes, str]:
+        opts = cuda_ops._options("sm_90", cuda_ops.Tuning(**tuning))
+        opts.ptxas_options = "-v"
+        log = io.StringIO()
+        cubin = bytes(Program(cuda_ops._source(), "c++", options=opts).compile("cubin", logs=log).code)
+        return cubin, log.getvalue().replace("\0", "")
+
+    return build
+
+
+def test_tunings_compile(verbose_build):
     """Each tuning reaches the compiler: a cubin of its own, not the default's bytes again."""
-    tunings = (cuda_ops.DEFAULT_TUNING, cuda_ops.Tuning(threads=512, unroll=4), cuda_ops.Tuning(threads=256, unroll=1))
-    cubins = [cuda_ops.compile_for_arch("sm_90", t, use_cache=False) for t in tunings]
+    cubins = [verbose_build(**t)[0] for t in TUNINGS]
     assert all(c[:4] == b"\x7fELF" for c in cubins)
-    assert len(set(cubins)) == len(tunings)
+    assert len(set(cubins)) == len(TUNINGS)
 
 
 def test_disk_cache(cuda_ops, tmp_path, monkeypatch):
@@ -56,19 +78,10 @@ def test_bad_tuning_rejected(cuda_ops):
         cuda_ops.Tuning(bulk=True, piece=100)
 
 
-@pytest.mark.parametrize("tuning", [dict(), dict(threads=512, unroll=16), dict(threads=128, bulk=True)])
-def test_no_register_spills(cuda_ops, tuning):
+@pytest.mark.parametrize("tuning", TUNINGS)
+def test_no_register_spills(verbose_build, tuning):
     """A spill turns every vector in flight into a local-memory round trip: the copy kernels must fit in registers."""
-    import io
-
-    from cuda.core import Program
-
-    t = cuda_ops.Tuning(**tuning)
-    log = io.StringIO()
-    opts = cuda_ops._options("sm_90", t)
-    opts.ptxas_options = "-v"
-    Program(cuda_ops._source(), "c++", options=opts).compile("cubin", logs=log)
-    text = log.getvalue().replace("\0", "")
+    _, text = verbose_build(**tuning)
     spills = [line for line in text.splitlines() if "spill" in line]
     assert len(spills) >= 4, f"no ptxas report in the NVRTC log:\n{text}"
     assert all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), text
