@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one call: carried wheels, GPU tests, benchmarks, tables. On one GPU the tests that
 # need two skip and only the ipc benchmark runs (ctx and gen on the same GPU); on two, bench.py too.
-#   device run (carry .whl):  bash scripts/gpu_check.sh [--no-tests] [--no-bench] [--quick]
-# .whl comes from ../shared/scripts/device-wheels.sh (hydra-core, omegaconf, antlr4 runtime).
+#   bash scripts/gpu_check.sh [--no-tests] [--no-bench] [--quick]     (from the repository root)
+# A GPU machine without a package index gets the pure-Python wheels its image lacks from .whl/, made
+# beforehand on a machine with one:  pip wheel --no-deps -w .whl hydra-core omegaconf "antlr4-python3-runtime==4.9.*"
 set -uo pipefail
 out=${OUT:-/tmp/kvlab-gpu}
 mkdir -p "$out"
