@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -50,11 +48,6 @@ def _rows(run_dir: Path) -> dict[int, dict]:
     return {r["request"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
 
 
-def _kvlab() -> list[str]:
-    script = Path(sys.executable).parent / "kvlab"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [c[1] for c in CASES], ids=[c[0] for c in CASES])
 def test_pulled_and_verified(overrides, tmp_path):
@@ -86,14 +79,13 @@ def test_bad_input_names_the_transport(monkeypatch):
 
 
 @pytest.mark.slow
-def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path):
+def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path, kvlab_cli):
     before = _ours()
     run_dir = tmp_path / "run"
     # every wait has the deadline transfer.timeout_s, so the run ends; the subprocess timeout only guards
     # against a hang (shared cores make wall time a poor assertion)
-    p = subprocess.run([*_kvlab(), "run", f"hydra.run.dir={run_dir}", *QUIET, "transfer.slot_mib=0.5",
-                        "workload.requests=6", f"transfer.timeout_s={TIMEOUT_S}", "fault.kill_rank=1",
-                        "fault.kill_at_chunk=24"], capture_output=True, text=True, timeout=600)
+    p = kvlab_cli("run", f"hydra.run.dir={run_dir}", *QUIET, "transfer.slot_mib=0.5", "workload.requests=6",
+                  f"transfer.timeout_s={TIMEOUT_S}", "fault.kill_rank=1", "fault.kill_at_chunk=24", timeout=600)
     assert p.returncode == 3, p.stderr
     assert "rank 1 (ctx1) died: exit code 3" in p.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -112,10 +104,10 @@ def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path):
 
 
 @pytest.mark.slow
-def test_stalled_ctx_rank_is_left_behind_and_the_run_ends(tmp_path):
-    p = subprocess.run([*_kvlab(), "run", f"hydra.run.dir={tmp_path}", *QUIET, "transfer.slot_mib=0.5",
-                        "workload.requests=6", f"transfer.timeout_s={TIMEOUT_S}", "fault.stall_rank=1",
-                        "fault.stall_at_chunk=24", "fault.stall_s=300"], capture_output=True, text=True, timeout=600)
+def test_stalled_ctx_rank_is_left_behind_and_the_run_ends(tmp_path, kvlab_cli):
+    p = kvlab_cli("run", f"hydra.run.dir={tmp_path}", *QUIET, "transfer.slot_mib=0.5", "workload.requests=6",
+                  f"transfer.timeout_s={TIMEOUT_S}", "fault.stall_rank=1", "fault.stall_at_chunk=24",
+                  "fault.stall_s=300", timeout=600)
     assert p.returncode == 1, p.stderr
     assert "rank 1 (ctx1) was still running after rank" in p.stderr and "stopped it" in p.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())

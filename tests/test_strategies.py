@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -94,25 +91,19 @@ def test_make_strategy_accepts_names_and_nodes():
     assert make_strategy(node) == Strategy("x", Cut.layer, in_place=True)
 
 
-def _kvlab() -> list[str]:
-    script = Path(sys.executable).parent / "kvlab"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
-
-
 @pytest.mark.slow
-def test_user_strategy_from_its_own_module_runs_end_to_end(tmp_path):
+def test_user_strategy_from_its_own_module_runs_end_to_end(tmp_path, kvlab_cli):
     (tmp_path / "my_strategies.py").write_text(USER_MODULE)
     (tmp_path / "conf" / "transfer").mkdir(parents=True)
     (tmp_path / "conf" / "transfer" / "layerwise_in_place.yaml").write_text(textwrap.dedent(USER_CONF))
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     # per-layer tensors on both sides: a layer's consecutive blocks are one run, so layer chunks go in place
     overrides = ["model=tiny_gqa", "ctx.tp=2", "gen.tp=2", "ctx.layout=layer_major", "gen.layout=layer_major",
                  "workload.isl=1000", "workload.requests=2",
                  "transfer.slot_mib=0.05"]
-    p = subprocess.run([*_kvlab(), "run", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
-                        "transfer=layerwise_in_place", f"hydra.run.dir={run_dir}", "logger=quiet", *overrides],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    p = kvlab_cli("run", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "transfer=layerwise_in_place",
+                  f"hydra.run.dir={run_dir}", "logger=quiet", *overrides, cwd=tmp_path, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["verified"] and summary["strategy"] == "layerwise_in_place"
