@@ -197,6 +197,9 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     prefill: dict[tuple[int, int], float] = {}  # (request, ctx rank) -> prefill start
     costs: dict[int, RequestCost] = {}
 
+    # a pull transport (ipc): no staging, pack, message or unpack; the gen rank copies each chunk
+    # from the ctx pool on its device (the whole device's copy rate) after one control round trip
+    pulls = setup.transport.cls().pulls
     order = _order(setup, reqs, concurrency)
     for c in order:
         n = c.nbytes
@@ -223,7 +226,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
             host_c[c.src] = max(host_c[c.src], prefill[key] + (layer + 1) * layer_s)
             rc.prefill_end_s = max(rc.prefill_end_s, prefill[key] + (last_layer + 1) * layer_s)
         t = max(host_c[c.src], slot_ready)
-        pack = 0.0 if c.ctx_in_place else rates.copy_s(n, ctas)
+        pack = 0.0 if c.ctx_in_place or pulls else rates.copy_s(n, ctas)
         rc.pack_s += pack
         if pack and blocking:
             t = host_c[c.src] = copy_free[sd] = max(t, copy_free[sd]) + host_s + pack
@@ -231,13 +234,14 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
             host_c[c.src] += host_s
             t = copy_free[sd] = max(t, host_c[c.src], copy_free[sd]) + pack
         w0 = max(t, recv_ready, out_free[sd], in_free[dd])
-        w1 = w0 + rates.message_s(n)
+        wire = rates.alpha_s if pulls else rates.message_s(n)
+        w1 = w0 + wire
         out_free[sd] = in_free[dd] = w1
-        rc.wire_s += rates.message_s(n)
+        rc.wire_s += wire
         sent[c.src].append(w1)
         # gen completes its chunks in order: wait for the bytes, then unpack
         t = max(w1, done_g[c.dst][-1] if kg else 0.0)
-        unpack = 0.0 if c.gen_in_place else rates.copy_s(n, ctas)
+        unpack = rates.copy_s(n) if pulls else 0.0 if c.gen_in_place else rates.copy_s(n, ctas)
         rc.unpack_s += unpack
         if unpack:
             t = copy_free[dd] = max(t, copy_free[dd]) + (host_s if blocking else 0.0) + unpack
@@ -252,6 +256,8 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
         rc.layer_done_s[c.ready_layer] = max(rc.layer_done_s.get(c.ready_layer, 0.0), w1)
 
     def extra(sizes: list[list[int]]) -> int:
+        if pulls:
+            return 0
         if strategy.staging == Staging.slots:
             return setup.transfer.slots * setup.transfer.slot_bytes
         # a buffer per chunk in flight, at most `window` of them

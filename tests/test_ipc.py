@@ -164,3 +164,16 @@ def test_cuda_ipc_verified(overrides, tmp_path):
     assert summary["verified"], summary
     assert summary["peak_staging_bytes"] == 0 and summary["transport"] == "ipc"
     assert summary["kernels"] == "cuda"
+
+
+def test_cost_model_charges_a_pull_one_copy_and_no_staging():
+    from kvlab.cost import predict
+
+    common = ["cost=h200", "model=llama3_8b", "ctx.tp=1", "gen.tp=1", "workload.isl=32768", "workload.requests=2",
+              "transfer.slot_mib=256"]
+    push, pull = (predict(build(compose(common + [f"transport={t}"]))) for t in ("p2p", "ipc"))
+    assert pull.total_bytes == push.total_bytes and pull.messages == push.messages
+    assert pull.extra_bytes == 0 < push.extra_bytes
+    assert pull.requests[0].pack_s == 0 < push.requests[0].pack_s
+    # one copy on the device (no pack, no link) beats pack + NVLink message + unpack
+    assert pull.seconds < push.seconds

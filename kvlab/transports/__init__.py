@@ -49,7 +49,10 @@ Protocol. Every rank of both sides makes these calls, in this order:
    free what ``connect`` and ``pool_storage`` made. Idempotent.
 
 ``peak_staging_bytes``: the most staging memory the transport held at once on this rank
-(0 for a transport that moves chunks without buffers).
+(0 for a transport that moves chunks without buffers). ``pulls`` (class attribute): the gen
+rank copies each chunk straight from the ctx pool, with no staging, pack, message or unpack;
+the cost model (kvlab.cost) charges such a chunk one copy on the gen device and one
+control round trip.
 """
 from __future__ import annotations
 
@@ -87,6 +90,8 @@ def failed(side: str, c: Chunk, what: str, e: BaseException | None = None) -> Ch
 
 class Transport:
     """Base of every transport; see the protocol at the top of this module."""
+
+    pulls = False
 
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device):
         self.setup, self.side, self.rank, self.world_rank, self.device = setup, side, rank, world_rank, device

@@ -54,6 +54,8 @@ def _on_gpu(setup) -> bool:
 
 
 class Ipc(Transport):
+    pulls = True
+
     def __init__(self, setup, side, rank, world_rank, device):
         super().__init__(setup, side, rank, world_rank, device)
         self.files: list[str] = []  # shared-memory files this ctx rank created and has not unlinked yet
