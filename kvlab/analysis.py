@@ -33,6 +33,7 @@ import yaml
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from kvlab import records
 from kvlab.cost import Prediction, predict
 from kvlab.metrics import flatten
 from kvlab.rates import CostSpec
@@ -48,12 +49,6 @@ STRATEGY_STYLE = {  # one look per strategy across every plot
 
 
 # ---------------------------------------------------------------- loading
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
 
 def _hydra_dir(run_dir: Path) -> Path | None:
     for d in (run_dir / ".hydra" / "rank0", run_dir / ".hydra"):
@@ -83,7 +78,7 @@ def overrides(run_dir: str | Path) -> dict[str, Any]:
 
 
 def _is_run(d: Path) -> bool:
-    return (d / "summary.json").exists() or _hydra_dir(d) is not None or (d / "results.jsonl").exists()
+    return (d / records.SUMMARY).exists() or _hydra_dir(d) is not None or (d / records.RESULTS).exists()
 
 
 def load_run(run_dir: str | Path) -> pd.Series:
@@ -91,10 +86,10 @@ def load_run(run_dir: str | Path) -> pd.Series:
     if not _is_run(run_dir):
         raise FileNotFoundError(f"{run_dir}: not a kvlab run directory (no summary.json, results.jsonl or .hydra)")
     row: dict[str, Any] = {}
-    summary = run_dir / "summary.json"
-    if summary.exists():
-        row.update(flatten(json.loads(summary.read_text())))
-        row["status"] = "ok" if not row.get("failed_requests") else "failed requests"
+    summary = records.read_summary(run_dir)
+    if summary is not None:
+        row.update(flatten(records.to_dict(summary)))
+        row["status"] = "ok" if not summary.failed_requests else "failed requests"
     else:
         row["status"] = "no summary"  # the job died before writing it: keep its overrides visible
     for k, v in overrides(run_dir).items():
@@ -109,7 +104,7 @@ def run_dirs(root: str | Path) -> list[Path]:
     root = Path(root)
     if _is_run(root) and not any(_is_run(c) for c in root.iterdir() if c.is_dir() and not c.name.startswith(".")):
         return [root]
-    found = sorted({p.parent for pat in ("summary.json", "results.jsonl", ".hydra") for p in root.rglob(pat)
+    found = sorted({p.parent for pat in (records.SUMMARY, records.RESULTS, ".hydra") for p in root.rglob(pat)
                     if ".hydra" not in p.parent.parts and "wandb" not in p.parent.parts})
 
     def key(p: Path):
@@ -132,19 +127,19 @@ def load_sweep(root: str | Path | Iterable[str | Path]) -> pd.DataFrame:
     return df
 
 
-def _per_run_rows(root: str | Path, filename: str) -> pd.DataFrame:
+def _per_run_rows(root: str | Path, read) -> pd.DataFrame:
     frames = []
     for d in run_dirs(root):
-        rows = _read_jsonl(d / filename)
+        rows = read(d)
         if not rows:
             continue
-        f = pd.DataFrame(rows)
+        f = pd.DataFrame([records.to_dict(r) for r in rows])
         for k, v in overrides(d).items():
             if k not in f:
                 f[k] = v
-        summary = d / "summary.json"
-        if summary.exists() and "strategy" not in f:
-            f["strategy"] = json.loads(summary.read_text()).get("strategy")
+        summary = records.read_summary(d)
+        if summary is not None and "strategy" not in f:
+            f["strategy"] = summary.strategy
         f["run_dir"] = str(d)
         frames.append(f)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -152,12 +147,12 @@ def _per_run_rows(root: str | Path, filename: str) -> pd.DataFrame:
 
 def load_results(root: str | Path) -> pd.DataFrame:
     """Per-request rows of one run or of every run of a sweep."""
-    return _per_run_rows(root, "results.jsonl")
+    return _per_run_rows(root, records.read_rows)
 
 
 def load_timeline(root: str | Path) -> pd.DataFrame:
     """Per-(request, layer) rows of the layerwise runs at or below ``root``."""
-    return _per_run_rows(root, "timeline.jsonl")
+    return _per_run_rows(root, records.read_timeline)
 
 
 def run_sweep(grid: dict[str, Iterable[Any]] | list[dict[str, Any]], base: Iterable[str] = (),
@@ -214,11 +209,10 @@ def predict_dir(run_dir: str | Path) -> Prediction:
     OmegaConf.set_struct(schema, False)
     cfg = OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml"))
     setup = build(cfg)
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    results = _read_jsonl(run_dir / "results.jsonl")
-    reqs = [Request(int(r["request"]), int(r["isl"]), int(r.get("ctx_dp", 0)), int(r.get("gen_dp", 0)))
-            for r in sorted(results, key=lambda r: r["request"])] or None
-    return predict(setup, reqs, backend=summary.get("backend"))
+    summary = records.read_summary(run_dir)
+    reqs = [Request(r.request, r.isl, r.ctx_dp or 0, r.gen_dp or 0)
+            for r in sorted(records.read_rows(run_dir), key=lambda r: r.request)] or None
+    return predict(setup, reqs, backend=summary.backend if summary else None)
 
 
 def add_predictions(df: pd.DataFrame) -> pd.DataFrame:

@@ -1,4 +1,4 @@
-"""Per-request figures and the run summary: merged on rank 0, written as JSONL/JSON, printed.
+"""Per-request figures and the run summary, from every rank's parts (kvlab.records types), and the table.
 
 Times are absolute wall seconds on a shared epoch (kvlab.clock). A request's ``seconds``
 runs from the first of its ranks starting it (after the prefill wrote it) to the last of
@@ -10,15 +10,14 @@ layer (meaningful with ``transfer.layer_compute_ms > 0``).
 from __future__ import annotations
 
 import datetime
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from kvlab.clock import Clock
+from kvlab.records import Env, Peak, RankPart, RequestRow, Summary, TimelineRow
 
 
 @dataclass
@@ -64,139 +63,119 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> dict:
+def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
     """Plain values of one rank's record (GPU events turned into seconds)."""
     s = clock.seconds
-    return {
-        "request": rec.request, "isl": rec.isl, "side": rec.side, "rank": rec.rank,
-        "start": s(rec.start), "end": s(rec.end), "bytes": rec.bytes, "chunks": rec.chunks,
-        "in_place": rec.in_place,
-        "copy_s": sum(clock.span(a, b) for a, b in rec.pack),
-        "wire": [(s(a), s(b)) for a, b in rec.wire],
-        "prefill_start": rec.prefill_start, "prefill_end": rec.prefill_end,
-        "layer_done": {int(k): s(v) for k, v in rec.layer_done.items()},
-        "errors": list(rec.errors), "num_layers": num_layers,
-    }
+    return RankPart(
+        request=rec.request, isl=rec.isl, side=rec.side, rank=rec.rank, start=s(rec.start), end=s(rec.end),
+        bytes=rec.bytes, chunks=rec.chunks, in_place=rec.in_place,
+        copy_s=sum(clock.span(a, b) for a, b in rec.pack),
+        wire=[(s(a), s(b)) for a, b in rec.wire],
+        prefill_start=rec.prefill_start, prefill_end=rec.prefill_end,
+        layer_done={int(k): s(v) for k, v in rec.layer_done.items()},
+        errors=list(rec.errors), num_layers=num_layers)
 
 
-def merge(parts: list[dict], failures: dict[int, str], ctx_dp: dict[int, int], gen_dp: dict[int, int]
-          ) -> tuple[list[dict], list[dict]]:
+def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int], gen_dp: dict[int, int]
+          ) -> tuple[list[RequestRow], list[TimelineRow]]:
     """(results rows, timeline rows) from every rank's parts."""
-    by_req: dict[int, list[dict]] = {}
+    by_req: dict[int, list[RankPart]] = {}
     for p in parts:
-        by_req.setdefault(p["request"], []).append(p)
+        by_req.setdefault(p.request, []).append(p)
     rows, timeline = [], []
     for rid in sorted(set(by_req) | set(failures)):
         ps = by_req.get(rid, [])
-        ctx = [p for p in ps if p["side"] == "ctx"]
-        gen = [p for p in ps if p["side"] == "gen"]
+        ctx = [p for p in ps if p.side == "ctx"]
+        gen = [p for p in ps if p.side == "gen"]
         # the transfer starts when ctx has the request (gen ranks open it earlier to post receives)
-        start = min((p["start"] for p in (ctx or ps)), default=None)
+        start = min((p.start for p in (ctx or ps)), default=None)
         # it ends when the last gen rank holds the bytes (a pull transport's ctx rank finishes later, once the
         # readers have said so; on a shared GPU its end mark may also queue behind the gen rank's verification)
-        end = max((p["end"] for p in (gen or ps) if p["end"] is not None), default=None)
-        nbytes = sum(p["bytes"] for p in gen)
+        end = max((p.end for p in (gen or ps) if p.end is not None), default=None)
+        nbytes = sum(p.bytes for p in gen)
         seconds = (end - start) if start is not None and end is not None else None
-        prefill_end = max((p["prefill_end"] for p in ctx if p["prefill_end"]), default=None)
-        errors = [e for p in gen for e in p["errors"]]
+        prefill_end = max((p.prefill_end for p in ctx if p.prefill_end), default=None)
+        errors = [e for p in gen for e in p.errors]
         if rid in failures:
             errors.append(failures[rid])
-        rows.append({
-            "request": rid,
-            "isl": ps[0]["isl"] if ps else None,
-            "ctx_dp": ctx_dp.get(rid), "gen_dp": gen_dp.get(rid),
-            "bytes": nbytes,
-            "chunks": sum(p["chunks"] for p in gen),
-            "in_place_chunks": sum(p["in_place"] for p in gen),
-            "ctx_in_place_chunks": sum(p["in_place"] for p in ctx),
-            "seconds": seconds,
-            "start": start, "end": end,  # absolute (kvlab.clock): order and overlap of requests
-            "gbps": nbytes / seconds / 1e9 if seconds else None,
-            "pack_s": sum(p["copy_s"] for p in ctx),
-            "wire_s": _union([w for p in ctx for w in p["wire"]]),
-            "unpack_s": sum(p["copy_s"] for p in gen),
-            "exposed_s": max(0.0, end - prefill_end) if prefill_end is not None and end is not None else None,
-            "verified": bool(gen) and not errors and rid not in failures,
-            "error": "; ".join(errors) or None,
-        })
+        rows.append(RequestRow(
+            request=rid, isl=ps[0].isl if ps else None, ctx_dp=ctx_dp.get(rid), gen_dp=gen_dp.get(rid),
+            bytes=nbytes, chunks=sum(p.chunks for p in gen), in_place_chunks=sum(p.in_place for p in gen),
+            ctx_in_place_chunks=sum(p.in_place for p in ctx), seconds=seconds, start=start, end=end,
+            gbps=nbytes / seconds / 1e9 if seconds else None,
+            pack_s=sum(p.copy_s for p in ctx), wire_s=_union([w for p in ctx for w in p.wire]),
+            unpack_s=sum(p.copy_s for p in gen),
+            exposed_s=max(0.0, end - prefill_end) if prefill_end is not None and end is not None else None,
+            verified=bool(gen) and not errors and rid not in failures, error="; ".join(errors) or None))
         for p in ctx:
-            if p["prefill_end"] is None:
+            if p.prefill_end is None:
                 continue
-            for layer, done in p["layer_done"].items():
-                per_layer = (p["prefill_end"] - p["prefill_start"]) / p["num_layers"]
-                timeline.append({"request": rid, "rank": p["rank"], "layer": layer,
-                                 "prefill_done_s": (layer + 1) * per_layer,
-                                 "transfer_done_s": done - p["prefill_start"]})
+            for layer, done in p.layer_done.items():
+                per_layer = (p.prefill_end - p.prefill_start) / p.num_layers
+                timeline.append(TimelineRow(request=rid, rank=p.rank, layer=layer,
+                                            prefill_done_s=(layer + 1) * per_layer,
+                                            transfer_done_s=done - p.prefill_start))
     return rows, timeline
 
 
-def summarize(rows: list[dict], parts: list[dict], setup, peaks: list[dict], env: dict) -> dict:
-    starts = [p["start"] for p in parts if p["side"] == "ctx"] or [p["start"] for p in parts]
-    ends = ([p["end"] for p in parts if p["side"] == "gen" and p["end"] is not None]
-            or [p["end"] for p in parts if p["end"] is not None])
+def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[Peak], env: Env,
+              errors: list[str], predicted_s: float | None, silent: list[int]) -> Summary:
+    starts = [p.start for p in parts if p.side == "ctx"] or [p.start for p in parts]
+    ends = ([p.end for p in parts if p.side == "gen" and p.end is not None]
+            or [p.end for p in parts if p.end is not None])
     seconds = (max(ends) - min(starts)) if starts and ends else 0.0
-    total = sum(r["bytes"] for r in rows)
-    isl = [r["isl"] for r in rows if r["isl"]]
+    total = sum(r.bytes for r in rows)
+    isl = [r.isl for r in rows if r.isl]
     side = lambda s: {"tp": s.tp, "pp": s.pp, "dp": s.dp, "tokens_per_block": s.tokens_per_block,  # noqa: E731
                       "layout": s.layout.value}
-    return {
-        "total_bytes": total,
-        "verified": bool(rows) and all(r["verified"] for r in rows) and not env.get("errors"),
-        "gbps": total / seconds / 1e9 if seconds else 0.0,
-        "seconds": seconds,
-        "peak_staging_bytes": max((p["staging"] for p in peaks), default=0),
-        "peak_extra_device_bytes": max((p["extra"] for p in peaks), default=0),
-        "device_free_drop_bytes": max((p.get("free_drop", 0) for p in peaks), default=0),
-        "cache_bytes": max((p.get("cache", 0) for p in peaks), default=0),
-        "exposed_s": max((r["exposed_s"] for r in rows if r["exposed_s"] is not None), default=None),
-        "requests": len(rows),
-        "failed_requests": [r["request"] for r in rows if not r["verified"]],
-        "errors": env.get("errors", []),
-        "strategy": setup.transfer.strategy.name,
-        "transport": setup.transport.name,
-        "model": setup.model.name,
-        "isl_mean": sum(isl) / len(isl) if isl else 0,
-        "isl_max": max(isl, default=0),
-        "slot_bytes": setup.transfer.slot_bytes,
-        "slots": setup.transfer.slots,
-        "ctx": side(setup.ctx), "gen": side(setup.gen),
-        "world_size": setup.world_size,
-        "backend": env.get("backend"), "device": env.get("device"), "kernels": env.get("kernels"),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "predicted_s": env.get("predicted_s"),
-    }
+    return Summary(
+        total_bytes=total,
+        verified=bool(rows) and all(r.verified for r in rows) and not errors,
+        gbps=total / seconds / 1e9 if seconds else 0.0,
+        seconds=seconds,
+        peak_staging_bytes=max((p.staging for p in peaks), default=0),
+        peak_extra_device_bytes=max((p.extra for p in peaks), default=0),
+        device_free_drop_bytes=max((p.free_drop for p in peaks), default=0),
+        cache_bytes=max((p.cache for p in peaks), default=0),
+        exposed_s=max((r.exposed_s for r in rows if r.exposed_s is not None), default=None),
+        requests=len(rows),
+        failed_requests=[r.request for r in rows if not r.verified],
+        errors=list(errors),
+        strategy=setup.transfer.strategy.name,
+        transport=setup.transport.name,
+        model=setup.model.name,
+        isl_mean=sum(isl) / len(isl) if isl else 0,
+        isl_max=max(isl, default=0),
+        slot_bytes=setup.transfer.slot_bytes,
+        slots=setup.transfer.slots,
+        ctx=side(setup.ctx), gen=side(setup.gen),
+        world_size=setup.world_size,
+        backend=env.backend, device=env.device, kernels=env.kernels,
+        torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        predicted_s=predicted_s,
+        silent_ranks=list(silent),
+    )
 
 
-def write(run_dir: Path, rows: list[dict], timeline: list[dict], summary: dict) -> None:
-    with open(run_dir / "results.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    if timeline:
-        with open(run_dir / "timeline.jsonl", "w") as f:
-            for r in timeline:
-                f.write(json.dumps(r) + "\n")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-
-
-def print_table(rows: list[dict], summary: dict, console: Console | None = None, limit: int = 12) -> None:
+def print_table(rows: list[RequestRow], summary: Summary, console: Console | None = None, limit: int = 12) -> None:
     console = console or Console()
-    t = Table(title=f"kvlab run: {summary['model']}, {summary['strategy']}, ctx tp{summary['ctx']['tp']} "
-                    f"pp{summary['ctx']['pp']} dp{summary['ctx']['dp']} -> gen tp{summary['gen']['tp']} "
-                    f"pp{summary['gen']['pp']} dp{summary['gen']['dp']}, {summary['device']}")
+    c, g = summary.ctx, summary.gen
+    t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx tp{c['tp']} pp{c['pp']} dp{c['dp']} -> "
+                    f"gen tp{g['tp']} pp{g['pp']} dp{g['dp']}, {summary.device}")
     for col in ("request", "tokens", "MiB", "chunks", "ms", "GB/s", "exposed ms", "verified"):
         t.add_column(col, justify="right")
     shown = rows if len(rows) <= limit else rows[: limit - 1]
     for r in shown:
-        t.add_row(str(r["request"]), str(r["isl"]), f"{r['bytes'] / 2**20:,.2f}", str(r["chunks"]),
-                  f"{(r['seconds'] or 0) * 1e3:,.1f}", f"{r['gbps'] or 0:,.2f}",
-                  "" if r["exposed_s"] is None else f"{r['exposed_s'] * 1e3:,.1f}",
-                  "yes" if r["verified"] else "[red]NO[/red]")
+        t.add_row(str(r.request), str(r.isl), f"{r.bytes / 2**20:,.2f}", str(r.chunks),
+                  f"{(r.seconds or 0) * 1e3:,.1f}", f"{r.gbps or 0:,.2f}",
+                  "" if r.exposed_s is None else f"{r.exposed_s * 1e3:,.1f}",
+                  "yes" if r.verified else "[red]NO[/red]")
     if len(shown) < len(rows):
         t.add_row("...", f"{len(rows) - len(shown)} more", "", "", "", "", "", "")
     t.add_section()
-    t.add_row("all", "", f"{summary['total_bytes'] / 2**20:,.2f}", "", f"{summary['seconds'] * 1e3:,.1f}",
-              f"{summary['gbps']:,.2f}", "", "yes" if summary["verified"] else "[red]NO[/red]")
+    t.add_row("all", "", f"{summary.total_bytes / 2**20:,.2f}", "", f"{summary.seconds * 1e3:,.1f}",
+              f"{summary.gbps:,.2f}", "", "yes" if summary.verified else "[red]NO[/red]")
     console.print(t)
-    console.print(f"peak staging {summary['peak_staging_bytes'] / 2**20:,.2f} MiB per rank, "
-                  f"peak extra device memory {summary['peak_extra_device_bytes'] / 2**20:,.2f} MiB")
+    console.print(f"peak staging {summary.peak_staging_bytes / 2**20:,.2f} MiB per rank, "
+                  f"peak extra device memory {summary.peak_extra_device_bytes / 2**20:,.2f} MiB")

@@ -16,40 +16,27 @@ goes on without it. The other ranks wait the same way for rank 0's verdict. A st
 cannot be reached (rank 0, which hosts it under ``kvlab run``, died) ends the exchange at
 once; the part files remain, and the launcher merges them. A rank told to stop (SIGTERM)
 writes its part file and leaves; rank 0, told to stop, merges the part files it finds.
+
+``finalize`` is that merge, wherever the parts come from (the store, the run directory, or only
+the files when rank 0 died and the launcher merges): every request the run planned is either
+verified by all of its gen ranks or failed with the most likely reason.
 """
 from __future__ import annotations
 
-import json
 import pickle
+import sys
 import threading
 import time
 from pathlib import Path
 
+from kvlab import metrics
+from kvlab.records import Env, PartFile, read_part, write_run
+from kvlab.schedule import Chunk
+
 PREFIX = "kvlab/"
 
 
-def part_path(run_dir: Path, world_rank: int) -> Path:
-    return Path(run_dir) / "parts" / f"rank{world_rank}.json"
-
-
-def write_part(run_dir: Path, world_rank: int, part: dict) -> None:
-    path = part_path(run_dir, world_rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(part))
-    tmp.replace(path)  # a reader never sees half a file
-
-
-def read_part(run_dir: Path, world_rank: int) -> dict | None:
-    path = part_path(run_dir, world_rank)
-    if not path.exists():
-        return None
-    part = json.loads(path.read_text())
-    part["failures"] = {int(k): v for k, v in part["failures"].items()}  # JSON keys are strings
-    return part
-
-
-def wait_for_parts(run_dir: Path, ranks, wait_s: float) -> tuple[dict[int, dict], list[int]]:
+def wait_for_parts(run_dir: Path, ranks, wait_s: float) -> tuple[dict[int, PartFile], list[int]]:
     """Part files of ``ranks`` as they appear in a shared run dir, for up to ``wait_s``; (parts, missing)."""
     deadline = time.monotonic() + wait_s
     got: dict[int, dict] = {}
@@ -116,7 +103,7 @@ class Board:
             self._last = now
             self._call(self.store.add, f"{PREFIX}beat/{self.rank}", 1)
 
-    def post(self, part: dict) -> None:
+    def post(self, part: PartFile) -> None:
         self._call(self.store.set, f"{PREFIX}part/{self.rank}", pickle.dumps(part))
 
     def _get(self, key: str):
@@ -149,7 +136,7 @@ class Board:
                 time.sleep(0.05)
         return got, sorted(silent + sorted(pending))
 
-    def collect(self) -> tuple[dict[int, dict], list[int]]:
+    def collect(self) -> tuple[dict[int, PartFile], list[int]]:
         """Rank 0: (part of every other rank that reported, ranks that went silent)."""
         return self._wait({r: f"part/{r}" for r in range(self.world) if r != self.rank})
 
@@ -171,3 +158,57 @@ class Board:
             self._call(self.store.set, f"{PREFIX}ack/{self.rank}", b"1")
             return got[0]
         return None
+
+
+def rank_name(setup, w: int) -> str:
+    side, rank = setup.side_of(w)
+    return f"{side.name}{rank}"
+
+
+def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[int, PartFile], silent: list[int],
+             why_silent: str, predicted_s: float | None = None):
+    """Merge the parts that arrived into results.jsonl, summary.json and the table; returns the Summary.
+    A request counts as verified only when every gen rank it targets reported all of its chunks and
+    found them exact."""
+    all_parts = [p for w in sorted(gathered) for p in gathered[w].parts]
+    failures = {k: v for w in sorted(gathered) for k, v in gathered[w].failures.items()}
+    # the likely cause first: silent ranks (their peers' timeouts follow from them), then by time
+    errors = [f"{rank_name(setup, w)} (rank {w}) sent no report: {why_silent}" for w in silent]
+    by_time = sorted(gathered, key=lambda w: (gathered[w].error_at is None, gathered[w].error_at or 0, w))
+    errors += [e for w in by_time for e in gathered[w].errors]
+    expected: dict[tuple[int, int], int] = {}
+    for c in order:
+        expected[(c.request, c.dst)] = expected.get((c.request, c.dst), 0) + 1
+    got = {(p.request, p.rank): p.chunks for p in all_parts if p.side == "gen"}
+    for (rid, dst), n in sorted(expected.items()):
+        w = setup.world_rank("gen", dst)
+        if rid in failures:
+            continue
+        if w not in gathered:
+            failures[rid] = f"gen{dst} (rank {w}) sent no report"
+        elif got.get((rid, dst), 0) < n:
+            why = f": {errors[0]}" if errors else ""
+            failures[rid] = f"gen{dst} received {got.get((rid, dst), 0)} of {n} chunks (run stopped{why})"
+    rows, timeline = metrics.merge(all_parts, failures, {r.id: r.ctx_dp for r in requests},
+                                   {r.id: r.gen_dp for r in requests})
+    isl = {r.id: r.isl for r in requests}
+    for row in rows:
+        row.isl = row.isl or isl.get(row.request)
+    env = gathered[min(gathered)].env if gathered else None
+    summary = metrics.summarize(rows, all_parts, setup, [g.peak for g in gathered.values()],
+                                env or Env(), errors, predicted_s, silent)
+    write_run(run_dir, rows, timeline, summary)
+    metrics.print_table(rows, summary)
+    for e in errors:
+        print(f"kvlab: {e}", file=sys.stderr)
+    print(f"results in {run_dir}")
+    return summary
+
+
+def finalize_from_files(setup, run_dir: Path, requests, order: list[Chunk], predicted_s: float | None = None):
+    """The local launcher's fallback when rank 0 wrote no summary (it died): merge the part files."""
+    gathered = {w: p for w in range(setup.world_size) if (p := read_part(run_dir, w)) is not None}
+    if not gathered:
+        return None
+    silent = [w for w in range(setup.world_size) if w not in gathered]
+    return finalize(setup, run_dir, requests, order, gathered, silent, "dead or stopped", predicted_s)

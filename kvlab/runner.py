@@ -43,6 +43,7 @@ from kvlab.executor import Executor, Stopped
 from kvlab.launch import launch_local, under_torchrun
 from kvlab.ops import get_ops
 from kvlab.plan import plan
+from kvlab.records import Env, PartFile, Peak, read_part, write_part
 from kvlab.schedule import Chunk, schedule
 from kvlab.state import CacheState
 from kvlab.workload import chunks_of, interleave, make_requests
@@ -173,27 +174,28 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     errors = [executor.error] if executor.error else []
     progress.close()
     staging = mover.peak_staging_bytes
-    peak = {"staging": staging, "extra": staging, "cache": cache.nbytes,
-            "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # host memory, Linux KiB
+    peak = Peak(staging=staging, extra=staging, cache=cache.nbytes,
+                max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # host memory, Linux KiB
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         # staging is allocated after the baseline, so the allocator's peak growth includes it
-        peak["extra"] = max(executor.transfer_peak, torch.cuda.max_memory_allocated(device)) - base_alloc
+        peak.extra = max(executor.transfer_peak, torch.cuda.max_memory_allocated(device)) - base_alloc
         torch.cuda.empty_cache()  # cached blocks of fill/verify are not the transfer's
-        peak["free_drop"] = free0 - torch.cuda.mem_get_info(device)[0]
+        peak.free_drop = free0 - torch.cuda.mem_get_info(device)[0]
     errors += cache.check_canaries()  # after the peak: its temporaries are not the transfer's
     for rec in records:
         if rec.end is None:
             rec.end = clock.mark()
     parts = [metrics.resolve(r, clock, setup.model.num_layers) for r in records]
 
-    part = {"rank": world_rank, "side": side, "side_rank": rank, "parts": parts, "failures": failures,
-            "errors": errors, "error_at": executor.error_at, "peak": peak, "host": socket.gethostname(),
-            "held_blocks": sum(len(t.host) for ts in cache.tables.values() for t in ts.values()),  # 0: all freed
-            "node": os.environ.get("GROUP_RANK"),
-            "env": {"backend": dist.get_backend(), "kernels": ops.name,
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}}
-    report.write_part(run_dir, world_rank, part)  # before any exchange: what this rank knows survives it
+    part = PartFile(
+        rank=world_rank, side=side, side_rank=rank, parts=parts, failures=failures, errors=errors,
+        error_at=executor.error_at, peak=peak, host=socket.gethostname(),
+        held_blocks=sum(len(t.host) for ts in cache.tables.values() for t in ts.values()),  # 0: all freed
+        node=os.environ.get("GROUP_RANK"),
+        env=Env(backend=dist.get_backend(), kernels=ops.name,
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"))
+    write_part(run_dir, part)  # before any exchange: what this rank knows survives it
     if executor.stopped and world_rank != 0:
         return 1
     summary = None
@@ -212,20 +214,21 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
                                                      min(setup.transfer.timeout_s + 2.0, 20.0))
         gathered[0] = part
         for r in list(silent):  # a shared run dir may hold what the store could not bring
-            late = report.read_part(run_dir, r)
+            late = read_part(run_dir, r)
             if late is not None:
                 gathered[r] = late
                 silent.remove(r)
-        summary = finalize(setup, run_dir, requests, order, gathered, silent, why)
+        summary = report.finalize(setup, run_dir, requests, order, gathered, silent, why,
+                                  predict_run(setup, requests))
         if executor.stopped or board.broken == "stopped":
             return 1
-        board.publish({"verified": summary["verified"]}, sorted(set(gathered) - {0, *silent}))
-        verified = summary["verified"]
+        board.publish({"verified": summary.verified}, sorted(set(gathered) - {0, *silent}))
+        verified = summary.verified
     else:
         board.post(part)
         verdict = board.await_verdict()
         # without rank 0's verdict this rank can only vouch for itself
-        verified = verdict["verified"] if verdict else not (failures or errors or any(p["errors"] for p in parts))
+        verified = verdict["verified"] if verdict else not (failures or errors or any(p.errors for p in parts))
     board.stop()
     sink = _sink(setup, run_dir, world_rank, side)
     if sink is not None:
@@ -288,66 +291,12 @@ def preflight(setup, requests=None, order=None, rank: int | None = None) -> dict
     return out
 
 
-def _name(setup, w: int) -> str:
-    side, rank = setup.side_of(w)
-    return f"{side.name}{rank}"
-
-
-def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[int, dict], silent: list[int],
-             why_silent: str) -> dict:
-    """Merge the parts that arrived into results.jsonl, summary.json and the table. A request counts as
-    verified only when every gen rank it targets reported all of its chunks and found them exact."""
-    all_parts = [p for w in sorted(gathered) for p in gathered[w]["parts"]]
-    failures = {int(k): v for w in sorted(gathered) for k, v in gathered[w]["failures"].items()}
-    # the likely cause first: silent ranks (their peers' timeouts follow from them), then by time
-    errors = [f"{_name(setup, w)} (rank {w}) sent no report: {why_silent}" for w in silent]
-    by_time = sorted(gathered, key=lambda w: (gathered[w].get("error_at") is None, gathered[w].get("error_at") or 0, w))
-    errors += [e for w in by_time for e in gathered[w]["errors"]]
-    expected: dict[tuple[int, int], int] = {}
-    for c in order:
-        expected[(c.request, c.dst)] = expected.get((c.request, c.dst), 0) + 1
-    got = {(p["request"], p["rank"]): p["chunks"] for p in all_parts if p["side"] == "gen"}
-    for (rid, dst), n in sorted(expected.items()):
-        w = setup.world_rank("gen", dst)
-        if rid in failures:
-            continue
-        if w not in gathered:
-            failures[rid] = f"gen{dst} (rank {w}) sent no report"
-        elif got.get((rid, dst), 0) < n:
-            why = f": {errors[0]}" if errors else ""
-            failures[rid] = f"gen{dst} received {got.get((rid, dst), 0)} of {n} chunks (run stopped{why})"
-    rows, timeline = metrics.merge(all_parts, failures, {r.id: r.ctx_dp for r in requests},
-                                   {r.id: r.gen_dp for r in requests})
-    isl = {r.id: r.isl for r in requests}
-    for row in rows:
-        row["isl"] = row["isl"] or isl.get(row["request"])
-    first = gathered[min(gathered)].get("env", {}) if gathered else {}
-    env = dict(first, errors=errors, predicted_s=predict_run(setup, requests))
-    summary = metrics.summarize(rows, all_parts, setup, [g["peak"] for g in gathered.values()], env)
-    summary["silent_ranks"] = list(silent)
-    metrics.write(run_dir, rows, timeline, summary)
-    metrics.print_table(rows, summary)
-    for e in errors:
-        print(f"kvlab: {e}", file=sys.stderr)
-    print(f"results in {run_dir}")
-    return summary
-
-
-def finalize_from_files(setup, run_dir: Path) -> dict | None:
-    """The local launcher's fallback when rank 0 wrote no summary (it died): merge the part files."""
-    gathered = {w: p for w in range(setup.world_size) if (p := report.read_part(run_dir, w)) is not None}
-    if not gathered:
-        return None
-    requests, _, order = plan_run(setup)
-    silent = [w for w in range(setup.world_size) if w not in gathered]
-    return finalize(setup, run_dir, requests, order, gathered, silent, "dead or stopped")
-
-
 def _launch(setup, run_dir: Path) -> int:
-    names = [_name(setup, w) for w in range(setup.world_size)]
+    names = [report.rank_name(setup, w) for w in range(setup.world_size)]
     rc = launch_local(run_dir, setup.world_size, grace_s=grace_s(setup), names=names)
     if rc not in (0, 2) and not (run_dir / "summary.json").exists():
-        finalize_from_files(setup, run_dir)
+        requests, _, order = plan_run(setup)
+        report.finalize_from_files(setup, run_dir, requests, order, predict_run(setup, requests))
     return rc
 
 

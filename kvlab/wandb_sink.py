@@ -3,8 +3,8 @@
 The runner calls, on every rank::
 
     sink = WandbSink.create(cfg, run_dir, rank, side)   # rank: world rank, side: "ctx" | "gen"
-    sink.log_request(record)                             # one results.jsonl record
-    sink.log_summary(summary)                            # rank 0 only
+    sink.log_request(part)                               # a kvlab.records.RankPart (or RequestRow)
+    sink.log_summary(summary)                            # a kvlab.records.Summary, rank 0 only
     sink.finish()
 
 Every rank of one experiment lands in one wandb ``group`` (``logger.wandb.group``, else the
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.metrics import flatten
+from kvlab.records import RankPart, RequestRow, Summary, read_rows, to_dict
 
 MODES = ("online", "offline", "shared", "disabled")
 
@@ -75,12 +76,12 @@ def _scalars(record: dict) -> dict:
     return {k: v for k, v in record.items() if isinstance(v, (int, float))}
 
 
-def _with_rate(record: dict) -> dict:
-    """A rank's own part of a request carries start and end times: its seconds and GB/s are what a chart wants."""
-    start, end, nbytes = record.get("start"), record.get("end"), record.get("bytes")
-    if "seconds" in record or not all(isinstance(x, (int, float)) for x in (start, end, nbytes)) or end <= start:
-        return record
-    return {**record, "seconds": end - start, "gbps": nbytes / (end - start) / 1e9}
+def _row(record: RankPart | RequestRow) -> dict:
+    """A record's values; a rank's own part of a request gets its seconds and GB/s, which a chart wants."""
+    row = {k: v for k, v in to_dict(record).items() if k != "schema"}
+    if isinstance(record, RankPart) and record.seconds:
+        row.update(seconds=record.seconds, gbps=record.gbps)
+    return row
 
 
 def _cell(v: Any) -> Any:
@@ -119,10 +120,10 @@ class WandbSink:
             warnings.warn(f"wandb disabled on {side}{rank}: {type(e).__name__}: {e}", stacklevel=2)
             return cls()
 
-    def log_request(self, record: dict) -> None:
+    def log_request(self, record: RankPart | RequestRow) -> None:
         pass
 
-    def log_summary(self, summary: dict) -> None:
+    def log_summary(self, summary: Summary) -> None:
         pass
 
     def finish(self) -> None:
@@ -162,23 +163,24 @@ class _LiveSink(WandbSink):
             self._failed = True
             warnings.warn(f"wandb {what} failed, further logging skipped: {type(e).__name__}: {e}", stacklevel=3)
 
-    def log_request(self, record: dict) -> None:
-        self.rows.append(dict(record))
-        record = _with_rate(record)
-        metrics = {f"request/{k}": v for k, v in _scalars(record).items() if k != "request"}
-        metrics["request"] = record.get("request", len(self.rows) - 1)
+    def log_request(self, record: RankPart | RequestRow) -> None:
+        row = _row(record)
+        self.rows.append(row)
+        metrics = {f"request/{k}": v for k, v in _scalars(row).items() if k != "request"}
+        metrics["request"] = record.request
         self._guard("log_request", lambda: self.run.log(metrics))
 
     def _table(self, rows: list[dict]):
         columns = list(dict.fromkeys(k for r in rows for k in r))
         return self._wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])
 
-    def log_summary(self, summary: dict) -> None:
+    def log_summary(self, summary: Summary) -> None:
         # rank 0 holds only its own part of each request; the merged rows are in results.jsonl
-        rows = _read_results(self.run_dir) or self.rows
+        rows = [_row(r) for r in read_rows(self.run_dir)] or self.rows
 
         def do():
-            self.run.summary.update({k: v for k, v in flatten(summary).items() if v is not None})
+            values = flatten({k: v for k, v in to_dict(summary).items() if k != "schema"})
+            self.run.summary.update({k: v for k, v in values.items() if v is not None})
             if rows:
                 self.run.log({"requests": self._table(rows)})
 
@@ -187,9 +189,3 @@ class _LiveSink(WandbSink):
     def finish(self) -> None:
         self._guard("finish", self.run.finish)
 
-
-def _read_results(run_dir: Path) -> list[dict]:
-    path = run_dir / "results.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

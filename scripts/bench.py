@@ -133,6 +133,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from kvlab import records
     from kvlab.runner import run_transfer
 
     console = Console()
@@ -151,7 +152,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             t = time.time()
             s = run_transfer(overrides, d)
-            rows = [json.loads(line) for line in (Path(d) / "results.jsonl").read_text().splitlines()]
+            rows = [records.to_dict(r) for r in records.read_rows(Path(d))]
             runs.append({"name": name, "overrides": overrides, "summary": s, "requests": rows,
                          "wall_s": time.time() - t})
             console.print(f"{name}: {s['gbps']:.1f} GB/s, verified={s['verified']}, {time.time() - t:.0f} s")

@@ -7,26 +7,30 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvlab.records import BenchReport, from_dict  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 
 
-def transfers(report: dict) -> str:
-    lines = [f"{report['device']} x{report['gpus']}, torch {report['torch']}, NCCL {report['nccl']}, CUDA "
-             f"{report['cuda']}, {report['date'][:10]}; ctx on GPU0, gen on GPU1; one request per run, verified.",
+def transfers(report: BenchReport) -> str:
+    lines = [f"{report.device} x{report.gpus}, torch {report.torch}, NCCL {report.nccl}, CUDA "
+             f"{report.cuda}, {(report.date or '')[:10]}; ctx on GPU0, gen on GPU1; one request per run, verified.",
              "",
              "| transfer | GiB | GB/s | raw NCCL GB/s (same bytes) | ratio | staging MiB | extra MiB | "
              "extra / staging | exposed after prefill ms | verified |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for r in report["transfers"]:
-        s = r["summary"]
-        exposed = s.get("exposed_s")
-        ratio = r.get("extra_over_staging")
+    for r in report.transfers:
+        s = r.summary
+        exposed, ratio = s.exposed_s, r.extra_over_staging
         lines.append(
-            f"| {r['name'].replace('transfer.', '')} | {s['total_bytes'] / GiB:.2f} | {s['gbps']:.1f} | "
-            f"{r['raw_nccl_gbps']:.1f} | {r['ratio_to_raw']:.3f} | {s['peak_staging_bytes'] / MiB:,.0f} | "
-            f"{s['peak_extra_device_bytes'] / MiB:,.0f} | {'' if ratio is None else f'{ratio:.2f}'} | "
-            f"{'' if exposed is None else f'{exposed * 1e3:.2f}'} | {'yes' if s['verified'] else 'NO'} |")
+            f"| {r.name.replace('transfer.', '')} | {s.total_bytes / GiB:.2f} | {s.gbps:.1f} | "
+            f"{r.raw_nccl_gbps:.1f} | {r.ratio_to_raw:.3f} | {s.peak_staging_bytes / MiB:,.0f} | "
+            f"{s.peak_extra_device_bytes / MiB:,.0f} | {'' if ratio is None else f'{ratio:.2f}'} | "
+            f"{'' if exposed is None else f'{exposed * 1e3:.2f}'} | {'yes' if s.verified else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -52,4 +56,4 @@ def kernels(report: dict, kernel: str = "warp 1024x8", ctas: tuple[int, ...] = (
 
 if __name__ == "__main__":
     rep = json.loads(open(sys.argv[1]).read())
-    print(kernels(rep) if "rows" in rep else transfers(rep))
+    print(kernels(rep) if "rows" in rep else transfers(from_dict(BenchReport, rep)))

@@ -4,7 +4,8 @@ import warnings
 
 import pytest
 
-from kvlab.wandb_sink import WandbSink, _with_rate, group_name, side_rank
+from kvlab.records import RankPart, RequestRow, Summary, to_dict
+from kvlab.wandb_sink import WandbSink, _row, group_name, side_rank
 
 CFG = {
     "model": {"name": "tiny_gqa"},
@@ -12,8 +13,8 @@ CFG = {
     "logger": {"wandb": {"mode": "offline", "project": "kvlab-test", "group": None}},
 }
 RECORDS = [
-    {"request": 0, "isl": 1024, "bytes": 4096, "seconds": 0.01, "gbps": 0.4, "verified": True, "error": None},
-    {"request": 1, "isl": 2048, "bytes": 8192, "seconds": 0.02, "gbps": 0.4, "verified": True, "error": None},
+    RequestRow(request=0, isl=1024, bytes=4096, seconds=0.01, gbps=0.4, verified=True, error=None),
+    RequestRow(request=1, isl=2048, bytes=8192, seconds=0.02, gbps=0.4, verified=True, error=None),
 ]
 
 
@@ -36,7 +37,7 @@ def test_offline_writes_one_run_per_rank(tmp_path):
     for rec in RECORDS:
         for s in sinks:
             s.log_request(rec)
-    sinks[0].log_summary({"total_bytes": 12288, "gbps": 0.4, "ctx": {"tp": 2}, "predicted_s": None})
+    sinks[0].log_summary(Summary(total_bytes=12288, gbps=0.4, ctx={"tp": 2}, predicted_s=None))
     for s in sinks:
         s.finish()
     wandb.teardown()  # the service writes the run files; a worker process does this at exit
@@ -58,10 +59,10 @@ def test_offline_writes_one_run_per_rank(tmp_path):
 
 def test_summary_table_holds_the_merged_results(tmp_path):
     wandb = pytest.importorskip("wandb")
-    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(to_dict(r)) + "\n" for r in RECORDS))
     sink = WandbSink.create(CFG, tmp_path, 0, "ctx")
-    sink.log_request({"request": 0, "side": "ctx", "bytes": 1})  # this rank's part only
-    sink.log_summary({"total_bytes": 1})
+    sink.log_request(RankPart(request=0, isl=1024, side="ctx", rank=0, bytes=1))  # this rank's part only
+    sink.log_summary(Summary(total_bytes=1))
     sink.finish()
     wandb.teardown()
     tables = list(tmp_path.glob("wandb/offline-run-*/files/media/table/requests_*.table.json"))
@@ -74,7 +75,7 @@ def test_disabled_writes_nothing(tmp_path):
     sink = WandbSink.create(_with_mode("disabled"), tmp_path, 0, "ctx")
     assert not sink.active
     sink.log_request(RECORDS[0])
-    sink.log_summary({"total_bytes": 1})
+    sink.log_summary(Summary(total_bytes=1))
     sink.finish()
     assert list(tmp_path.iterdir()) == []
 
@@ -105,10 +106,10 @@ def test_unknown_mode_warns_and_disables(tmp_path):
 
 
 def test_rank_parts_get_their_rate():
-    part = {"request": 3, "side": "gen", "start": 10.0, "end": 10.5, "bytes": 10**9, "wire": [(10.0, 10.5)]}
-    assert _with_rate(part)["seconds"] == 0.5 and _with_rate(part)["gbps"] == 2.0
-    assert _with_rate(RECORDS[0]) == RECORDS[0]  # merged rows already have both
-    assert "gbps" not in _with_rate({**part, "end": None})
+    part = RankPart(request=3, isl=10, side="gen", rank=0, start=10.0, end=10.5, bytes=10**9, wire=[(10.0, 10.5)])
+    assert _row(part)["seconds"] == 0.5 and _row(part)["gbps"] == 2.0
+    assert _row(RECORDS[0])["gbps"] == 0.4  # merged rows already have both
+    assert "gbps" not in _row(RankPart(request=3, isl=10, side="gen", rank=0, start=10.0, bytes=10**9))
 
 
 def test_names_use_the_side_local_rank():

@@ -1,0 +1,281 @@
+"""What a run writes and what its readers read: typed records with a schema version.
+
+- ``RankPart``: one rank's part of one request (plain seconds on the shared epoch, kvlab.clock);
+- ``PartFile``: everything one rank reports after its transfers, ``parts/rank<N>.json``;
+- ``RequestRow``: one merged request, a line of ``results.jsonl``;
+- ``TimelineRow``: one (request, layer) of a layer-wise run, a line of ``timeline.jsonl``;
+- ``Summary``: the run, ``summary.json``.
+
+Every record is written and read here and nowhere else. Each carries ``schema``, the version
+it was written under; files written before versions existed read as version 0, with the fields
+they lack left at their defaults, so that old results (``results/*.json``) stay readable.
+Fields a newer writer added and this reader does not know are dropped on reading.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+SCHEMA = 1  # bump when a field changes meaning or is removed (adding one with a default needs no bump)
+
+R = TypeVar("R")
+
+
+def _decode(tp: Any, v: Any) -> Any:
+    """A JSON value as the annotated type: nested records, and integer keys JSON turned into strings."""
+    if v is None:
+        return None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or type(tp).__name__ == "UnionType":
+        inner = [a for a in args if a is not type(None)]
+        return _decode(inner[0], v) if len(inner) == 1 else v
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, v)
+    if origin is list and args:
+        return [_decode(args[0], x) for x in v]
+    if origin is tuple and args:
+        return tuple(_decode(args[0], x) for x in v)
+    if origin is dict and args and args[0] is int:
+        return {int(k): _decode(args[1], x) for k, x in v.items()}
+    return v
+
+
+def from_dict(cls: type[R], d: dict) -> R:
+    """A record from its JSON object (any schema version; unknown keys dropped, missing ones defaulted)."""
+    hints = typing.get_type_hints(cls)
+    values = {f.name: _decode(hints[f.name], d[f.name]) for f in dataclasses.fields(cls) if f.name in d}
+    if "schema" not in d:
+        values["schema"] = 0
+    return cls(**values)
+
+
+def to_dict(record) -> dict:
+    return dataclasses.asdict(record)
+
+
+@dataclass
+class RankPart:
+    request: int
+    isl: int
+    side: str  # ctx | gen
+    rank: int  # side-local
+    start: float | None = None
+    end: float | None = None
+    bytes: int = 0
+    chunks: int = 0
+    in_place: int = 0
+    copy_s: float = 0.0  # pack (ctx) or unpack (gen) time
+    wire: list[tuple[float, float]] = field(default_factory=list)  # (posted, done) per chunk
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    layer_done: dict[int, float] = field(default_factory=dict)  # global layer -> its last chunk done
+    errors: list[str] = field(default_factory=list)
+    num_layers: int = 0
+    schema: int = SCHEMA
+
+    @property
+    def seconds(self) -> float | None:
+        return self.end - self.start if self.start is not None and self.end is not None else None
+
+    @property
+    def gbps(self) -> float | None:
+        s = self.seconds
+        return self.bytes / s / 1e9 if s else None
+
+
+@dataclass
+class Peak:
+    """Memory of one rank: bytes at the worst moment."""
+
+    staging: int = 0
+    extra: int = 0  # extra device memory of the transfer (staging included)
+    cache: int = 0
+    max_rss: int = 0  # host memory
+    free_drop: int = 0  # device free memory lost, NCCL's own buffers included (GPUs)
+
+
+@dataclass
+class Env:
+    backend: str | None = None
+    kernels: str | None = None
+    device: str | None = None
+
+
+@dataclass
+class PartFile:
+    rank: int  # world rank
+    side: str
+    side_rank: int
+    parts: list[RankPart] = field(default_factory=list)
+    failures: dict[int, str] = field(default_factory=dict)  # request -> why it failed on this rank
+    errors: list[str] = field(default_factory=list)
+    error_at: float | None = None  # when the failure that stopped this rank happened
+    peak: Peak = field(default_factory=Peak)
+    host: str | None = None
+    held_blocks: int = 0  # cache blocks still held at the end: 0 when every request freed its own
+    node: str | None = None
+    env: Env = field(default_factory=Env)
+    schema: int = SCHEMA
+
+
+@dataclass
+class RequestRow:
+    request: int
+    isl: int | None = None
+    ctx_dp: int | None = None
+    gen_dp: int | None = None
+    bytes: int = 0
+    chunks: int = 0
+    in_place_chunks: int = 0  # in place on the gen side
+    ctx_in_place_chunks: int = 0
+    seconds: float | None = None
+    start: float | None = None  # absolute (kvlab.clock): order and overlap of requests
+    end: float | None = None
+    gbps: float | None = None
+    pack_s: float = 0.0
+    wire_s: float = 0.0
+    unpack_s: float = 0.0
+    exposed_s: float | None = None  # transfer time left after the simulated prefill's last layer
+    verified: bool = False
+    error: str | None = None
+    schema: int = SCHEMA
+
+
+@dataclass
+class TimelineRow:
+    request: int
+    rank: int | None  # the ctx rank (side-local) that sent the layer
+    layer: int
+    prefill_done_s: float  # since the prefill started
+    transfer_done_s: float
+    schema: int = SCHEMA
+
+
+@dataclass
+class Summary:
+    total_bytes: int = 0
+    verified: bool = False
+    gbps: float = 0.0
+    seconds: float = 0.0
+    peak_staging_bytes: int = 0
+    peak_extra_device_bytes: int = 0
+    device_free_drop_bytes: int = 0
+    cache_bytes: int = 0
+    exposed_s: float | None = None
+    requests: int = 0
+    failed_requests: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    strategy: str | None = None
+    transport: str | None = None
+    model: str | None = None
+    isl_mean: float = 0.0
+    isl_max: int = 0
+    slot_bytes: int = 0
+    slots: int = 0
+    ctx: dict[str, Any] = field(default_factory=dict)  # tp, pp, dp, tokens_per_block, layout
+    gen: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 0
+    backend: str | None = None
+    device: str | None = None
+    kernels: str | None = None
+    torch: str | None = None
+    date: str | None = None
+    predicted_s: float | None = None
+    silent_ranks: list[int] = field(default_factory=list)
+    schema: int = SCHEMA
+
+
+# ---------------------------------------------------------------- files of a run directory
+
+RESULTS, TIMELINE, SUMMARY = "results.jsonl", "timeline.jsonl", "summary.json"
+
+
+def part_path(run_dir: Path, world_rank: int) -> Path:
+    return Path(run_dir) / "parts" / f"rank{world_rank}.json"
+
+
+def write_part(run_dir: Path, part: PartFile) -> None:
+    path = part_path(run_dir, part.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(to_dict(part)))
+    tmp.replace(path)  # a reader never sees half a file
+
+
+def read_part(run_dir: Path, world_rank: int) -> PartFile | None:
+    path = part_path(run_dir, world_rank)
+    if not path.exists():
+        return None
+    return from_dict(PartFile, json.loads(path.read_text()))
+
+
+def _read_jsonl(path: Path, cls: type[R]) -> list[R]:
+    if not path.exists():
+        return []
+    return [from_dict(cls, json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _write_jsonl(path: Path, records: list) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(to_dict(r)) + "\n")
+
+
+def write_run(run_dir: Path, rows: list[RequestRow], timeline: list[TimelineRow], summary: Summary) -> None:
+    run_dir = Path(run_dir)
+    _write_jsonl(run_dir / RESULTS, rows)
+    if timeline:
+        _write_jsonl(run_dir / TIMELINE, timeline)
+    (run_dir / SUMMARY).write_text(json.dumps(to_dict(summary), indent=2))
+
+
+def read_rows(run_dir: Path) -> list[RequestRow]:
+    return _read_jsonl(Path(run_dir) / RESULTS, RequestRow)
+
+
+def read_timeline(run_dir: Path) -> list[TimelineRow]:
+    return _read_jsonl(Path(run_dir) / TIMELINE, TimelineRow)
+
+
+def read_summary(run_dir: Path) -> Summary | None:
+    path = Path(run_dir) / SUMMARY
+    return from_dict(Summary, json.loads(path.read_text())) if path.exists() else None
+
+
+# ---------------------------------------------------------------- benchmark reports (scripts/bench.py)
+
+@dataclass
+class BenchTransfer:
+    """One transfer of a benchmark report, next to the raw link measured in the same run."""
+
+    name: str
+    summary: Summary
+    overrides: list[str] = field(default_factory=list)
+    requests: list[RequestRow] = field(default_factory=list)
+    wall_s: float | None = None
+    raw_nccl_gbps: float | None = None
+    ratio_to_raw: float | None = None
+    extra_over_staging: float | None = None
+    extra_over_cache: float | None = None
+    schema: int = SCHEMA
+
+
+@dataclass
+class BenchReport:
+    date: str | None = None
+    device: str | None = None
+    gpus: int | None = None
+    torch: str | None = None
+    nccl: str | None = None
+    cuda: str | None = None
+    transfers: list[BenchTransfer] = field(default_factory=list)
+    raw_nccl: dict[str, Any] = field(default_factory=dict)  # message bytes -> seconds, GB/s
+    schema: int = SCHEMA
+
+
+def read_bench(path: Path) -> BenchReport:
+    return from_dict(BenchReport, json.loads(Path(path).read_text()))
