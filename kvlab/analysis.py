@@ -160,13 +160,13 @@ def run_sweep(grid: dict[str, Iterable[Any]] | list[dict[str, Any]], base: Itera
     """One run per job on top of ``base``: every combination of ``grid`` (key -> values), or the
     jobs of a list of ``{key: value}`` dicts as given.
 
-    Job ``i`` runs in ``root/i`` with ``kvlab.runner.run_transfer``; its own overrides are
+    Job ``i`` runs in ``root/i`` with ``kvlab.api.run_transfer``; its own overrides are
     written to ``root/i/.hydra/overrides.yaml`` as Hydra would, so the returned table (from
     ``load_sweep``) has one column per swept key.
     """
     import itertools
 
-    from kvlab.runner import run_transfer
+    from kvlab.api import run_transfer
 
     if isinstance(grid, dict):
         keys = list(grid)

@@ -87,7 +87,7 @@ def check_overrides(overrides: list[str], search: list[str] = ()) -> str | None:
         cfg = compose([*search, *overrides])
         setup = build(cfg)
         if setup.needs_preflight:  # fault positions and capacities that only the plan can check
-            from kvlab.runner import preflight
+            from kvlab.preflight import preflight
 
             preflight(setup)
     except ConfigError as e:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     if command == "plan":
         from kvlab.plan_cmd import hydra_main
     else:
-        from kvlab.runner import hydra_main
+        from kvlab.run_cmd import hydra_main
     try:
         hydra_main()
     except ConfigError as e:  # checks that need more than the config (e.g. the handshake)

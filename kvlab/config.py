@@ -164,7 +164,7 @@ class Setup:
 
     @property
     def needs_preflight(self) -> bool:
-        """Whether kvlab.runner.preflight can fail for this setup (it plans every request: skipped when not)."""
+        """Whether kvlab.preflight.preflight can fail for this setup (it plans every request: skipped when not)."""
         return bool(self.cache.capacity_tokens) or self.fault.active
 
     def to_dict(self) -> dict:

@@ -15,7 +15,7 @@ clock is modelled. Each chunk goes
   (strategy trait ``in_place``, consecutive blocks) skips that side's copy;
 - a device's copies run one at a time, and so do its outgoing and its incoming messages;
   different devices run at once, so pairs on distinct GPUs overlap; ranks sit on devices
-  as the runner puts them (``kvlab.transport.gpu_index``);
+  as the runner puts them (``kvlab.devices.gpu_index``);
 - each rank keeps at most ``slots`` chunks in flight, as the executor does, and a chunk
   waits for its turn; the simulated prefill (``layer_compute_ms`` per layer) releases a
   chunk when its layer is done (strategy trait ``ready: layer``) or when every layer is (``request``).
@@ -45,6 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvlab.devices import gpu_index, pair_backend
 from kvlab.plan import Request, plan
 from kvlab.rates import CostRates
 from kvlab.schedule import Chunk, Ready, Staging, schedule
@@ -128,9 +129,7 @@ class Prediction:
 
 def device_map(setup: Setup, devices: int) -> tuple[list[int], list[int]]:
     """Device of every ctx rank and every gen rank, as the runner places them on one host
-    (``kvlab.transport.gpu_index``); with ``devices=-1`` the devices are this machine's CPU cores."""
-    from kvlab.transport import gpu_index
-
+    (``kvlab.devices.gpu_index``); with ``devices=-1`` the devices are this machine's CPU cores."""
     nc, ng = setup.ctx.size, setup.gen.size
     world = nc + ng
     if devices == -1:  # gloo ranks are processes spread over the cores
@@ -174,7 +173,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     copies itself, one after the other, shared with the ranks on the same core; on GPUs
     copies queue on the rank's stream and only the copy engine and the window order them.
     """
-    rates = rates or setup.cost.rates(backend, setup.device)
+    rates = rates or setup.cost.rates(backend or pair_backend(setup))
     reqs = as_requests(setup, requests)
     by_id = {r.id: r for r in reqs}
     strategy = setup.transfer.strategy

@@ -129,18 +129,7 @@ class CostSpec:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name != "profile" and getattr(self, f.name) is not None}
 
-    def rates(self, backend: str | None = None, device: str = "auto") -> CostRates:
-        """The rates for a run on ``backend`` (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``), or, before any
-        backend exists, for ``device`` (auto: whether this machine has a GPU)."""
-        profile = self.profile if self.profile != "auto" else auto_profile(backend, device)
+    def rates(self, backend: str) -> CostRates:
+        """The rates for a run whose pairs talk over ``backend`` (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``)."""
+        profile = self.profile if self.profile != "auto" else ("h200" if "nccl" in backend else "cpu")
         return replace(PROFILES[profile], **self.overrides)
-
-
-def auto_profile(backend: str | None = None, device: str = "auto") -> str:
-    if backend:
-        return "h200" if "nccl" in backend else "cpu"
-    if device in ("cpu", "cuda"):
-        return "h200" if device == "cuda" else "cpu"
-    import torch
-
-    return "h200" if torch.cuda.is_available() else "cpu"

@@ -49,6 +49,12 @@ def wait_for_parts(run_dir: Path, ranks, wait_s: float) -> tuple[dict[int, PartF
         time.sleep(0.1)
 
 
+def stale_s(setup) -> float:
+    """Silence after which a rank counts as dead or stalled: a healthy rank completes or fails a chunk
+    within the transfer timeout, and shows progress between chunks (kvlab.report)."""
+    return setup.transfer.timeout_s + 5.0
+
+
 class Board:
     def __init__(self, store, rank: int, world: int, stale_s: float, beat_every_s: float = 0.5):
         self.store, self.rank, self.world, self.stale_s = store, rank, world, stale_s

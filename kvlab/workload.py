@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Iterable
 
 from kvlab.config import Setup
-from kvlab.plan import Request
-from kvlab.schedule import Chunk
+from kvlab.plan import Request, plan
+from kvlab.schedule import Chunk, schedule
 from kvlab.spec import WorkloadSpec
 
 
@@ -81,3 +81,12 @@ def chunks_of(order: list[Chunk], setup: Setup, world_rank: int) -> list[Chunk]:
     """The chunks one rank sends (ctx) or receives (gen), in the global order."""
     side, rank = setup.side_of(world_rank)
     return [c for c in order if (c.src if side.name == "ctx" else c.dst) == rank]
+
+
+def plan_run(setup) -> tuple[list, dict, list[Chunk]]:
+    """(requests, segments by request, global chunk order): pure, the same on every rank."""
+    requests = make_requests(setup)
+    segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r) for r in requests}
+    schedules = [schedule(setup.model, setup.ctx, setup.gen, segments[r.id], setup.transfer.strategy,
+                          setup.transfer.slot_bytes) for r in requests]
+    return requests, segments, interleave(schedules, setup.workload.concurrency)

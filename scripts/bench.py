@@ -134,7 +134,7 @@ def main() -> None:
     from rich.table import Table
 
     from kvlab import records
-    from kvlab.runner import run_transfer
+    from kvlab.api import run_transfer
 
     console = Console()
     if torch.cuda.device_count() < 2:

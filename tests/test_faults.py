@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.api import run_transfer
 from kvlab.config import build, compose
 from kvlab.fill import locate
-from kvlab.runner import plan_run, run_transfer
 from kvlab.state import CacheState
+from kvlab.workload import plan_run
 
 QUIET = ["logger=quiet"]
 TIMEOUT_S = 4

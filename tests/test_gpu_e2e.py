@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.runner import run_transfer
+from kvlab.api import run_transfer
 
 pytestmark = [pytest.mark.gpu2, pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]

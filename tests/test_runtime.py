@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from kvlab.api import run_transfer
 from kvlab.config import build, compose
-from kvlab.runner import run_transfer
 
 QUIET = ["logger=quiet"]
 

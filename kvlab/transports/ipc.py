@@ -40,6 +40,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from kvlab import devices
 from kvlab.errors import ConfigError
 from kvlab.layout import Rect, runs
 from kvlab.schedule import Chunk
@@ -47,10 +48,6 @@ from kvlab.state import CacheState
 from kvlab.transports import Transport
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _on_gpu(setup) -> bool:
-    return setup.device != "cpu" and torch.cuda.is_available()
 
 
 class Ipc(Transport):
@@ -72,7 +69,7 @@ class Ipc(Transport):
         if world is not None and local is not None and int(local) != int(world):
             raise ConfigError("transport", "ipc", f"{world} ranks span several nodes ({local} on this one); ipc maps "
                               "memory within one node: use transport=p2p across nodes")
-        if _on_gpu(setup):
+        if devices.uses_cuda(setup):
             try:
                 from kvlab.transports import cuda_ipc
                 cuda_ipc.check_supported()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kvlab import devices
 from kvlab.layout import first_byte
 from kvlab.schedule import Chunk, Staging
 from kvlab.staging import PerChunkBuffers, SlotPool
@@ -39,7 +40,7 @@ def pair_groups(setup) -> dict[tuple[int, int], dist.ProcessGroup]:
     """One group per (ctx world rank, gen world rank), created by every rank in the same order."""
     groups = {}
     timeout = datetime.timedelta(seconds=max(setup.transfer.timeout_s, 1.0))
-    backend = "nccl" if torch.cuda.is_available() and setup.device != "cpu" else "gloo"
+    backend = devices.pair_backend(setup)
     for c in range(setup.ctx.size):
         for g in range(setup.gen.size):
             pair = (c, setup.ctx.size + g)
