@@ -168,10 +168,11 @@ class Setup:
         return bool(self.cache.capacity_tokens) or self.fault.active
 
     def to_dict(self) -> dict:
-        """Plain values (enums as strings), as a logger records the run's configuration."""
+        """Plain values (enums as strings) in the config's shape, as a logger records the run's configuration."""
         def plain(v):
             if dataclasses.is_dataclass(v):
-                return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+                return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)
+                        if f.name != _FROM_KEY.get(type(v))}
             if isinstance(v, (list, tuple)):
                 return [plain(x) for x in v]
             return v.value if isinstance(v, Enum) else v

@@ -48,7 +48,7 @@ def from_dict(cls: type[R], d: dict) -> R:
     """A record from its JSON object (any schema version; unknown keys dropped, missing ones defaulted)."""
     hints = typing.get_type_hints(cls)
     values = {f.name: _decode(hints[f.name], d[f.name]) for f in dataclasses.fields(cls) if f.name in d}
-    if "schema" not in d:
+    if "schema" not in d and "schema" in hints:
         values["schema"] = 0
     return cls(**values)
 

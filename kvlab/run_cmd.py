@@ -16,7 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from kvlab import report
+from kvlab import records, report
 from kvlab.config import CONF_DIR, build
 from kvlab.cost import predict_run
 from kvlab.errors import ConfigError
@@ -35,7 +35,7 @@ def grace_s(setup) -> float:
 def launch(setup, run_dir: Path) -> int:
     names = [report.rank_name(setup, w) for w in range(setup.world_size)]
     rc = launch_local(run_dir, setup.world_size, grace_s=grace_s(setup), names=names)
-    if rc not in (0, 2) and not (run_dir / "summary.json").exists():
+    if rc not in (0, 2) and not (run_dir / records.SUMMARY).exists():
         requests, _, order = plan_run(setup)
         report.finalize_from_files(setup, run_dir, requests, order, predict_run(setup, requests))
     return rc

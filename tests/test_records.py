@@ -1,0 +1,71 @@
+"""Records round-trip through their files, old files (no schema version) still read, and the config a run
+writes rebuilds the same specs."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from kvlab import records
+from kvlab.config import Config, Setup, build, compose, schema
+from kvlab.records import PartFile, Peak, RankPart, RequestRow, Summary, TimelineRow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_run_directory_round_trips(tmp_path):
+    part = PartFile(rank=2, side="gen", side_rank=0,
+                    parts=[RankPart(request=7, isl=100, side="gen", rank=0, start=1.0, end=1.5, bytes=10,
+                                    wire=[(1.0, 1.2)], layer_done={3: 1.4}, errors=["x"])],
+                    failures={7: "why"}, peak=Peak(staging=64, extra=64))
+    records.write_part(tmp_path, part)
+    back = records.read_part(tmp_path, 2)
+    assert back == part  # integer keys and tuples survive JSON
+    assert isinstance(next(iter(back.failures)), int) and back.parts[0].wire == [(1.0, 1.2)]
+    rows = [RequestRow(request=0, isl=4, bytes=8, verified=True), RequestRow(request=1, error="lost")]
+    timeline = [TimelineRow(request=0, rank=0, layer=1, prefill_done_s=0.1, transfer_done_s=0.2)]
+    summary = Summary(total_bytes=8, requests=2, failed_requests=[1], ctx={"tp": 2})
+    records.write_run(tmp_path, rows, timeline, summary)
+    assert records.read_rows(tmp_path) == rows
+    assert records.read_timeline(tmp_path) == timeline
+    assert records.read_summary(tmp_path) == summary
+    assert json.loads((tmp_path / records.SUMMARY).read_text())["schema"] == records.SCHEMA
+
+
+def test_files_without_a_version_read_as_version_0(tmp_path):
+    (tmp_path / records.SUMMARY).write_text(json.dumps({"total_bytes": 5, "verified": True, "gone_field": 1}))
+    s = records.read_summary(tmp_path)
+    assert (s.schema, s.total_bytes, s.verified, s.silent_ranks) == (0, 5, True, [])
+
+
+@pytest.mark.parametrize("name", ["bench_h200x2.json", "bench_h200x2_earlier_kernels.json", "mismatched_h200x2.json"])
+def test_committed_bench_results_read_and_render(name):
+    path = ROOT / "results" / name
+    rep = records.read_bench(path)
+    raw = json.loads(path.read_text())
+    assert len(rep.transfers) == len(raw["transfers"]) > 0
+    for t, r in zip(rep.transfers, raw["transfers"], strict=True):
+        assert t.summary.schema == 0 and t.summary.total_bytes == r["summary"]["total_bytes"]
+        assert len(t.requests) == len(r.get("requests", []))
+        assert all(a.bytes == b["bytes"] for a, b in zip(t.requests, r.get("requests", []), strict=True))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_table.py"), str(path)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    first = rep.transfers[0]
+    assert f"| {first.name.replace('transfer.', '')} | {first.summary.total_bytes / 2**30:.2f} |" in out
+
+
+def test_schema_is_derived_from_the_specs():
+    for f in dataclasses.fields(Setup):
+        assert f.name in {g.name for g in dataclasses.fields(Config)}, f.name
+    ctx_schema = {f.name for f in dataclasses.fields(schema(type(build(compose()).ctx)))}
+    assert "name" not in ctx_schema and {"tp", "pp", "dp", "layer_split"} <= ctx_schema  # the side is its key
+    setup = build(compose(["ctx.pp=2", "ctx.layer_split=[3,1]", "workload.isl_list=[5,6]", "cost=cpu"]))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setup.workload.isl = 1  # type: ignore[misc]
+    # what a run records as its configuration builds the same specs again
+    assert build(OmegaConf.merge(OmegaConf.structured(Config), setup.to_dict())) == setup
