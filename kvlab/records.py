@@ -148,10 +148,10 @@ class RequestRow:
 @dataclass
 class TimelineRow:
     request: int
-    rank: int | None  # the ctx rank (side-local) that sent the layer
     layer: int
     prefill_done_s: float  # since the prefill started
     transfer_done_s: float
+    rank: int | None = None  # the ctx rank (side-local) that sent the layer
     schema: int = SCHEMA
 
 

@@ -38,13 +38,8 @@ from kvlab.preflight import preflight
 from kvlab.progress import Progress
 from kvlab.records import Env, PartFile, Peak, read_part, write_part
 from kvlab.state import CacheState
+from kvlab.wandb_sink import WandbSink
 from kvlab.workload import chunks_of, plan_run
-
-
-def _sink(setup, run_dir: Path, rank: int, side: str):
-    from kvlab.wandb_sink import WandbSink
-
-    return WandbSink.create(setup.to_dict(), run_dir, rank, side)
 
 
 def _stop(signum, frame) -> None:
@@ -178,13 +173,12 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         # without rank 0's verdict this rank can only vouch for itself
         verified = verdict["verified"] if verdict else not (failures or errors or any(p.errors for p in parts))
     board.stop()
-    sink = _sink(setup, run_dir, world_rank, side)
-    if sink is not None:
-        for p in parts:
-            sink.log_request(p)
-        if summary is not None:
-            sink.log_summary(summary)
-        sink.finish()
+    sink = WandbSink.create(setup, run_dir, world_rank)
+    for p in parts:
+        sink.log_request(p)
+    if summary is not None:
+        sink.log_summary(summary)
+    sink.finish()
     return 0 if verified else 1
 
 

@@ -2,7 +2,7 @@
 
 The runner calls, on every rank::
 
-    sink = WandbSink.create(cfg, run_dir, rank, side)   # rank: world rank, side: "ctx" | "gen"
+    sink = WandbSink.create(setup, run_dir, rank)       # rank: world rank
     sink.log_request(part)                               # a kvlab.records.RankPart (or RequestRow)
     sink.log_summary(summary)                            # a kvlab.records.Summary, rank 0 only
     sink.finish()
@@ -26,49 +26,25 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlab.metrics import flatten
 from kvlab.records import RankPart, RequestRow, Summary, read_rows, to_dict
+from kvlab.spec import WandbSpec
 
-MODES = ("online", "offline", "shared", "disabled")
+if TYPE_CHECKING:
+    from kvlab.config import Setup
 
-
-def _plain(cfg: Any) -> dict:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    except ImportError:
-        pass
-    return dict(cfg or {})
-
-
-def _wandb_cfg(cfg: dict) -> dict:
-    return ((cfg.get("logger") or {}).get("wandb") or {}) if isinstance(cfg, dict) else {}
-
-
-def group_name(cfg: dict, run_dir: Path) -> str:
+def group_name(wandb: WandbSpec, run_dir: Path) -> str:
     """The experiment's wandb group: all ranks of one run dir share it."""
-    explicit = _wandb_cfg(cfg).get("group")
-    if explicit:
-        return str(explicit)
+    if wandb.group:
+        return str(wandb.group)
     run_dir = Path(run_dir).resolve()
     # multirun job dirs are numbered 0, 1, ... under the sweep's dated dir: a bare number would
     # merge the same job of every sweep into one group
     if run_dir.name.isdigit() and run_dir.parent.name:
         return f"{run_dir.parent.name}-{run_dir.name}"
     return run_dir.name
-
-
-def side_rank(cfg: dict, rank: int, side: str) -> int:
-    """Side-local rank of a world rank."""
-    if side != "gen":
-        return rank
-    c = cfg.get("ctx") or {}
-    ctx_size = int(c.get("tp", 1)) * int(c.get("pp", 1)) * int(c.get("dp", 1))
-    return rank - ctx_size if rank >= ctx_size else rank
 
 
 def _scalars(record: dict) -> dict:
@@ -96,15 +72,11 @@ class WandbSink:
     active = False
 
     @classmethod
-    def create(cls, cfg: Any, run_dir: Path | str, rank: int, side: str) -> WandbSink:
-        cfg = _plain(cfg)
-        mode = _wandb_cfg(cfg).get("mode") or "offline"
+    def create(cls, setup: Setup, run_dir: Path | str, rank: int) -> WandbSink:
+        """The sink of world rank ``rank``; ``setup.logger.wandb`` says whether and where to log."""
+        mode = setup.logger.wandb.mode
         if os.environ.get("WANDB_MODE") == "disabled":  # a global switch, as for any wandb program
             mode = "disabled"
-        if mode not in MODES:
-            warnings.warn(f"logger.wandb.mode={mode}: unknown mode, wandb disabled; use one of {', '.join(MODES)}",
-                          stacklevel=2)
-            return cls()
         if mode == "disabled":
             return cls()
         try:
@@ -115,9 +87,9 @@ class WandbSink:
                               "pip install 'kvlab[wandb]', or logger=quiet", stacklevel=2)
             return cls()
         try:
-            return _LiveSink(wandb, cfg, Path(run_dir), rank, side, mode)
+            return _LiveSink(wandb, setup, Path(run_dir), rank, mode)
         except Exception as e:  # a broken wandb install or service must not stop the transfer
-            warnings.warn(f"wandb disabled on {side}{rank}: {type(e).__name__}: {e}", stacklevel=2)
+            warnings.warn(f"wandb disabled on rank {rank}: {type(e).__name__}: {e}", stacklevel=2)
             return cls()
 
     def log_request(self, record: RankPart | RequestRow) -> None:
@@ -133,17 +105,15 @@ class WandbSink:
 class _LiveSink(WandbSink):
     active = True
 
-    def __init__(self, wandb, cfg: dict, run_dir: Path, rank: int, side: str, mode: str):
+    def __init__(self, wandb, setup: Setup, run_dir: Path, rank: int, mode: str):
         self._wandb = wandb
         self.run_dir = run_dir
         self.rows: list[dict] = []
         run_dir.mkdir(parents=True, exist_ok=True)
-        wcfg = _wandb_cfg(cfg)
-        strategy = (cfg.get("transfer") or {}).get("strategy")
-        strategy = strategy.get("name") if isinstance(strategy, dict) else strategy  # a node with traits, or a name
-        tags = [str(t) for t in (strategy, (cfg.get("model") or {}).get("name")) if t]
-        kwargs = dict(project=wcfg.get("project") or "kvlab", group=group_name(cfg, run_dir), job_type=side,
-                      name=f"{side}{side_rank(cfg, rank, side)}", config=cfg, dir=str(run_dir), mode=mode, tags=tags,
+        side, side_rank = setup.side_of(rank)
+        kwargs = dict(project=setup.logger.wandb.project, group=group_name(setup.logger.wandb, run_dir),
+                      job_type=side.name, name=f"{side.name}{side_rank}", config=setup.to_dict(), dir=str(run_dir),
+                      mode=mode, tags=[setup.transfer.strategy.name, setup.model.name],
                       settings=wandb.Settings(x_disable_stats=True, console="off", silent=True))
         try:
             # several ranks' runs may live in one process (tests, notebooks): keep them all open

@@ -1,25 +1,32 @@
+import dataclasses
+import functools
 import json
 import sys
 import warnings
 
 import pytest
 
+from kvlab.config import build, compose
 from kvlab.records import RankPart, RequestRow, Summary, to_dict
-from kvlab.wandb_sink import WandbSink, _row, group_name, side_rank
+from kvlab.spec import WandbSpec
+from kvlab.wandb_sink import WandbSink, _row, group_name
 
-CFG = {
-    "model": {"name": "tiny_gqa"},
-    "transfer": {"strategy": "chunked"},
-    "logger": {"wandb": {"mode": "offline", "project": "kvlab-test", "group": None}},
-}
+
+@functools.cache
+def _setup():
+    return build(compose(["logger.wandb.mode=offline", "logger.wandb.project=kvlab-test"]))  # ctx0, ctx1 -> gen0
+
+
+def _with(**wandb):
+    s = _setup()
+    return dataclasses.replace(s, logger=dataclasses.replace(s.logger, wandb=dataclasses.replace(s.logger.wandb,
+                                                                                                 **wandb)))
+
+
 RECORDS = [
     RequestRow(request=0, isl=1024, bytes=4096, seconds=0.01, gbps=0.4, verified=True, error=None),
     RequestRow(request=1, isl=2048, bytes=8192, seconds=0.02, gbps=0.4, verified=True, error=None),
 ]
-
-
-def _with_mode(mode):
-    return {**CFG, "logger": {"wandb": {**CFG["logger"]["wandb"], "mode": mode}}}
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +38,8 @@ def _no_env_mode(monkeypatch):
 def test_offline_writes_one_run_per_rank(tmp_path):
     wandb = pytest.importorskip("wandb")
     run_dir = tmp_path / "exp1"
-    cfg = {**CFG, "logger": {"wandb": {**CFG["logger"]["wandb"], "group": "grp-abc"}}}
-    sinks = [WandbSink.create(cfg, run_dir, 0, "ctx"), WandbSink.create(cfg, run_dir, 1, "gen")]  # world ranks
+    setup = _with(group="grp-abc")
+    sinks = [WandbSink.create(setup, run_dir, 0), WandbSink.create(setup, run_dir, 2)]  # world ranks: ctx0, gen0
     assert all(s.active for s in sinks)
     for rec in RECORDS:
         for s in sinks:
@@ -60,7 +67,7 @@ def test_offline_writes_one_run_per_rank(tmp_path):
 def test_summary_table_holds_the_merged_results(tmp_path):
     wandb = pytest.importorskip("wandb")
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(to_dict(r)) + "\n" for r in RECORDS))
-    sink = WandbSink.create(CFG, tmp_path, 0, "ctx")
+    sink = WandbSink.create(_setup(), tmp_path, 0)
     sink.log_request(RankPart(request=0, isl=1024, side="ctx", rank=0, bytes=1))  # this rank's part only
     sink.log_summary(Summary(total_bytes=1))
     sink.finish()
@@ -72,7 +79,7 @@ def test_summary_table_holds_the_merged_results(tmp_path):
 
 
 def test_disabled_writes_nothing(tmp_path):
-    sink = WandbSink.create(_with_mode("disabled"), tmp_path, 0, "ctx")
+    sink = WandbSink.create(_with(mode="disabled"), tmp_path, 0)
     assert not sink.active
     sink.log_request(RECORDS[0])
     sink.log_summary(Summary(total_bytes=1))
@@ -82,27 +89,21 @@ def test_disabled_writes_nothing(tmp_path):
 
 def test_env_switch_disables(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert not WandbSink.create(CFG, tmp_path, 0, "gen").active
+    assert not WandbSink.create(_setup(), tmp_path, 2).active
     assert list(tmp_path.iterdir()) == []
 
 
 def test_without_wandb_installed_is_a_noop(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError (wandb is an extra)
     with pytest.warns(UserWarning, match=r"wandb is not installed.*kvlab\[wandb\]"):
-        assert not WandbSink.create(CFG, tmp_path, 0, "ctx").active  # rank 0 says it once for the run
+        assert not WandbSink.create(_setup(), tmp_path, 0).active  # rank 0 says it once for the run
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sink = WandbSink.create(CFG, tmp_path, 1, "gen")
+        sink = WandbSink.create(_setup(), tmp_path, 2)
     assert not sink.active
     sink.log_request(RECORDS[0])
     sink.finish()
     assert list(tmp_path.iterdir()) == []
-
-
-def test_unknown_mode_warns_and_disables(tmp_path):
-    with pytest.warns(UserWarning, match="unknown mode"):
-        sink = WandbSink.create(_with_mode("sometimes"), tmp_path, 0, "ctx")
-    assert not sink.active
 
 
 def test_rank_parts_get_their_rate():
@@ -112,14 +113,7 @@ def test_rank_parts_get_their_rate():
     assert "gbps" not in _row(RankPart(request=3, isl=10, side="gen", rank=0, start=10.0, bytes=10**9))
 
 
-def test_names_use_the_side_local_rank():
-    cfg = {"ctx": {"tp": 2, "pp": 1, "dp": 1}}
-    assert [side_rank(cfg, r, s) for r, s in ((0, "ctx"), (1, "ctx"), (2, "gen"), (3, "gen"))] == [0, 1, 0, 1]
-    assert side_rank({}, 1, "gen") == 0  # the default ctx side has one rank
-
-
 def test_group_is_shared_by_ranks_and_sweep_jobs_stay_apart(tmp_path):
-    assert group_name(CFG, tmp_path / "outputs" / "abc") == "abc"
-    assert group_name(CFG, tmp_path / "multirun" / "2025-01-01_10-00-00" / "3") == "2025-01-01_10-00-00-3"
-    named = {**CFG, "logger": {"wandb": {"mode": "offline", "group": "mine"}}}
-    assert group_name(named, tmp_path / "x") == "mine"
+    assert group_name(WandbSpec(), tmp_path / "outputs" / "abc") == "abc"
+    assert group_name(WandbSpec(), tmp_path / "multirun" / "2025-01-01_10-00-00" / "3") == "2025-01-01_10-00-00-3"
+    assert group_name(WandbSpec(group="mine"), tmp_path / "x") == "mine"
