@@ -20,7 +20,7 @@ from enum import Enum
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from kvlab import paths
 from kvlab.errors import ConfigError, positive, require
@@ -251,7 +251,7 @@ def _spec(spec: type, node, key: str | None = None):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             v = _spec(tp, v, f.name)
-        elif isinstance(v, (DictConfig, type(OmegaConf.create([])))):
+        elif isinstance(v, (DictConfig, ListConfig)):
             v = OmegaConf.to_container(v, resolve=True)
         if isinstance(v, list) and tuple in (typing.get_origin(tp), *map(typing.get_origin, typing.get_args(tp))):
             v = tuple(v)
