@@ -168,11 +168,19 @@ class Setup:
         return bool(self.cache.capacity_tokens) or self.fault.active
 
     def to_dict(self) -> dict:
-        """Plain values (enums as strings) in the config's shape, as a logger records the run's configuration."""
+        """Plain values (enums as strings) in the config's shape: what a logger records, and what ``build``
+        turns back into this Setup (objects a config names by ``_target_`` keep their target)."""
         def plain(v):
+            if isinstance(v, TransportSpec):
+                return {"_target_": v.target, "name": v.name, **plain(v.options)}
             if dataclasses.is_dataclass(v):
-                return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)
-                        if f.name != _FROM_KEY.get(type(v))}
+                out = {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)
+                       if f.name != _FROM_KEY.get(type(v))}
+                if type(v) not in _SCHEMAS:  # not a group: built from a _target_ (a strategy)
+                    out = {"_target_": f"{type(v).__module__}.{type(v).__qualname__}", **out}
+                return out
+            if isinstance(v, dict):
+                return {k: plain(x) for k, x in v.items()}
             if isinstance(v, (list, tuple)):
                 return [plain(x) for x in v]
             return v.value if isinstance(v, Enum) else v
