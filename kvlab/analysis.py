@@ -200,7 +200,7 @@ def predict_dir(run_dir: str | Path) -> Prediction:
     from omegaconf import OmegaConf
 
     from kvlab.config import Config, build
-    from kvlab.plan import Request
+    from kvlab.workload import request
 
     run_dir = Path(run_dir)
     # over the current schema's defaults, so that runs written before a key existed still build;
@@ -210,9 +210,8 @@ def predict_dir(run_dir: str | Path) -> Prediction:
     cfg = OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml"))
     setup = build(cfg)
     summary = records.read_summary(run_dir)
-    reqs = [Request(r.request, r.isl, r.ctx_dp or 0, r.gen_dp or 0)
-            for r in sorted(records.read_rows(run_dir), key=lambda r: r.request)] or None
-    return predict(setup, reqs, backend=summary.backend if summary else None)
+    reqs = [request(setup, r.request, r.isl) for r in sorted(records.read_rows(run_dir), key=lambda r: r.request)]
+    return predict(setup, reqs or None, backend=summary.backend if summary else None)
 
 
 def add_predictions(df: pd.DataFrame) -> pd.DataFrame:

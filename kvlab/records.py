@@ -274,7 +274,12 @@ class BenchReport:
     cuda: str | None = None
     transfers: list[BenchTransfer] = field(default_factory=list)
     raw_nccl: dict[str, Any] = field(default_factory=dict)  # message bytes -> seconds, GB/s
+    kernels: dict[str, Any] | None = None  # scripts/kernel_bench.py's report, when run with the transfers
     schema: int = SCHEMA
+
+
+def write_bench(path: Path, report: BenchReport) -> None:
+    Path(path).write_text(json.dumps(to_dict(report), indent=2))
 
 
 def read_bench(path: Path) -> BenchReport:

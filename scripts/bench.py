@@ -139,49 +139,48 @@ def main() -> None:
     console = Console()
     if torch.cuda.device_count() < 2:
         sys.exit("bench: needs 2 GPUs (ctx on GPU0, gen on GPU1)")
-    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
-              "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-              "cuda": torch.version.cuda, "transfers": []}
+    report = records.BenchReport(
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=torch.cuda.get_device_name(0),
+        gpus=torch.cuda.device_count(), torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
+        cuda=torch.version.cuda)
     if not args.skip_kernels:
-        report["kernels"] = kernel_bench()
+        report.kernels = kernel_bench()
     runs = []
     for name, overrides in (transfers(args.quick) if args.suite == "strategies" else mismatched()):
         if args.only not in name:
             continue
         with tempfile.TemporaryDirectory() as d:
             t = time.time()
-            s = run_transfer(overrides, d)
-            rows = [records.to_dict(r) for r in records.read_rows(Path(d))]
-            runs.append({"name": name, "overrides": overrides, "summary": s, "requests": rows,
-                         "wall_s": time.time() - t})
-            console.print(f"{name}: {s['gbps']:.1f} GB/s, verified={s['verified']}, {time.time() - t:.0f} s")
-    raw = raw_nccl(sorted({r["summary"]["total_bytes"] for r in runs}))
-    table = Table(title=f"kvlab on {report['device']} x2, torch {report['torch']}, NCCL {report['nccl']}, "
-                        f"{report['date'][:10]}")
+            run_transfer(overrides, d)
+            s = records.read_summary(Path(d))
+            runs.append(records.BenchTransfer(name=name, overrides=list(overrides), summary=s,
+                                              requests=records.read_rows(Path(d)), wall_s=time.time() - t))
+            console.print(f"{name}: {s.gbps:.1f} GB/s, verified={s.verified}, {time.time() - t:.0f} s")
+    raw = raw_nccl(sorted({r.summary.total_bytes for r in runs}))
+    table = Table(title=f"kvlab on {report.device} x2, torch {report.torch}, NCCL {report.nccl}, {report.date[:10]}")
     for col in ("transfer", "GiB", "GB/s", "raw NCCL GB/s", "ratio", "extra MiB", "extra/staging", "extra/cache",
                 "exposed ms", "verified"):
         table.add_column(col, justify="right")
     for r in runs:
-        s = r["summary"]
-        ref = raw[s["total_bytes"]]
-        r["raw_nccl_gbps"] = ref["gbps"]
-        r["ratio_to_raw"] = s["gbps"] / ref["gbps"]
-        staging = s["peak_staging_bytes"]
-        r["extra_over_staging"] = s["peak_extra_device_bytes"] / staging if staging else None
-        r["extra_over_cache"] = s["peak_extra_device_bytes"] / s["cache_bytes"] if s.get("cache_bytes") else None
-        exposed = r["summary"].get("exposed_s")
-        table.add_row(r["name"], f"{s['total_bytes'] / GiB:.2f}", f"{s['gbps']:.1f}", f"{ref['gbps']:.1f}",
-                      f"{r['ratio_to_raw']:.3f}", f"{s['peak_extra_device_bytes'] / MiB:,.0f}",
-                      "" if r["extra_over_staging"] is None else f"{r['extra_over_staging']:.2f}",
-                      "" if r["extra_over_cache"] is None else f"{r['extra_over_cache']:.4f}",
-                      "" if exposed is None else f"{exposed * 1e3:.2f}", str(s["verified"]))
-    report["transfers"] = runs
-    report["raw_nccl"] = {str(k): v for k, v in raw.items()}
+        s = r.summary
+        ref = raw[s.total_bytes]
+        r.raw_nccl_gbps = ref["gbps"]
+        r.ratio_to_raw = s.gbps / ref["gbps"]
+        staging = s.peak_staging_bytes
+        r.extra_over_staging = s.peak_extra_device_bytes / staging if staging else None
+        r.extra_over_cache = s.peak_extra_device_bytes / s.cache_bytes if s.cache_bytes else None
+        exposed = s.exposed_s
+        table.add_row(r.name, f"{s.total_bytes / GiB:.2f}", f"{s.gbps:.1f}", f"{ref['gbps']:.1f}",
+                      f"{r.ratio_to_raw:.3f}", f"{s.peak_extra_device_bytes / MiB:,.0f}",
+                      "" if r.extra_over_staging is None else f"{r.extra_over_staging:.2f}",
+                      "" if r.extra_over_cache is None else f"{r.extra_over_cache:.4f}",
+                      "" if exposed is None else f"{exposed * 1e3:.2f}", str(s.verified))
+    report.transfers = runs
+    report.raw_nccl = {str(k): v for k, v in raw.items()}
     console.print(table)
-    if "kernels" in report:
-        console.print(report["kernels"].get("table_text", ""))
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    if report.kernels:
+        console.print(report.kernels.get("table_text", ""))
+    records.write_bench(Path(args.out), report)
     console.print(f"written {args.out}")
 
 

@@ -69,3 +69,12 @@ def test_schema_is_derived_from_the_specs():
         setup.workload.isl = 1  # type: ignore[misc]
     # what a run records as its configuration builds the same specs again
     assert build(OmegaConf.merge(OmegaConf.structured(Config), setup.to_dict())) == setup
+
+
+def test_a_bench_report_round_trips(tmp_path):
+    rep = records.BenchReport(date="2026-12-01T00:00:00+00:00", device="H200", gpus=2, raw_nccl={"8": {"gbps": 1.0}},
+                              transfers=[records.BenchTransfer(name="x", summary=Summary(total_bytes=8),
+                                                               requests=[RequestRow(request=0, bytes=8)],
+                                                               ratio_to_raw=0.5)])
+    records.write_bench(tmp_path / "b.json", rep)
+    assert records.read_bench(tmp_path / "b.json") == rep
