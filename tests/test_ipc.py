@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.api import run_transfer
 from kvlab.config import build, compose
 from kvlab.errors import ConfigError
 from kvlab.fill import locate
 from kvlab.plan import plan
-from kvlab.runner import plan_run, run_transfer
 from kvlab.state import CacheState
 from kvlab.transports import ipc
-from kvlab.workload import make_requests
+from kvlab.workload import make_requests, plan_run
 
 QUIET = ["logger=quiet", "transport=ipc"]
 TIMEOUT_S = 4
