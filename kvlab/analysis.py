@@ -436,6 +436,31 @@ def plot_prediction(df: pd.DataFrame, measured: str = "seconds", predicted: str 
     return fig
 
 
+def plot_load(df: pd.DataFrame, y: str = "serving.ttft_s", x: str = "workload.rate", by: str = "transfer.slots",
+              q: str = "p90", ax=None) -> Figure:
+    """A serving figure (``y``: a field of kvlab.serving, its ``q`` percentile, in ms) against load
+    (``x``: requests per second), one line per strategy and value of ``by`` (e.g. the staging budget)."""
+    col = f"{y}.{q}"
+    if col not in df:
+        raise KeyError(f"{col}: no such column; runs need the serving timeline (kvlab.serving)")
+    fig, ax = _fig_ax(ax)
+    groups = [None] if by not in df else sorted(df[by].dropna().unique())
+    for s in _strategies(df):
+        for g in groups:
+            d = df[(df["strategy"] == s) & ((df[by] == g) if g is not None else True)].sort_values(x)
+            style = dict(STRATEGY_STYLE.get(s, {}))
+            if len(groups) > 1 and g != groups[-1]:
+                style["linestyle"] = ":"
+            label = s if g is None else f"{s}, {by.split('.')[-1]}={g}"
+            ax.plot(d[x], d[col] * 1e3, label=label, **style)
+    ax.set_xlabel("arrival rate (requests/s)" if x == "workload.rate" else x)
+    ax.set_ylabel(f"{y.split('.')[-1].removesuffix('_s')} {q} (ms)")
+    ax.set_title(f"{y.split('.')[-1].removesuffix('_s')} {q} against load")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return fig
+
+
 def _tokens(v, _pos=None) -> str:
     return f"{v / 1024:g}k" if v >= 1024 else f"{v:g}"
 

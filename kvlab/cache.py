@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -117,11 +117,18 @@ class PagedCache:
         return Rect(name, p.layers.start, p.layers.stop, p.heads.start, p.heads.stop, p.held_start(isl), isl,
                     p.tokens_per_block)
 
-    def fill(self, req: Request, ops) -> None:
-        """Write the request's deterministic contents into every block this rank holds for it (the prefill)."""
+    def fill(self, req: Request, ops, layer: int | None = None) -> None:
+        """Write the request's deterministic contents into every block this rank holds for it (the prefill);
+        only global layer ``layer`` when given (the prefill writes each layer when it has computed it)."""
         for name, store in self.pools.items():
             table = self.tables[req.id][name]
-            for piece in self._pieces(self.held_rect(name, req.isl), store.pool):
+            rect = self.held_rect(name, req.isl)
+            if layer is not None:
+                if layer not in store.pool.spec.layers[rect.l0:rect.l1]:
+                    continue
+                i = store.pool.spec.layers.index(layer)
+                rect = replace(rect, l0=i, l1=i + 1)
+            for piece in self._pieces(rect, store.pool):
                 self.tick()
                 data = expected(req.id, store.pool, piece, self.device)
                 ops.unpack(data, store.pool, store.num_blocks, piece, table.ids, table.base, store.storage)

@@ -11,7 +11,7 @@ import sys
 from kvlab.errors import ConfigError
 
 COMMANDS = ("plan", "run")
-GROUPS = ("model", "transfer", "transport", "workload", "logger", "parallel", "experiment", "cost")
+GROUPS = ("model", "transfer", "transport", "workload", "prefill", "logger", "parallel", "experiment", "cost")
 USAGE = "usage: kvlab {plan,run} [-m] [key=value ...]   e.g. kvlab plan model=llama3_8b ctx.tp=4 gen.tp=2"
 
 

@@ -1,7 +1,7 @@
 """One config layer: the typed, validated specs of every group, and Hydra's schema derived from them.
 
 Each group has one frozen dataclass (``ModelSpec``, ``SideSpec``, ``TransferSpec``,
-``WorkloadSpec``, ``CacheSpec``, ``FaultSpec``, ``LoggerSpec``, ``CostSpec``) whose fields,
+``WorkloadSpec``, ``PrefillSpec``, ``CacheSpec``, ``FaultSpec``, ``LoggerSpec``, ``CostSpec``) whose fields,
 defaults and ``__post_init__`` checks are the group's only definition. Hydra needs mutable
 dataclasses (OmegaConf 2.3 makes a frozen one a read-only node, and overrides then fail to
 merge), so ``schema`` derives a mutable twin of each spec for the ConfigStore: a misspelt
@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from kvlab import paths
 from kvlab.errors import ConfigError, positive, require
 from kvlab.parallel import SideSpec
+from kvlab.prefill import PrefillSpec, check_gpu
 from kvlab.rates import CostSpec
 from kvlab.schedule import make_strategy
 from kvlab.spec import CacheSpec, FaultSpec, LoggerSpec, ModelSpec, WorkloadSpec
@@ -42,7 +43,7 @@ class TransferSpec:
     slot_mib: float = 16.0  # bytes of one staging slot, in MiB (fractions allowed)
     slots: int = 4  # staging slots per rank, allocated once at start
     timeout_s: float = 60.0  # a chunk that does not complete within this fails its request
-    layer_compute_ms: float = 0.0  # simulated prefill compute per layer (layerwise)
+    layer_compute_ms: float = 0.0  # the same as prefill.layer_ms (kept for existing configs)
     pack_ctas: int = 16  # CTAs of the pack/unpack kernels: few, so NCCL keeps its SMs
 
     def __post_init__(self):
@@ -111,6 +112,7 @@ class Setup:
     gen: SideSpec = field(default_factory=lambda: SideSpec("gen"))
     transfer: TransferSpec = field(default_factory=TransferSpec)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    prefill: PrefillSpec = field(default_factory=PrefillSpec)
     cache: CacheSpec = field(default_factory=CacheSpec)
     fault: FaultSpec = field(default_factory=FaultSpec)
     logger: LoggerSpec = field(default_factory=LoggerSpec)
@@ -134,8 +136,10 @@ class Setup:
             require(self.transfer.slot_bytes >= row, "transfer.slot_mib", self.transfer.slot_mib,
                     f"a slot must hold one token row of pool {pool.name} ({row} B); use >= {row / 2**20:.6f}")
         cap = self.cache.capacity_tokens
+        if self.workload.arrival == "trace":
+            self.workload.timed_trace(cap)  # a prompt above the cache is clipped, or refused naming its line
         if cap:
-            name, value, longest = self.workload.longest_prompt()
+            name, value, longest = self.workload.longest_prompt(cap)
             require(longest <= cap, name, value,
                     f"a {longest}-token prompt does not fit cache.capacity_tokens={cap}; keep prompts at or below "
                     f"{cap} tokens or raise cache.capacity_tokens to >= {longest} (0 sizes the cache to the "
@@ -146,6 +150,17 @@ class Setup:
         for name, r in self.fault.ranks.items():
             require(r < self.world_size, f"fault.{name}_rank", r,
                     f"must be -1 (off) or a world rank in [0, {self.world_size})")
+        require(self.fault.unwritten_layer < model.num_layers, "fault.unwritten_layer", self.fault.unwritten_layer,
+                f"must be -1 (off) or a layer in [0, {model.num_layers})")
+        # transfer.layer_compute_ms, the fixed per-layer time of earlier versions, is prefill.layer_ms now
+        if self.transfer.layer_compute_ms and not self.prefill.layer_ms:
+            object.__setattr__(self, "prefill", dataclasses.replace(self.prefill,
+                                                                    layer_ms=self.transfer.layer_compute_ms))
+        if self.prefill.kind == "gpu" or not self.prefill.layer_ms:
+            model.dims.validate_for(model)
+        check_gpu(self.prefill)
+        require(self.prefill.kind != "gpu" or self.device != "cpu", "device", self.device,
+                "prefill=gpu computes on the ctx ranks' GPUs; use device=cuda (or auto), or prefill=sim")
         object.__setattr__(self, "transport", TransportSpec.of(self.transport))
         self.transport.cls().check(self)  # what only the chosen transport knows it cannot serve
 
@@ -276,6 +291,7 @@ def register() -> None:
     cs.store(group="model", name="base_model", node=schema(ModelSpec))
     cs.store(group="transfer", name="base_transfer", node=schema(TransferSpec))
     cs.store(group="workload", name="base_workload", node=schema(WorkloadSpec))
+    cs.store(group="prefill", name="base_prefill", node=schema(PrefillSpec))
     cs.store(group="logger", name="base_logger", node=schema(LoggerSpec))
 
 

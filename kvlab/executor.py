@@ -7,10 +7,12 @@ reuses (a staging slot, a readiness flag) is free again. How a chunk moves is th
 transport's (kvlab.transports: the protocol of that seam is at its top); what the chunks
 are and when each may go is the strategy's (kvlab.schedule); the executor owns requests:
 
-- ctx: open a request at its first chunk (allocate, fill: the prefill's output; tell the
-  transport), [strategy ready=layer: wait until the simulated prefill has finished the
-  chunk's layer; ready=request: every layer] -> start. After the request's last chunk is
-  finished: free its blocks.
+- ctx: open a request at its first chunk (allocate; tell the transport), run its prefill as
+  far as the chunk needs (kvlab.prefill: it starts when the request has arrived and its DP
+  group is free, and writes each layer's cache when that layer is computed; strategy
+  ready=layer: the chunk's layer; ready=request: every layer) -> start. A chunk started
+  before its layer was written would carry stale bytes, and the gen side's check says so.
+  After the request's last chunk is finished: free its blocks.
 - gen: open a request at its first chunk (allocate) -> start. After its last chunk is
   finished: verify it bit-exactly, then free its blocks.
 
@@ -35,6 +37,12 @@ from kvlab.plan import Request, Segment
 from kvlab.schedule import Chunk, Ready
 from kvlab.transports import ChunkFailed, Transport
 from kvlab.workload import chunks_of
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.time()
+    if delay > 0:
+        time.sleep(delay)
 
 
 class Stopped(Exception):
@@ -67,6 +75,12 @@ class Executor:
         self.error_at: float | None = None
         self.stopped = False  # told to stop from outside: nobody is left to report to
         self.transfer_peak = 0  # allocator peak of the transfer alone (fill and verify excluded)
+        self.prefill: dict = {}  # request -> kvlab.prefill.PrefillTimes: the run's timeline (set by the runner)
+        self.requests: dict[int, Request] = {}
+        held = [p.spec.layers[i] for p in cache.state.pools() for i in p.layers] if side == "ctx" else []
+        self.held_layers = frozenset(held)  # global layers whose cache this (ctx) rank writes
+        self.gpu_prefill = None  # kvlab.prefill_gpu.GpuPrefill with prefill=gpu (set by the runner)
+        self.prefill_alone: dict[int, float] = {}  # prompt tokens -> seconds of that prefill alone (prefill=gpu)
 
     def connect(self) -> None:
         """The transport's start-up (pair groups, staging, mapped pools); before the clock starts."""
@@ -94,16 +108,9 @@ class Executor:
         self.cache.allocate(req)
         rec = RequestRecord(req.id, req.isl, self.side, self.rank, n_chunks)
         if self.sending:
-            with self._untracked():
-                self.cache.fill(req, self.ops)  # the prefill's output
-            if self.stream is not None:
-                # the simulated prefill runs on the host clock: it must not start while the device is
-                # still writing the cache, or layer-wise chunks wait behind the fill, not the layers
-                self.stream.synchronize()
-            rec.prefill_start = self.clock.host()
-            ms = self.setup.transfer.layer_compute_ms
-            if ms:
-                rec.prefill_end = rec.prefill_start + self.setup.model.num_layers * ms / 1e3
+            t = self.prefill[req.id]
+            rec.arrival, rec.prefill_start = self.clock.epoch + t.arrival, self.clock.epoch + t.start
+            rec.prefill_alone_s = self.prefill_alone.get(req.isl)
             self.transport.opened(req)
         rec.start = self.clock.mark()
         self.records[req.id] = rec
@@ -118,20 +125,63 @@ class Executor:
                 rec.errors += self.cache.verify(req, mine, self.ops)
         self.cache.release(req.id)
 
-    def _wait_prefill(self, rec: RequestRecord, c: Chunk) -> None:
-        ms = self.setup.transfer.layer_compute_ms
-        if not ms:
+    def _prefill(self, rec: RequestRecord, c: Chunk) -> None:
+        """Run the request's prefill up to the layer chunk ``c`` needs: layer l is computed between the
+        timeline's end of layer l-1 and its own end, and this rank writes its cache of layer l then."""
+        t = self.prefill[c.request]
+        need = c.ready_layer if self.strategy.ready == Ready.layer else self.setup.model.num_layers - 1
+        epoch = self.clock.epoch
+        if self.gpu_prefill is not None:
+            self._prefill_gpu(rec, c, need)
             return
-        layer = c.ready_layer if self.strategy.ready == Ready.layer else self.setup.model.num_layers - 1
-        delay = rec.prefill_start + (layer + 1) * ms / 1e3 - time.time()
-        if delay > 0:
-            time.sleep(delay)
+        while rec.next_layer <= need:
+            layer = rec.next_layer
+            _sleep_until(epoch + (t.layer_end[layer - 1] if layer else t.start))
+            if layer in self.held_layers and layer != self.faults.unwritten_layer:
+                with self._untracked():
+                    self.cache.fill(self.requests[c.request], self.ops, layer)
+            _sleep_until(epoch + t.layer_end[layer])
+            rec.layer_ready[layer] = time.time()
+            rec.next_layer += 1
+        if rec.prefill_end is None and rec.next_layer > max(self.held_layers):
+            # the timeline's end, or later if writing this rank's layers took longer (other pipeline
+            # stages may still be computing: the prefill ends with the last layer)
+            rec.prefill_end = max(time.time(), epoch + t.end)
+
+    def _prefill_gpu(self, rec: RequestRecord, c: Chunk, need: int) -> None:
+        """prefill=gpu: queue this rank's layers up to ``need`` on the compute stream once the request has
+        arrived (the stream serves requests in the order they are queued: FIFO), each layer's cache written
+        after its kernels and an event recorded; the transfer stream waits for the event, the host does not."""
+        g, req = self.gpu_prefill, self.requests[c.request]
+        last = max(self.held_layers)
+        if rec.next_layer == 0:
+            _sleep_until(self.clock.epoch + self.prefill[c.request].arrival)
+        with torch.cuda.stream(g.stream), self._untracked():
+            while rec.next_layer <= min(need, last):
+                layer = rec.next_layer
+                if layer in self.held_layers:
+                    if layer == min(self.held_layers):
+                        rec.prefill_start = self.clock.mark()
+                    g.layer(layer, req.isl)
+                    if layer != self.faults.unwritten_layer:
+                        self.cache.fill(req, self.ops, layer)
+                    rec.layer_ready[layer] = self.clock.mark()
+                rec.next_layer += 1
+        ready = [rec.layer_ready[x] for x in rec.layer_ready if x <= need]
+        if ready:
+            self.stream.wait_event(ready[-1])  # layers are queued in order: the last one covers the rest
+        if rec.prefill_end is None and rec.next_layer > last:
+            rec.prefill_end = rec.layer_ready[last]
 
     # -- chunks -----------------------------------------------------------------------------
     def _start(self, i: int, c: Chunk) -> InFlight:
         rec = self.records[c.request]
         if self.sending:
-            self._wait_prefill(rec, c)
+            self._prefill(rec, c)
+            if rec.first_post is None:
+                rec.start = self.clock.mark()  # its transfer starts with the first chunk free to go
+        if rec.first_post is None:
+            rec.first_post = self.clock.mark()
         return InFlight(i, c, self.transport.start(i, c, rec))
 
     def _finish(self, f: InFlight, segments: dict[int, list[Segment]], requests: dict[int, Request]) -> None:
@@ -151,6 +201,7 @@ class Executor:
     def run(self, order: list[Chunk], requests: dict[int, Request], segments: dict[int, list[Segment]]
             ) -> list[RequestRecord]:
         mine = chunks_of(order, self.setup, self.world_rank)
+        self.requests = requests
         counts: dict[int, int] = {}
         for c in mine:
             counts[c.request] = counts.get(c.request, 0) + 1
@@ -162,7 +213,9 @@ class Executor:
                     if c.request not in self.records:
                         self._open(requests[c.request], counts[c.request])
                     if len(inflight) >= self.window:
+                        t0 = time.time()
                         self._finish(inflight.popleft(), segments, requests)
+                        self.records[c.request].slot_wait += time.time() - t0
                     self.faults.before_post(i)
                     inflight.append(self._start(i, c))
                 while inflight:

@@ -1,5 +1,6 @@
-"""Fault injection (``fault:`` in the config): a rank that dies or stalls at a chosen chunk, and
-bytes flipped in flight, so that tests can show that failures end cleanly and corruption is caught.
+"""Fault injection (``fault:`` in the config): a rank that dies or stalls at a chosen chunk, bytes
+flipped in flight, and a layer the prefill never writes (what a chunk sent before its layer was
+computed would carry), so that tests can show that failures end cleanly and corruption is caught.
 
 Positions are given in one rank's own terms: its chunks are the chunks it sends (ctx) or
 receives (gen), in the global order (kvlab.workload.interleave); its byte stream is their
@@ -30,6 +31,7 @@ class RankFaults:
     stall_at: int = -1
     stall_s: float = 0.0
     flips: dict[int, list[int]] = field(default_factory=dict)  # chunk index -> byte offsets inside its message
+    unwritten_layer: int = -1  # a ctx rank's prefill skips writing this layer: as if its chunks left too early
 
     def before_post(self, index: int) -> None:
         if index == self.kill_at:
@@ -78,7 +80,7 @@ def check(setup, order: list[Chunk]) -> None:
 
 
 def for_rank(f: FaultSpec, world_rank: int, mine: list[Chunk]) -> RankFaults:
-    out = RankFaults()
+    out = RankFaults(unwritten_layer=f.unwritten_layer)  # only a ctx rank's prefill writes layers
     if f.kill_rank == world_rank:
         out.kill_at = f.kill_at_chunk
     if f.stall_rank == world_rank:

@@ -1,11 +1,11 @@
 """Per-request figures and the run summary, from every rank's parts (kvlab.records types), and the table.
 
 Times are absolute wall seconds on a shared epoch (kvlab.clock). A request's ``seconds``
-runs from the first of its ranks starting it (after the prefill wrote it) to the last of
-them finishing; ``wire_s`` is the time at least one of its chunks was on the wire (union
-of post->done intervals on the ctx side); ``pack_s``/``unpack_s`` the copy time spent on
-ctx/gen ranks; ``exposed_s`` the transfer time left after the simulated prefill's last
-layer (meaningful with ``transfer.layer_compute_ms > 0``).
+runs from its first chunk free to go on a ctx rank (the prefill wrote its layer) to the last
+of its ranks finishing; ``wire_s`` is the time at least one of its chunks was on the wire
+(union of post->done intervals on the ctx side); ``pack_s``/``unpack_s`` the copy time spent
+on ctx/gen ranks; the serving timeline (arrival, queue, prefill, first and last chunk,
+exposed transfer, TTFT) and its percentiles come from kvlab.serving.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvlab import serving
 from kvlab.clock import Clock
 from kvlab.records import Env, Peak, RankPart, RequestRow, Summary, TimelineRow
 
@@ -36,8 +37,14 @@ class RequestRecord:
     in_place: int = 0
     pack: list = field(default_factory=list)  # (start mark, end mark) per packed/unpacked chunk
     wire: list = field(default_factory=list)  # (posted mark, done mark) per chunk
-    prefill_start: float | None = None
-    prefill_end: float | None = None
+    prefill_start: object = None  # host seconds (prefill=sim) or a GPU event (prefill=gpu)
+    prefill_end: object = None
+    arrival: float | None = None  # host time (kvlab.clock epoch + the timeline's arrival)
+    next_layer: int = 0  # the prefill's next global layer (ctx)
+    layer_ready: dict = field(default_factory=dict)  # global layer -> when its cache was written (mark)
+    first_post: object = None  # mark of its first chunk's start on this rank
+    slot_wait: float = 0.0  # host seconds its chunks waited for a free slot
+    prefill_alone_s: float | None = None  # prefill=gpu: the same prefill with nothing else on the GPU
     layer_done: dict = field(default_factory=dict)  # global layer -> mark of its last chunk's completion
     errors: list = field(default_factory=list)
 
@@ -66,19 +73,23 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
     """Plain values of one rank's record (GPU events turned into seconds)."""
     s = clock.seconds
+    opt = lambda mark: None if mark is None else s(mark)  # noqa: E731 -- host seconds or GPU events
     return RankPart(
         request=rec.request, isl=rec.isl, side=rec.side, rank=rec.rank, start=s(rec.start), end=s(rec.end),
         bytes=rec.bytes, chunks=rec.chunks, in_place=rec.in_place,
         copy_s=sum(clock.span(a, b) for a, b in rec.pack),
         wire=[(s(a), s(b)) for a, b in rec.wire],
-        prefill_start=rec.prefill_start, prefill_end=rec.prefill_end,
+        prefill_start=opt(rec.prefill_start), prefill_end=opt(rec.prefill_end),
         layer_done={int(k): s(v) for k, v in rec.layer_done.items()},
-        errors=list(rec.errors), num_layers=num_layers)
+        errors=list(rec.errors), num_layers=num_layers,
+        arrival=rec.arrival, epoch=clock.epoch, chunks_total=rec.chunks_total, first_post=opt(rec.first_post),
+        slot_wait=rec.slot_wait, prefill_alone_s=rec.prefill_alone_s,
+        layer_ready={int(k): s(v) for k, v in rec.layer_ready.items()})
 
 
-def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int], gen_dp: dict[int, int]
-          ) -> tuple[list[RequestRow], list[TimelineRow]]:
-    """(results rows, timeline rows) from every rank's parts."""
+def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int], gen_dp: dict[int, int],
+          layerwise: bool = True) -> tuple[list[RequestRow], list[TimelineRow]]:
+    """(results rows, timeline rows: per layer, for layer-wise runs) from every rank's parts."""
     by_req: dict[int, list[RankPart]] = {}
     for p in parts:
         by_req.setdefault(p.request, []).append(p)
@@ -94,7 +105,6 @@ def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int
         end = max((p.end for p in (gen or ps) if p.end is not None), default=None)
         nbytes = sum(p.bytes for p in gen)
         seconds = (end - start) if start is not None and end is not None else None
-        prefill_end = max((p.prefill_end for p in ctx if p.prefill_end), default=None)
         errors = [e for p in gen for e in p.errors]
         if rid in failures:
             errors.append(failures[rid])
@@ -105,15 +115,14 @@ def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int
             gbps=nbytes / seconds / 1e9 if seconds else None,
             pack_s=sum(p.copy_s for p in ctx), wire_s=_union([w for p in ctx for w in p.wire]),
             unpack_s=sum(p.copy_s for p in gen),
-            exposed_s=max(0.0, end - prefill_end) if prefill_end is not None and end is not None else None,
-            verified=bool(gen) and not errors and rid not in failures, error="; ".join(errors) or None))
+            verified=bool(gen) and not errors and rid not in failures, error="; ".join(errors) or None,
+            **serving.request_timeline(ctx, gen)))
         for p in ctx:
-            if p.prefill_end is None:
+            if p.prefill_end is None or not layerwise:
                 continue
             for layer, done in p.layer_done.items():
-                per_layer = (p.prefill_end - p.prefill_start) / p.num_layers
                 timeline.append(TimelineRow(request=rid, rank=p.rank, layer=layer,
-                                            prefill_done_s=(layer + 1) * per_layer,
+                                            prefill_done_s=p.layer_ready[layer] - p.prefill_start,
                                             transfer_done_s=done - p.prefill_start))
     return rows, timeline
 
@@ -155,6 +164,8 @@ def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         predicted_s=predicted_s,
         silent_ranks=list(silent),
+        arrival=setup.workload.arrival, prefill=setup.prefill.kind,
+        serving=serving.percentiles(rows),
     )
 
 
@@ -163,19 +174,23 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
     c, g = summary.ctx, summary.gen
     t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx tp{c['tp']} pp{c['pp']} dp{c['dp']} -> "
                     f"gen tp{g['tp']} pp{g['pp']} dp{g['dp']}, {summary.device}")
-    for col in ("request", "tokens", "MiB", "chunks", "ms", "GB/s", "exposed ms", "verified"):
+    for col in ("request", "tokens", "MiB", "ms", "GB/s", "arrival ms", "TTFT ms", "exposed ms", "verified"):
         t.add_column(col, justify="right")
     shown = rows if len(rows) <= limit else rows[: limit - 1]
     for r in shown:
-        t.add_row(str(r.request), str(r.isl), f"{r.bytes / 2**20:,.2f}", str(r.chunks),
+        t.add_row(str(r.request), str(r.isl), f"{r.bytes / 2**20:,.2f}",
                   f"{(r.seconds or 0) * 1e3:,.1f}", f"{r.gbps or 0:,.2f}",
-                  "" if r.exposed_s is None else f"{r.exposed_s * 1e3:,.1f}",
+                  *("" if v is None else f"{v * 1e3:,.1f}" for v in (r.arrival_s, r.ttft_s, r.exposed_s)),
                   "yes" if r.verified else "[red]NO[/red]")
     if len(shown) < len(rows):
-        t.add_row("...", f"{len(rows) - len(shown)} more", "", "", "", "", "", "")
+        t.add_row("...", f"{len(rows) - len(shown)} more", "", "", "", "", "", "", "")
     t.add_section()
-    t.add_row("all", "", f"{summary.total_bytes / 2**20:,.2f}", "", f"{summary.seconds * 1e3:,.1f}",
-              f"{summary.gbps:,.2f}", "", "yes" if summary.verified else "[red]NO[/red]")
+    t.add_row("all", "", f"{summary.total_bytes / 2**20:,.2f}", f"{summary.seconds * 1e3:,.1f}",
+              f"{summary.gbps:,.2f}", "", "", "", "yes" if summary.verified else "[red]NO[/red]")
     console.print(t)
+    line = serving.summary_line(summary.serving)
+    if line:
+        console.print(f"{summary.arrival} arrivals, prefill={summary.prefill}; {line}", markup=False,
+                      highlight=False)
     console.print(f"peak staging {summary.peak_staging_bytes / 2**20:,.2f} MiB per rank, "
                   f"peak extra device memory {summary.peak_extra_device_bytes / 2**20:,.2f} MiB")

@@ -1,4 +1,4 @@
-"""Where the repository's top-level ``conf/`` and ``kernels/`` are: next to the package in a
+"""Where the repository's top-level ``conf/``, ``kernels/`` and ``traces/`` are: next to the package in a
 checkout (editable install), under ``share/kvlab`` of the environment when installed from a wheel."""
 from __future__ import annotations
 
@@ -13,3 +13,4 @@ def shipped(name: str) -> Path:
 
 CONF_DIR = shipped("conf")
 KERNELS_DIR = shipped("kernels")
+TRACES_DIR = shipped("traces")

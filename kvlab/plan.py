@@ -25,6 +25,7 @@ class Request:
     isl: int  # prompt tokens
     ctx_dp: int = 0  # attention-DP group that prefills it
     gen_dp: int = 0  # attention-DP group that decodes it
+    arrival_s: float = 0.0  # when it arrives, seconds from the run's start (kvlab.arrivals)
 
     def validate(self, ctx: SideSpec, gen: SideSpec) -> None:
         positive("workload.isl", self.isl)

@@ -75,6 +75,14 @@ class RankPart:
     layer_done: dict[int, float] = field(default_factory=dict)  # global layer -> its last chunk done
     errors: list[str] = field(default_factory=list)
     num_layers: int = 0
+    # the serving timeline (kvlab.serving): absolute seconds unless named _s
+    arrival: float | None = None
+    epoch: float | None = None  # the rank's clock epoch: the run's start
+    chunks_total: int = 0
+    first_post: float | None = None  # its first chunk started on this rank
+    slot_wait: float = 0.0  # seconds its chunks waited for a free slot on this rank
+    prefill_alone_s: float | None = None  # prefill=gpu: the same prefill with nothing else on the GPU
+    layer_ready: dict[int, float] = field(default_factory=dict)  # global layer -> its cache written (ctx)
     schema: int = SCHEMA
 
     @property
@@ -139,9 +147,22 @@ class RequestRow:
     pack_s: float = 0.0
     wire_s: float = 0.0
     unpack_s: float = 0.0
-    exposed_s: float | None = None  # transfer time left after the simulated prefill's last layer
+    exposed_s: float | None = None  # transfer time left after the prefill's last layer
     verified: bool = False
     error: str | None = None
+    # the serving timeline, seconds from the run's start or durations (kvlab.serving says which is what)
+    arrival_s: float | None = None
+    queue_s: float | None = None
+    prefill_start_s: float | None = None
+    prefill_end_s: float | None = None
+    prefill_s: float | None = None
+    prefill_alone_s: float | None = None
+    prefill_slowdown: float | None = None
+    first_chunk_s: float | None = None
+    last_chunk_s: float | None = None
+    slot_wait_s: float | None = None
+    transfer_s: float | None = None
+    ttft_s: float | None = None
     schema: int = SCHEMA
 
 
@@ -186,6 +207,9 @@ class Summary:
     date: str | None = None
     predicted_s: float | None = None
     silent_ranks: list[int] = field(default_factory=list)
+    arrival: str | None = None  # burst | poisson | trace
+    prefill: str | None = None  # sim | gpu
+    serving: dict[str, dict[str, float]] = field(default_factory=dict)  # field -> p50, p90, p99, mean, n
     schema: int = SCHEMA
 
 

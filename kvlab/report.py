@@ -31,7 +31,7 @@ from pathlib import Path
 
 from kvlab import metrics
 from kvlab.records import Env, PartFile, read_part, write_run
-from kvlab.schedule import Chunk
+from kvlab.schedule import Chunk, Ready
 
 PREFIX = "kvlab/"
 
@@ -196,7 +196,7 @@ def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[
             why = f": {errors[0]}" if errors else ""
             failures[rid] = f"gen{dst} received {got.get((rid, dst), 0)} of {n} chunks (run stopped{why})"
     rows, timeline = metrics.merge(all_parts, failures, {r.id: r.ctx_dp for r in requests},
-                                   {r.id: r.gen_dp for r in requests})
+                                   {r.id: r.gen_dp for r in requests}, setup.transfer.strategy.ready == Ready.layer)
     isl = {r.id: r.isl for r in requests}
     for row in rows:
         row.isl = row.isl or isl.get(row.request)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from kvlab import faults, metrics, report, transport, transports
+from kvlab import faults, metrics, prefill, report, transport, transports
 from kvlab.cache import PagedCache
 from kvlab.clock import Clock
 from kvlab.config import build
@@ -40,6 +40,8 @@ from kvlab.records import Env, PartFile, Peak, read_part, write_part
 from kvlab.state import CacheState
 from kvlab.wandb_sink import WandbSink
 from kvlab.workload import chunks_of, plan_run
+
+ALONE_LENGTHS = 4  # prompt lengths whose prefill=gpu runs alone first, as the reference of the slowdown
 
 
 def _stop(signum, frame) -> None:
@@ -96,6 +98,15 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     ops = get_ops(setup.kernels, device.type)
     cache = PagedCache(state, needed, setup.cache.spare_blocks, setup.cache.fragmentation,
                        setup.workload.seed + 17 * world_rank, device, mover.pool_storage)
+    gpu_prefill, alone = None, {}
+    if side == "ctx" and setup.prefill.kind == "gpu":
+        from kvlab.prefill_gpu import GpuPrefill
+
+        # before the baseline: its weights are the model's, not the transfer's; the prefill alone (nothing
+        # else on the GPU) is the reference of the same prefill under transfers, for a few prompt lengths
+        gpu_prefill = GpuPrefill(setup.model, setup.ctx.tp, device, setup.workload.seed + world_rank)
+        lengths = sorted({r.isl for r in requests if any(c.request == r.id for c in mine)})
+        alone = {n: gpu_prefill.alone_s(n) for n in lengths[:ALONE_LENGTHS]}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base_alloc = torch.cuda.memory_allocated(device)
@@ -108,6 +119,8 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat)
     executor.connect()  # after the baseline: what the transport allocates (slots, NCCL's buffers) is extra
+    executor.prefill = prefill.times_for(setup, requests)  # pure: the same timeline on every rank
+    executor.gpu_prefill, executor.prefill_alone = gpu_prefill, alone
     dist.barrier()
     clock = executor.clock = Clock(device)  # started right after the barrier: one epoch for every rank
     board.watch()

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvlab import arrivals
 from kvlab.errors import positive, require
 
 
@@ -33,6 +34,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # stored per block as all values then all scales (TensorRT-LLM, vLLM, SGLang agree).
 INDEXER_HEAD_DIM = 128
 INDEXER_QUANT_BLOCK = 128
+ROPE_DIM = 64  # MLA's decoupled rotary part of each query/key head (DeepSeek-V2/V3)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,40 @@ class PoolSpec:
 
 
 @dataclass(frozen=True)
+class ModelDims:
+    """What a layer computes, beyond what it caches (ModelSpec). 0 means unknown or not used."""
+
+    hidden_size: int = 0
+    q_heads: int = 0
+    qk_head_dim: int = 0  # 0: the model's head_dim (GQA)
+    v_head_dim: int = 0  # 0: qk_head_dim
+    intermediate_size: int = 0  # dense gated MLP
+    experts_active: int = 0  # routed + shared experts per token; 0: a dense model
+    moe_intermediate_size: int = 0
+    dense_layers: int = 0  # leading dense layers of a MoE model
+    q_lora_rank: int = 0  # MLA low-rank query; 0: a full-rank query projection
+    attention_topk: int = 0  # sparse attention: keys per query at most; 0: all
+    indexer_heads: int = 0  # DeepSeek-V3.2 lightning indexer
+
+    def validate_for(self, model: ModelSpec) -> None:
+        """The dimensions a time model needs; named so that a preset without them says which to add."""
+        for name in ("hidden_size", "q_heads"):
+            positive(f"model.dims.{name}", getattr(self, name))
+        for name, v in vars(self).items():
+            require(isinstance(v, int) and v >= 0, f"model.dims.{name}", v, "must be an integer >= 0")
+        if self.experts_active == 0 or self.dense_layers > 0:
+            positive("model.dims.intermediate_size", self.intermediate_size)
+        if self.experts_active:
+            positive("model.dims.moe_intermediate_size", self.moe_intermediate_size)
+        require(self.dense_layers <= model.num_layers, "model.dims.dense_layers", self.dense_layers,
+                f"must be <= model.num_layers={model.num_layers}")
+        if model.attention == Attention.mla:
+            require(self.qk_head_dim > ROPE_DIM, "model.dims.qk_head_dim", self.qk_head_dim,
+                    f"MLA needs the query/key head size (> {ROPE_DIM}, e.g. 192 for DeepSeek-V3)")
+            require(model.mla_dim > ROPE_DIM, "model.mla_dim", model.mla_dim, f"must be > {ROPE_DIM} for MLA")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     num_layers: int
@@ -71,8 +107,11 @@ class ModelSpec:
     indexer: bool = False
     window: int = 0  # sliding window in tokens, 0 for none
     local_per_global: int = 0  # sliding layers per full layer; 0 with window>0: every layer slides
+    dims: ModelDims = field(default_factory=ModelDims)  # what a layer computes: the prefill's time model needs it
 
     def __post_init__(self):
+        if isinstance(self.dims, dict):  # as a preset's YAML spells it
+            object.__setattr__(self, "dims", ModelDims(**self.dims))
         require(bool(self.name), "model.name", self.name, "must be a non-empty name")
         positive("model.num_layers", self.num_layers)
         require(self.attention in (Attention.gqa, Attention.mla), "model.attention", self.attention,
@@ -152,6 +191,11 @@ class WorkloadSpec:
     isl_min: int = 128
     isl_max: int = 131072
     seed: int = 0
+    arrival: str = "burst"  # burst | poisson | trace (kvlab.arrivals)
+    rate: float = 1.0  # requests per second with arrival=poisson
+    trace: str | None = None  # Mooncake .jsonl or Azure .csv, with arrival=trace (kvlab.traces)
+    time_scale: float = 1.0  # multiplies arrival times: 0.1 replays ten times faster
+    long_prompts: str = "clip"  # clip | refuse: trace prompts above isl_max (or cache.capacity_tokens)
 
     def __post_init__(self):
         positive("workload.isl", self.isl)
@@ -166,10 +210,23 @@ class WorkloadSpec:
             object.__setattr__(self, "isl_list", tuple(self.isl_list))
             require(len(self.isl_list) > 0 and all(isinstance(x, int) and x > 0 for x in self.isl_list),
                     "workload.isl_list", list(self.isl_list), "must be a non-empty list of positive token counts")
+        arrivals.check(self)
+        if self.arrival == "trace":
+            self.timed_trace()  # reads and checks the file: a bad line stops here
 
-    def longest_prompt(self) -> tuple[str, object, int]:
+    def timed_trace(self, capacity: int = 0) -> list[tuple[float, int]]:
+        """(arrival s, prompt tokens) of the trace requests a run serves: capped by ``requests``, prompts
+        above isl_max (or a smaller cache ``capacity``) clipped or refused."""
+        limit, name = (capacity, "cache.capacity_tokens") if 0 < capacity < self.isl_max else \
+            (self.isl_max, "workload.isl_max")
+        return arrivals.from_trace(self, limit, name)
+
+    def longest_prompt(self, capacity: int = 0) -> tuple[str, object, int]:
         """(field, value, tokens): the longest prompt the workload can produce, and the field that sets it
-        (kvlab.workload.prompt_lengths: a list wins, distributions are clipped to isl_max)."""
+        (kvlab.workload.prompt_lengths: a list wins, distributions are clipped to isl_max; a trace's
+        prompts are clipped to isl_max or the cache's ``capacity``)."""
+        if self.arrival == "trace":
+            return "workload.trace", self.trace, max(n for _, n in self.timed_trace(capacity))
         if self.isl_list:
             return "workload.isl_list", list(self.isl_list), max(self.isl_list)
         if self.distribution == "fixed":
@@ -209,9 +266,12 @@ class FaultSpec:
     stall_s: float = 0.0
     flip_rank: int = -1  # world rank whose messages get bytes inverted (x ^ 0xFF) in flight
     flip_at: tuple[int, ...] = ()
+    unwritten_layer: int = -1  # global layer ctx ranks never write: its chunks carry what the blocks held before
 
     def __post_init__(self):
         object.__setattr__(self, "flip_at", tuple(self.flip_at))
+        require(isinstance(self.unwritten_layer, int) and self.unwritten_layer >= -1, "fault.unwritten_layer",
+                self.unwritten_layer, "must be -1 (off) or a global layer")
         for name, r in self.ranks.items():
             require(isinstance(r, int) and r >= -1, f"fault.{name}_rank", r, "must be -1 (off) or a world rank")
         for name in ("kill", "stall"):

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlab.metrics import flatten
 from kvlab.records import RankPart, RequestRow, Summary, read_rows, to_dict
+from kvlab.serving import FIELDS
 from kvlab.spec import WandbSpec
 
 if TYPE_CHECKING:
@@ -152,7 +153,10 @@ class _LiveSink(WandbSink):
             values = flatten({k: v for k, v in to_dict(summary).items() if k != "schema"})
             self.run.summary.update({k: v for k, v in values.items() if v is not None})
             if rows:
-                self.run.log({"requests": self._table(rows)})
+                # the serving timeline's distributions (kvlab.serving): TTFT, exposed transfer, queue, ...
+                hists = {f"serving/{f}": self._wandb.Histogram(xs) for f in FIELDS
+                         if (xs := [r[f] for r in rows if r.get(f) is not None])}
+                self.run.log({"requests": self._table(rows), **hists})
 
         self._guard("log_summary", do)
 

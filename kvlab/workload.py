@@ -2,24 +2,29 @@
 
 Every request kvlab builds is built here: a run's (``make_requests``), ``kvlab plan``'s
 (``plan_requests``) and the cost model's from bare prompt lengths (``as_requests``).
-The request list is a pure function of the workload spec (seed included), so every
-rank derives the same list; request ``i`` is prefilled by ctx DP group ``i % ctx.dp`` and
-decoded by gen DP group ``i % gen.dp``. ``interleave`` merges the requests' schedules into
-one global chunk order, at most ``concurrency`` requests at a time, round-robin between
-them (fair: no request starves) and admitting the next request when one runs out of
-chunks. Every rank serves its own chunks in that global order; since all ranks follow one
-total order, a sender and a receiver can never wait on each other in a cycle.
+The request list, arrival times included (kvlab.arrivals), is a pure function of the
+workload spec (seed included), so every rank derives the same list; request ``i`` (the
+``i``-th to arrive) is prefilled by ctx DP group ``i % ctx.dp`` and decoded by gen DP group
+``i % gen.dp``. ``interleave`` merges the requests' schedules into one global chunk order,
+at most ``concurrency`` requests at a time, round-robin between them (fair: no request
+starves) and admitting the next request when one runs out of chunks; ``serve_order`` puts
+it on the prefill's timeline (kvlab.prefill), so that a chunk never waits behind one whose
+layer is computed later. Every rank serves its own chunks in that global order; since all
+ranks follow one total order, a sender and a receiver can never wait on each other in a
+cycle.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections import deque
 from collections.abc import Iterable
 
+from kvlab import arrivals, prefill
 from kvlab.config import Setup
 from kvlab.plan import Request, plan
-from kvlab.schedule import Chunk, schedule
+from kvlab.schedule import Chunk, Ready, schedule
 from kvlab.spec import WorkloadSpec
 
 
@@ -36,15 +41,19 @@ def prompt_lengths(w: WorkloadSpec, n: int) -> list[int]:
     return [min(w.isl_max, max(w.isl_min, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
 
 
-def request(setup: Setup, i: int, isl: int) -> Request:
+def request(setup: Setup, i: int, isl: int, arrival_s: float = 0.0) -> Request:
     """Request ``i``: prefilled by ctx DP group ``i % ctx.dp``, decoded by gen DP group ``i % gen.dp``."""
-    return Request(i, int(isl), i % setup.ctx.dp, i % setup.gen.dp)
+    return Request(i, int(isl), i % setup.ctx.dp, i % setup.gen.dp, arrival_s)
 
 
 def make_requests(setup: Setup) -> list[Request]:
-    """The run's requests."""
+    """The run's requests, in arrival order."""
     w = setup.workload
-    return [request(setup, i, isl) for i, isl in enumerate(prompt_lengths(w, w.requests))]
+    if w.arrival == "trace":
+        timed = w.timed_trace(setup.cache.capacity_tokens)
+    else:
+        timed = list(zip(arrivals.times(w, w.requests), prompt_lengths(w, w.requests)))
+    return [request(setup, i, isl, t) for i, (t, isl) in enumerate(timed)]
 
 
 def plan_requests(setup: Setup) -> list[Request]:
@@ -77,6 +86,28 @@ def interleave(schedules: list[list[Chunk]], concurrency: int) -> list[Chunk]:
     return out
 
 
+def serve_order(schedules: list[list[Chunk]], concurrency: int, ready, seconds) -> list[Chunk]:
+    """The global order on a serving timeline: the order one link would serve the chunks in, taking
+    the round-robin order of ``interleave`` among those whose layer is done. ``ready(chunk)``: when the
+    prefill lets it go; ``seconds(chunk)``: its time on the link (an estimate: kvlab.rates). When the
+    prefill is quick next to the transfer, this is ``interleave``'s order; when it is slow, a chunk never
+    waits behind one whose layer is computed later."""
+    base = interleave(schedules, concurrency)
+    by_ready = sorted(range(len(base)), key=lambda i: (ready(base[i]), i))
+    out, waiting, now, k = [], [], 0.0, 0
+    while len(out) < len(base):
+        while k < len(by_ready) and ready(base[by_ready[k]]) <= now:
+            heapq.heappush(waiting, by_ready[k])
+            k += 1
+        if not waiting:
+            now = ready(base[by_ready[k]])
+            continue
+        c = base[heapq.heappop(waiting)]
+        out.append(c)
+        now += seconds(c)
+    return out
+
+
 def chunks_of(order: list[Chunk], setup: Setup, world_rank: int) -> list[Chunk]:
     """The chunks one rank sends (ctx) or receives (gen), in the global order."""
     side, rank = setup.side_of(world_rank)
@@ -89,4 +120,9 @@ def plan_run(setup) -> tuple[list, dict, list[Chunk]]:
     segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r) for r in requests}
     schedules = [schedule(setup.model, setup.ctx, setup.gen, segments[r.id], setup.transfer.strategy,
                           setup.transfer.slot_bytes) for r in requests]
-    return requests, segments, interleave(schedules, setup.workload.concurrency)
+    times = prefill.times_for(setup, requests)
+    per_layer = setup.transfer.strategy.ready == Ready.layer
+    link = setup.cost.rates(device=setup.device)
+    return requests, segments, serve_order(schedules, setup.workload.concurrency,
+                                           lambda c: prefill.ready_s(times[c.request], c.ready_layer, per_layer),
+                                           lambda c: link.message_s(c.nbytes))

@@ -117,3 +117,17 @@ def test_group_is_shared_by_ranks_and_sweep_jobs_stay_apart(tmp_path):
     assert group_name(WandbSpec(), tmp_path / "outputs" / "abc") == "abc"
     assert group_name(WandbSpec(), tmp_path / "multirun" / "2025-01-01_10-00-00" / "3") == "2025-01-01_10-00-00-3"
     assert group_name(WandbSpec(group="mine"), tmp_path / "x") == "mine"
+
+
+def test_summary_logs_serving_histograms(tmp_path):
+    wandb = pytest.importorskip("wandb")
+    rows = [dataclasses.replace(r, ttft_s=0.1 * (i + 1), exposed_s=0.01) for i, r in enumerate(RECORDS)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(to_dict(r)) + "\n" for r in rows))
+    sink = WandbSink.create(_setup(), tmp_path, 0)
+    sink.log_summary(Summary(total_bytes=1, serving={"ttft_s": {"p50": 0.15}}))
+    sink.finish()
+    wandb.teardown()
+    (log,) = tmp_path.glob("wandb/offline-run-*/*.wandb")
+    data = log.read_bytes()
+    assert b"serving/ttft_s" in data and b"serving/exposed_s" in data and b"serving/queue_s" not in data
+    assert b"serving.ttft_s.p50" in data

@@ -25,11 +25,13 @@ Protocol. Every rank of both sides makes these calls, in this order:
    the clock. Every rank calls it, so it may use the default group's store and
    collectives. It may read the executor's ``setup``, ``side``, ``rank``, ``device``,
    ``cache``, ``ops``, ``stream`` and ``faults``; ``executor.clock`` is set only after it.
-5. ``opened(request)`` on a ctx rank: the request's blocks are allocated and written (the
-   prefill's output is in the cache, and on GPUs the writes are complete); its block
-   tables are ``executor.cache.tables[request.id]``.
+5. ``opened(request)`` on a ctx rank: the request's blocks are allocated (the prefill
+   writes them layer by layer later, kvlab.prefill); its block tables are
+   ``executor.cache.tables[request.id]``.
 6. ``start(i, chunk, rec) -> handle``: chunk ``i`` of this rank's chunks. On a ctx rank
-   the chunk's bytes are final (the strategy's readiness was waited for) and the chunk
+   the chunk's layers are written (the strategy's readiness was waited for; on GPUs the
+   writes are queued on, or waited for by, ``executor.stream``: work queued there after
+   them sees them, another process must wait for the stream) and the chunk
    ``i - slots`` of this rank has finished. On a gen rank chunk ``i`` may be posted ahead
    of its data: nothing is assumed about the ctx side yet. ``rec`` is the request's
    ``RequestRecord``: append ``(start, end)`` clock marks of copies to ``rec.pack``.

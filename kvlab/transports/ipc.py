@@ -178,6 +178,8 @@ class Ipc(Transport):
     def start(self, i: int, c: Chunk, rec):
         posted = self.executor.clock.mark()
         if self.sending:
+            if self.gpu:  # another process reads these bytes: the prefill's writes ordered on our stream must be done
+                self.executor.stream.synchronize()
             self.store.set(f"ipc/r/{c.request}/{c.seq}", "1")
         return i, c, posted
 
