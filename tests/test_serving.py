@@ -59,6 +59,7 @@ def served(tmp_path_factory):
     return summary, rows, ctx
 
 
+@pytest.mark.slow
 def test_timeline_figures(served):
     summary, rows, ctx = served
     assert summary["verified"] and len(rows) == 6
@@ -89,6 +90,7 @@ def test_timeline_figures(served):
     assert summary["serving"]["exposed_s"]["p99"] <= max(r["exposed_s"] for r in rows) + eps
 
 
+@pytest.mark.slow
 def test_no_chunk_leaves_before_its_layer_is_written(served):
     _, _, ctx = served
     seen = 0
@@ -102,6 +104,7 @@ def test_no_chunk_leaves_before_its_layer_is_written(served):
     assert seen > 0
 
 
+@pytest.mark.slow
 def test_a_layer_never_written_is_caught(tmp_path):
     """What a chunk that left before its layer was computed carries: the bytes the blocks held before.
     Verification names the layer."""
@@ -117,3 +120,25 @@ def run_transfer_or_failure(overrides, run_dir):
         return run_transfer(overrides, run_dir)
     except RuntimeError:
         return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_kvlab_run_replays_the_mooncake_sample(tmp_path, kvlab_cli):
+    """The command line on CPU: the real trace's arrivals and prompts, per-request TTFT and exposed
+    transfer percentiles printed, every request verified."""
+    from kvlab import traces
+
+    run_dir = tmp_path / "run"
+    p = kvlab_cli("run", "workload=mooncake", "transfer=layerwise", "workload.requests=6", "logger=quiet",
+                  f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr
+    out = " ".join(p.stdout.split())
+    assert "trace arrivals" in out and "TTFT" in out and "exposed transfer" in out and "p50 / p90 / p99" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["verified"] and summary["arrival"] == "trace"
+    for f in ("ttft_s", "exposed_s", "queue_s", "transfer_s"):
+        assert summary["serving"][f]["n"] == 6
+    rows = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
+    t = traces.read("mooncake_conversation_300.jsonl")[:6]
+    assert [r["isl"] for r in rows] == [x.input_tokens for x in t]
+    assert [r["arrival_s"] for r in rows] == pytest.approx([x.arrival_s * 0.1 for x in t], abs=1e-6)
