@@ -31,14 +31,17 @@ def test_layers_run_at_a_plausible_rate(model):
     assert flops / secs < 1.05 * 989e12, (model, flops / secs / 1e12)
 
 
-@pytest.mark.gpu2
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_gpu_prefill_layerwise_verified(tmp_path):
+@pytest.mark.parametrize("transport", [
+    "ipc",  # ctx and gen on one GPU: the gen rank pulls from the ctx pool
+    pytest.param("p2p", marks=[pytest.mark.gpu2, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                    reason="needs two CUDA devices")]),
+])
+def test_gpu_prefill_layerwise_verified(transport, tmp_path):
     from kvlab.runner import run_transfer
 
-    s = run_transfer(["logger=quiet", "device=cuda", "kernels=cuda", "model=llama3_8b", "model.num_layers=8",
-                      "parallel=same", "prefill=gpu", "transfer=layerwise", "workload.isl=8192",
-                      "workload.requests=3", "workload.arrival=poisson", "workload.rate=20",
+    s = run_transfer(["logger=quiet", "device=cuda", "kernels=cuda", f"transport={transport}", "model=llama3_8b",
+                      "model.num_layers=8", "parallel=same", "prefill=gpu", "transfer=layerwise",
+                      "workload.isl=8192", "workload.requests=3", "workload.arrival=poisson", "workload.rate=20",
                       "transfer.slot_mib=64"], tmp_path)
     assert s["verified"] and s["prefill"] == "gpu", s
     rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
