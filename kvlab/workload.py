@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 from kvlab import arrivals, prefill
 from kvlab.config import Setup
+from kvlab.devices import pair_backend
 from kvlab.plan import Request, plan
 from kvlab.schedule import Chunk, Ready, schedule
 from kvlab.spec import WorkloadSpec
@@ -122,7 +123,7 @@ def plan_run(setup) -> tuple[list, dict, list[Chunk]]:
                           setup.transfer.slot_bytes) for r in requests]
     times = prefill.times_for(setup, requests)
     per_layer = setup.transfer.strategy.ready == Ready.layer
-    link = setup.cost.rates(device=setup.device)
+    link = setup.cost.rates(pair_backend(setup))  # an estimate of each chunk's time on the link
     return requests, segments, serve_order(schedules, setup.workload.concurrency,
                                            lambda c: prefill.ready_s(times[c.request], c.ready_layer, per_layer),
                                            lambda c: link.message_s(c.nbytes))

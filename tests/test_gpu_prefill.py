@@ -37,7 +37,7 @@ def test_layers_run_at_a_plausible_rate(model):
                                                                     reason="needs two CUDA devices")]),
 ])
 def test_gpu_prefill_layerwise_verified(transport, tmp_path):
-    from kvlab.runner import run_transfer
+    from kvlab.api import run_transfer
 
     s = run_transfer(["logger=quiet", "device=cuda", "kernels=cuda", f"transport={transport}", "model=llama3_8b",
                       "model.num_layers=8", "parallel=same", "prefill=gpu", "transfer=layerwise",

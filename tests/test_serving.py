@@ -7,11 +7,12 @@ import json
 
 import pytest
 
+from kvlab.api import run_transfer
 from kvlab.config import build, compose
+from kvlab.devices import pair_backend
 from kvlab.prefill import times_for
-from kvlab.runner import plan_run, run_transfer
 from kvlab.schedule import Chunk
-from kvlab.workload import interleave, make_requests, serve_order
+from kvlab.workload import interleave, make_requests, plan_run, serve_order
 
 LAYER_MS = 5.0
 BASE = ["logger=quiet", "transfer=layerwise", "workload.arrival=poisson", "workload.rate=40",
@@ -30,7 +31,7 @@ def test_order_follows_the_timeline():
         schedules.setdefault(c.request, []).append(c)
     rr = {id(c): i for i, c in enumerate(interleave([sorted(v, key=lambda c: c.seq) for _, v in
                                                      sorted(schedules.items())], 3))}
-    link = setup.cost.rates(device=setup.device)
+    link = setup.cost.rates(pair_backend(setup))
     now, waited = 0.0, 0
     for i, c in enumerate(order):
         waited += ready[i] > now
