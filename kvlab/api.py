@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvlab import records
+from kvlab import budget, records, rundir
 from kvlab.config import build, compose
 from kvlab.preflight import preflight
 from kvlab.run_cmd import launch, prepare
@@ -14,11 +14,12 @@ def run_transfer(overrides: list[str] | tuple[str, ...] = (), run_dir: str | Pat
     returns the run's summary (``summary.json`` as plain values; kvlab.records.Summary has its fields)."""
     cfg = compose(list(overrides))
     setup = build(cfg)
+    budget.check_host(setup)
     if setup.needs_preflight:
         preflight(setup)
     run_dir = Path(run_dir)
-    prepare(cfg, run_dir)
-    rc = launch(setup, run_dir)
+    with rundir.hold(run_dir, "run_dir"):
+        rc = launch(setup, run_dir, prepare(cfg, run_dir))
     summary = records.read_summary(run_dir)
     if rc == 2 or summary is None:
         raise RuntimeError(f"kvlab run failed with exit code {rc}; see the output above")

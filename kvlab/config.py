@@ -23,6 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from kvlab import paths
+from kvlab.checks import check_config
 from kvlab.errors import ConfigError, positive, require
 from kvlab.parallel import SideSpec
 from kvlab.prefill import PrefillSpec, check_gpu
@@ -300,10 +301,12 @@ register()
 
 def build(cfg: DictConfig) -> Setup:
     """Validated specs from a composed config; raises ConfigError before anything is allocated."""
+    check_config(cfg, Config)  # what no group checks: unknown keys, missing values, numbers that are not finite
     return _spec(Setup, cfg)
 
 
-def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> DictConfig:
+def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config",
+            return_hydra_config: bool = False) -> DictConfig:
     """Compose a config outside of a Hydra app (tests, notebooks, pre-checks)."""
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
@@ -311,7 +314,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "con
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
-        cfg = hcompose(config_name, overrides=list(overrides))
+        cfg = hcompose(config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
     GlobalHydra.instance().clear()
     return cfg
 

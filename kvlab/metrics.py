@@ -63,7 +63,7 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 def _union(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
+    for a, b in sorted(tuple(i) for i in intervals):  # parts read back from JSON hold lists
         if b > end:
             total += b - max(a, end)
             end = b

@@ -17,8 +17,10 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from kvlab import budget
 from kvlab.config import CONF_DIR, Setup, build
 from kvlab.cost import predict
+from kvlab.errors import ConfigError
 from kvlab.plan import plan
 from kvlab.schedule import schedule
 from kvlab.workload import plan_requests
@@ -91,12 +93,36 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
                       f"(ctx {_mib(p['extra_bytes_ctx'])}, gen {_mib(p['extra_bytes_gen'])})")
 
 
+def print_budget(b: dict, console: Console | None = None) -> None:
+    """What each rank will hold (kvlab.budget), and what the memories they draw on can give."""
+    console = console or Console()
+    parts = ("cache", "staging", "tables", "temps", "transport", "plan", "process")
+    t = Table(title=f"memory per rank in MiB, at most ({b['open_requests']} requests open at once)")
+    for col in ("rank", "memory", *parts):
+        t.add_column(col, justify="right")
+    for r in b["ranks"]:
+        t.add_row(r["name"], r["memory"], *(_mib(r[p]) for p in parts))
+    console.print(t)
+    for memory, need in b["need"].items():
+        have = b["available"].get(memory)
+        console.print(f"{memory}: {_mib(need)} MiB needed" + (f", {_mib(have)} MiB available" if have is not None
+                                                              else " (free device memory is read by the ranks)"))
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
     setup = build(cfg)
     summary = summarize(setup)
     summary["predicted"] = predicted(setup)
+    memory = budget.measure(setup)
+    summary["memory"] = dict(memory.to_dict(), fits=True)
     print_summary(summary)
+    print_budget(summary["memory"])
+    try:
+        budget.check(setup, memory)
+    except ConfigError as e:  # a plan is for looking at setups larger than this machine, too
+        summary["memory"]["fits"] = False
+        print(f"kvlab run would stop here: {e}")
     out = Path(HydraConfig.get().runtime.output_dir) / "plan.json"
     out.write_text(json.dumps(summary, indent=2))
     print(f"plan written to {out}")

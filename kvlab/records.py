@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,6 +211,8 @@ class Summary:
     arrival: str | None = None  # burst | poisson | trace
     prefill: str | None = None  # sim | gpu
     serving: dict[str, dict[str, float]] = field(default_factory=dict)  # field -> p50, p90, p99, mean, n
+    interrupted: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM), or None
+    completed_requests: list[int] = field(default_factory=list)  # verified, in request order
     schema: int = SCHEMA
 
 
@@ -225,9 +228,20 @@ def part_path(run_dir: Path, world_rank: int) -> Path:
 def write_part(run_dir: Path, part: PartFile) -> None:
     path = part_path(run_dir, part.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # this process's own: no other writer renames it
     tmp.write_text(json.dumps(to_dict(part)))
     tmp.replace(path)  # a reader never sees half a file
+
+
+def mark_dead(run_dir: Path, world_rank: int) -> None:
+    """The local launcher saw ``world_rank`` die: rank 0 need not wait for its part."""
+    path = Path(run_dir) / "parts" / f"dead{world_rank}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+
+
+def marked_dead(run_dir: Path, world_rank: int) -> bool:
+    return (Path(run_dir) / "parts" / f"dead{world_rank}").exists()
 
 
 def read_part(run_dir: Path, world_rank: int) -> PartFile | None:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from kvlab import metrics
-from kvlab.records import Env, PartFile, read_part, write_run
+from kvlab.records import Env, PartFile, marked_dead, read_part, write_run
 from kvlab.schedule import Chunk, Ready
 
 PREFIX = "kvlab/"
@@ -64,6 +64,7 @@ class Board:
         self._seen: dict[int, tuple] = {}  # rank -> (last beat count, monotonic time it changed)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.gone = lambda r: False  # rank r is known dead (the launcher said so): no use waiting for it
         self.beat(force=True)
 
     def watch(self) -> None:
@@ -134,7 +135,7 @@ class Board:
                     pending.discard(r)
                     continue
                 self._observe(r)
-                if self.silent_for(r) > self.stale_s:
+                if self.silent_for(r) > self.stale_s or self.gone(r):
                     silent.append(r)
                     pending.discard(r)
             self.beat()
@@ -172,14 +173,16 @@ def rank_name(setup, w: int) -> str:
 
 
 def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[int, PartFile], silent: list[int],
-             why_silent: str, predicted_s: float | None = None):
+             why_silent: str, predicted_s: float | None = None, interrupted: str | None = None):
     """Merge the parts that arrived into results.jsonl, summary.json and the table; returns the Summary.
     A request counts as verified only when every gen rank it targets reported all of its chunks and
     found them exact."""
     all_parts = [p for w in sorted(gathered) for p in gathered[w].parts]
     failures = {k: v for w in sorted(gathered) for k, v in gathered[w].failures.items()}
     # the likely cause first: silent ranks (their peers' timeouts follow from them), then by time
-    errors = [f"{rank_name(setup, w)} (rank {w}) sent no report: {why_silent}" for w in silent]
+    errors = [f"{rank_name(setup, w)} (rank {w}) sent no report: "
+              f"{'its process ended (the launcher saw it)' if marked_dead(run_dir, w) else why_silent}"
+              for w in silent]
     by_time = sorted(gathered, key=lambda w: (gathered[w].error_at is None, gathered[w].error_at or 0, w))
     errors += [e for w in by_time for e in gathered[w].errors]
     expected: dict[tuple[int, int], int] = {}
@@ -203,18 +206,24 @@ def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[
     env = gathered[min(gathered)].env if gathered else None
     summary = metrics.summarize(rows, all_parts, setup, [g.peak for g in gathered.values()],
                                 env or Env(), errors, predicted_s, silent)
+    summary.interrupted = interrupted
+    summary.completed_requests = [r.request for r in rows if r.verified]
     write_run(run_dir, rows, timeline, summary)
     metrics.print_table(rows, summary)
-    for e in errors:
-        print(f"kvlab: {e}", file=sys.stderr)
+    if not interrupted:  # an interrupted run's errors are its interruption: the launcher says it in one line
+        for e in errors:
+            print(f"kvlab: {e}", file=sys.stderr)
     print(f"results in {run_dir}")
     return summary
 
 
-def finalize_from_files(setup, run_dir: Path, requests, order: list[Chunk], predicted_s: float | None = None):
-    """The local launcher's fallback when rank 0 wrote no summary (it died): merge the part files."""
+def finalize_from_files(setup, run_dir: Path, requests, order: list[Chunk], predicted_s: float | None = None,
+                        interrupted: str | None = None):
+    """The local launcher's merge when rank 0 wrote no summary (it died, or the run was interrupted):
+    the part files, with every request that did not arrive whole reported failed."""
     gathered = {w: p for w in range(setup.world_size) if (p := read_part(run_dir, w)) is not None}
-    if not gathered:
+    if not gathered and not interrupted:
         return None
     silent = [w for w in range(setup.world_size) if w not in gathered]
-    return finalize(setup, run_dir, requests, order, gathered, silent, "dead or stopped", predicted_s)
+    return finalize(setup, run_dir, requests, order, gathered, silent, "dead or stopped", predicted_s, interrupted)
+

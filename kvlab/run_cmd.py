@@ -16,7 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from kvlab import records, report
+from kvlab import budget, interrupt, records, report, rundir
 from kvlab.config import CONF_DIR, build
 from kvlab.cost import predict_run
 from kvlab.errors import ConfigError
@@ -32,18 +32,38 @@ def grace_s(setup) -> float:
     return setup.transfer.timeout_s + report.stale_s(setup) + 10.0
 
 
-def launch(setup, run_dir: Path) -> int:
+def launch(setup, run_dir: Path, config_yaml: str | None = None) -> int:
+    """Start the ranks and wait for them; returns the run's exit code. After an interruption (SIGINT,
+    SIGTERM) the part files are merged here into a summary that says so, and one line on stderr."""
     names = [report.rank_name(setup, w) for w in range(setup.world_size)]
-    rc = launch_local(run_dir, setup.world_size, grace_s=grace_s(setup), names=names)
-    if rc not in (0, 2) and not (run_dir / records.SUMMARY).exists():
+    # after a death, a rank gets its own transfer timeout to notice and report, but not a minute
+    out = launch_local(run_dir, setup.world_size, grace_s=grace_s(setup), names=names, config_yaml=config_yaml,
+                       death_grace_s=min(setup.transfer.timeout_s + 1.0, 8.0))
+    if out.interrupted or (out.code not in (0, 2) and not (run_dir / records.SUMMARY).exists()):
         requests, _, order = plan_run(setup)
-        report.finalize_from_files(setup, run_dir, requests, order, predict_run(setup, requests))
-    return rc
+        sig = interrupt.name(out.interrupted) if out.interrupted else None
+        summary = report.finalize_from_files(setup, run_dir, requests, order, predict_run(setup, requests), sig)
+        if sig:
+            done = summary.completed_requests
+            shown = ", ".join(map(str, done[:20])) + (", ..." if len(done) > 20 else "")
+            print(f"kvlab: interrupted by {sig}: {len(done)} of {summary.requests} requests completed and verified"
+                  f"{f' ({shown})' if done else ''}; summary in {run_dir / records.SUMMARY}", file=sys.stderr)
+    return out.code
 
 
-def prepare(cfg: DictConfig, run_dir: Path) -> None:
+def prepare(cfg: DictConfig, run_dir: Path) -> str:
+    """Write the run's resolved config for the record; returns it (the launcher hands it to the ranks)."""
+    text = OmegaConf.to_yaml(cfg, resolve=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (run_dir / "config.yaml").write_text(text)
+    return text
+
+
+_worst = [0]  # the worst exit code of the jobs of a multirun, for the CLI's own exit code
+
+
+def worst_exit() -> int:
+    return _worst[0]
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -54,15 +74,16 @@ def hydra_main(cfg: DictConfig) -> None:
             prepare(cfg, run_dir)
         rc = worker_main(cfg, run_dir)
     else:
-        setup = build(cfg)
-        try:
+        try:  # multirun skips the CLI's checks of each job's config; Hydra would print a traceback
+            setup = build(cfg)
+            budget.check_host(setup)
             if setup.needs_preflight:
                 preflight(setup)
-        except ConfigError as e:  # multirun skips the CLI's checks; Hydra would print a traceback
+            with rundir.hold(run_dir):  # the CLI holds it already, except for a multirun's jobs
+                rc = launch(setup, run_dir, prepare(cfg, run_dir))
+        except ConfigError as e:
             print(f"kvlab: error: {e}", file=sys.stderr)
             rc = 2
-        else:
-            prepare(cfg, run_dir)
-            rc = launch(setup, run_dir)
-    if rc and not HydraConfig.get().mode.name == "MULTIRUN":
+    _worst[0] = max(_worst[0], rc)
+    if rc and (HydraConfig.get().mode.name != "MULTIRUN" or rc > 128):  # an interrupted job ends the sweep
         sys.exit(rc)

@@ -26,54 +26,71 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from kvlab import faults, metrics, prefill, report, transport, transports
+from kvlab import budget, faults, metrics, prefill, report, transport, transports
 from kvlab.cache import PagedCache
 from kvlab.clock import Clock
 from kvlab.config import build
 from kvlab.cost import predict_run
 from kvlab.errors import ConfigError
 from kvlab.executor import Executor, Stopped
+from kvlab.interrupt import ignore
 from kvlab.ops import get_ops
 from kvlab.preflight import preflight
 from kvlab.progress import Progress
-from kvlab.records import Env, PartFile, Peak, read_part, write_part
+from kvlab.records import Env, PartFile, Peak, marked_dead, read_part, write_part
 from kvlab.state import CacheState
 from kvlab.wandb_sink import WandbSink
 from kvlab.workload import chunks_of, plan_run
 
 ALONE_LENGTHS = 4  # prompt lengths whose prefill=gpu runs alone first, as the reference of the slowdown
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _stop(signum, frame) -> None:
-    signal.signal(signum, signal.SIG_IGN)  # one is enough: let this rank write what it knows
+    for s in STOP_SIGNALS:  # one is enough: let this rank write what it knows (a no-op, not SIG_IGN: a
+        signal.signal(s, ignore)  # signal already pending would otherwise raise "ignored due to race")
     raise Stopped(f"stopped by {signal.Signals(signum).name}")
+
+
+def _parent_merges() -> bool:
+    """Whether the local launcher that started this rank is alive to merge the part files itself."""
+    parent = os.environ.get("KVLAB_PARENT")
+    return parent is not None and os.getppid() == int(parent)
 
 
 def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     """One rank; returns its exit code (0: every request verified; 1: failures; 2: bad config).
 
-    SIGTERM (the local launcher's grace ran out, or torchrun's agent saw another rank fail) ends
-    the transfers like a lost peer, so that this rank still writes its part file."""
-    previous = signal.signal(signal.SIGTERM, _stop)
+    SIGTERM or SIGINT (Ctrl-C, the local launcher stopping the run, or torchrun's agent after another
+    rank failed) ends the transfers like a lost peer, so that this rank still writes its part file;
+    stopped before its transfers, it writes an empty one."""
+    previous = {s: signal.signal(s, _stop) for s in STOP_SIGNALS}
+    world_rank = int(os.environ.get("RANK", 0))
     try:
-        setup = build(cfg)
-        world_rank, device = transport.init(setup, setup.transfer.timeout_s)
-    except ConfigError as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"kvlab: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return _worker(setup, run_dir, world_rank, device)
-    except ConfigError as e:
-        if world_rank == 0:
-            print(f"kvlab: error: {e}", file=sys.stderr)
-        return 2
-    except Stopped:
+        try:
+            setup = build(cfg)
+            world_rank, device = transport.init(setup, setup.transfer.timeout_s)
+        except ConfigError as e:
+            if world_rank == 0:
+                print(f"kvlab: error: {e}", file=sys.stderr)
+            return 2
+        try:
+            return _worker(setup, run_dir, world_rank, device)
+        except ConfigError as e:
+            if world_rank == 0:
+                print(f"kvlab: error: {e}", file=sys.stderr)
+            return 2
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except Stopped as e:  # before its part was written: an empty one says it was stopped, not lost
+        if read_part(run_dir, world_rank) is None:
+            write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
+                f"rank {world_rank}: {e} before its transfers"]))
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _worker(setup, run_dir: Path, world_rank: int, device: torch.device) -> int:
@@ -93,6 +110,14 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
 
     requests, segments, order = plan_run(setup)
     needed = preflight(setup, requests, order, world_rank)  # the same checks on every rank: all stop or none
+    if device.type == "cuda":  # the host's memory was checked before the ranks started; the GPUs only here
+        problem = budget.device_problem(setup, world_rank, torch.cuda.device_count(),
+                                        torch.cuda.mem_get_info(device)[0],
+                                        int(os.environ.get("LOCAL_WORLD_SIZE", setup.world_size)))
+        problems: list = [None] * setup.world_size
+        dist.all_gather_object(problems, problem)  # every rank stops, or none
+        if any(problems):
+            raise ConfigError(*next(p for p in problems if p))
     mine = chunks_of(order, setup, world_rank)
 
     ops = get_ops(setup.kernels, device.type)
@@ -115,6 +140,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     progress = Progress(sum(c.nbytes for c in mine), world_rank == 0 and setup.logger.progress)
     board = report.Board(dist.distributed_c10d._get_default_store(), world_rank, setup.world_size,
                          report.stale_s(setup))
+    board.gone = lambda r: marked_dead(run_dir, r)
     cache.tick = board.beat
     executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat)
@@ -163,6 +189,8 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
             board.post(part)
             gathered, silent = board.collect()
         except Stopped:
+            if _parent_merges():  # kvlab run's launcher merges once every rank has written its part
+                return 1
             # torchrun's agent stops every rank once one has died: the others are writing their part
             # files right now (those blocked in a transfer within transfer.timeout_s); merge what lands
             board.broken, why = "stopped", "dead, or stopped before it could report"

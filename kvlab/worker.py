@@ -1,17 +1,38 @@
-"""``python -m kvlab.worker RUN_DIR``: one rank of a run whose resolved config is RUN_DIR/config.yaml."""
+"""``python -m kvlab.worker RUN_DIR``: one rank of a run.
+
+Its config is the one its launcher handed it in the environment (kvlab.rundir.CONFIG_ENV), or
+else RUN_DIR/config.yaml (ranks started by hand)."""
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
+if __name__ == "__main__":  # before the slow imports: a signal now ends the rank without a traceback
+    import os
+    import sys
 
-from omegaconf import OmegaConf
+    from kvlab.interrupt import quiet_until_ready
 
-from kvlab.config import Config
+    def _last_words(signal_name: str) -> None:
+        from kvlab.records import PartFile, write_part
+
+        rank = int(os.environ.get("RANK", 0))
+        write_part(sys.argv[1], PartFile(rank=rank, side="", side_rank=-1,
+                                         errors=[f"rank {rank}: stopped by {signal_name} while starting"]))
+
+    quiet_until_ready(_last_words)
+
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from kvlab.config import Config  # noqa: E402
+from kvlab.rundir import CONFIG_ENV  # noqa: E402
 
 
 def load_config(run_dir: Path):
-    return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"))
+    text = os.environ.get(CONFIG_ENV)
+    loaded = OmegaConf.create(text) if text is not None else OmegaConf.load(run_dir / "config.yaml")
+    return OmegaConf.merge(OmegaConf.structured(Config), loaded)
 
 
 if __name__ == "__main__":

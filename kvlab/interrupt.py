@@ -1,0 +1,83 @@
+"""Ctrl-C and SIGTERM as a way to end a run, not a crash: one line on stderr, exit code 128 + signal.
+
+The ``kvlab`` parent turns either signal into ``Interrupted`` while it composes and checks
+(nothing to clean up yet); while ranks run, the launcher (kvlab.launch) takes the signals
+over, stops the ranks and merges what they wrote. A rank turns its first signal into
+``kvlab.executor.Stopped`` (kvlab.runner) and ignores later ones, so that writing its part
+file is not cut short; before it has set that up, a signal just ends it (``quiet_until_ready``).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+PR_SET_PDEATHSIG = 1
+
+
+class Interrupted(BaseException):
+    """A signal asked the parent to stop; BaseException, so that no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def code(self) -> int:
+        return 128 + self.signum
+
+
+def ignore(signum, frame) -> None:
+    """Instead of SIG_IGN once a signal is being handled: Python raises "ignored due to race condition"
+    for a signal that arrived meanwhile when its handler has become SIG_IGN."""
+
+
+def name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def as_exit(what: str = ""):
+    """Within the block, SIGINT/SIGTERM end the process with one line and exit code 128 + signal."""
+    def raise_it(signum, frame):
+        for s in SIGNALS:
+            signal.signal(s, ignore)  # one is enough
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, raise_it) for s in SIGNALS}
+    try:
+        yield
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"kvlab: interrupted by {name(signum)}{' ' + what if what else ''}", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def quiet_until_ready(last_words) -> None:
+    """A rank before its handlers are set (imports, config): a signal ends it at once, without a
+    traceback, after ``last_words(signal name)`` (which leaves a part file that says so)."""
+    def leave(signum, frame):
+        try:
+            last_words(name(signum))
+        finally:
+            os._exit(128 + signum)
+
+    for s in SIGNALS:
+        signal.signal(s, leave)
+
+
+def die_with_parent(parent: int) -> None:
+    """In a child before exec: SIGTERM when the parent (pid ``parent``) dies, however it dies (Linux
+    prctl), so that no rank outlives the launcher; if the parent is already gone, now."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the launcher's own stop is all there is
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,391 @@
+"""Runs end cleanly whatever happens to them: interrupted (SIGINT, SIGTERM, to the parent or the whole
+group), a rank killed, two runs pointed at one directory, a setup larger than the machine, values
+no group checks (non-finite, zero or negative rates, keys added with ``+``, deleted with ``~``,
+errors under ``-m``, run directories that cannot be written). Through the real ``kvlab`` in its own
+process group: the exit code, exactly one line on stderr, no traceback, no process left behind."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from kvlab import budget, rundir
+from kvlab.cli import check_overrides
+from kvlab.config import build, compose
+from kvlab.errors import ConfigError
+from kvlab.metrics import _union
+
+QUIET = ["logger=quiet"]
+
+
+def _kvlab() -> list[str]:
+    script = Path(sys.executable).parent / "kvlab"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _no_process_left(pgid: int, within_s: float = 10.0) -> None:
+    deadline = time.time() + within_s
+    while _group(pgid) and time.time() < deadline:
+        time.sleep(0.2)
+    left = _group(pgid)
+    for pid in left:  # do not leave them to the next test either
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left in the run's group: {left}"
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([*_kvlab(), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # the run's own process group, as a shell job would have
+
+
+def _one_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def _refused(args: list[str], cwd: Path, *fragments: str, timeout: float = 120) -> str:
+    p = _start(args, cwd)
+    _, err = p.communicate(timeout=timeout)
+    _no_process_left(p.pid)
+    assert p.returncode == 2, err
+    line = _one_line(err)
+    assert line.startswith("kvlab: error: "), line
+    for f in fragments:
+        assert f in line, (f, line)
+    return line
+
+
+# -- values no single group checks ---------------------------------------------------------------
+
+
+def _numeric_leaves(cfg) -> list[str]:
+    out = []
+    for key in ("model", "ctx", "gen", "transfer", "workload", "cache", "fault", "cost"):
+        for k, v in cfg[key].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out.append(f"{key}.{k}")
+    return out
+
+
+def test_every_number_is_checked_for_finite_zero_and_negative():
+    """Each numeric field of every group, set to inf, nan, 0 and -1: a ConfigError naming that field, or a
+    setup that builds; never another exception (the cost group's rates included)."""
+    base = compose(QUIET + ["cost=h200"])
+    for c, v in {"alpha_us": 15.0, "copy_gbps": 4210.0, "copy_efficiency": 0.9, "copy_gbps_per_cta": 88.0,
+                 "host_us": 0.0, "devices": 0}.items():  # None (the profile's) is not a number to vary
+        OmegaConf.update(base, f"cost.{c}", v)
+    leaves = _numeric_leaves(base)
+    assert len(leaves) > 30, leaves
+    for key in leaves:
+        for value in (math.inf, -math.inf, math.nan, 0, -1):
+            cfg = base.copy()
+            is_int = isinstance(OmegaConf.select(base, key), int)
+            if is_int and isinstance(value, float):
+                continue  # the schema refuses a float for an integer field at composition
+            OmegaConf.update(cfg, key, value)
+            try:
+                build(cfg)
+            except ConfigError as e:
+                assert key in str(e), (key, value, str(e))  # itself, or the field it pairs with and names it
+                assert "\n" not in str(e)
+            else:
+                assert isinstance(value, int), (key, value, "a non-finite number passed")
+    for key, bad in (("cost.copy_gbps", 0), ("cost.alpha_us", -5), ("cost.link_gbps", [100, 0, 300, 400])):
+        assert check_overrides(QUIET + [f"{key}={bad}".replace(" ", "")]).startswith(f"{key}="), key
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    (["transfer.slot_mib=inf"], ["transfer.slot_mib=inf", "finite"]),
+    (["transfer.timeout_s=inf"], ["transfer.timeout_s=inf", "finite"]),
+    (["transfer.layer_compute_ms=nan"], ["transfer.layer_compute_ms=nan", "finite"]),
+    (["fault.stall_s=inf"], ["fault.stall_s=inf", "finite"]),
+    (["cost.link_gbps=[200,inf]"], ["cost.link_gbps[1]=inf", "finite"]),
+    (["+new.key=1"], ["new.key=1", "no such key"]),
+    (["+transfer.speed=3"], ["transfer.speed=3", "no such key", "slot_mib"]),
+    (["~model"], ["model=<deleted by ~model>", "set model="]),
+    (["cost.copy_gbps=0"], ["cost.copy_gbps=0", "> 0"]),
+    (["cost.alpha_us=-5"], ["cost.alpha_us=-5", ">= 0"]),
+], ids=["slot-inf", "timeout-inf", "layer-compute-nan", "stall-inf", "link-inf", "plus-new-key", "plus-group-key",
+        "delete-model", "copy-rate-zero", "alpha-negative"])
+def test_values_in_process(overrides, fragments):
+    msg = check_overrides(overrides)
+    assert msg and "\n" not in msg
+    for f in fragments:
+        assert f in msg, (f, msg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["run", "plan"])
+@pytest.mark.parametrize("overrides,fragment", [
+    (["transfer.slot_mib=inf"], "transfer.slot_mib=inf"),
+    (["fault.stall_s=inf"], "fault.stall_s=inf"),
+    (["cost.copy_gbps=0"], "cost.copy_gbps=0"),
+    (["cost.alpha_us=-5"], "cost.alpha_us=-5"),
+    (["+new.key=1"], "new.key=1"),
+    (["~model"], "~model"),
+    (["-m", "ctx.tp=1,4"], "ctx.tp=4"),
+    (["-m", "transfer.timeout_s=inf"], "transfer.timeout_s=inf"),
+], ids=["slot-inf", "stall-inf", "copy-rate-zero", "alpha-negative", "plus-new-key", "delete-model",
+        "multirun-bad-job", "multirun-inf"])
+def test_values_through_the_cli(command, overrides, fragment, tmp_path):
+    run_dir = tmp_path / "run"
+    _refused([command, f"hydra.run.dir={run_dir}", *QUIET, *overrides], tmp_path, fragment)
+    assert not run_dir.exists() and not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_run_dir_that_cannot_be_written(command, tmp_path):
+    (tmp_path / "afile").write_text("")
+    _refused([command, f"hydra.run.dir={tmp_path / 'afile'}", *QUIET], tmp_path, "hydra.run.dir=", "afile",
+             "a file is in the way")
+    _refused([command, f"hydra.run.dir={tmp_path / 'afile' / 'below'}", *QUIET], tmp_path, "hydra.run.dir=")
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        _refused([command, f"hydra.run.dir={ro / 'run'}", *QUIET], tmp_path, "hydra.run.dir=", "Permission denied")
+
+
+# -- one run per directory ---------------------------------------------------------------------
+
+
+def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
+    run_dir = tmp_path / "run"
+    rundir.acquire(run_dir)
+    try:
+        code = (f"from kvlab import rundir\nfrom kvlab.errors import ConfigError\n"
+                f"try:\n    rundir.acquire({str(run_dir)!r})\nexcept ConfigError as e:\n    print(e)\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+        assert f"hydra.run.dir={run_dir.resolve()}" in out and f"pid {os.getpid()}" in out, out
+    finally:
+        rundir.release(run_dir)
+    assert not (run_dir / rundir.LOCK_NAME).exists()
+    # a holder that died without releasing: its file stays, its flock does not
+    dead = subprocess.run([sys.executable, "-c", f"import os\nfrom kvlab import rundir\n"
+                                                 f"rundir.acquire({str(run_dir)!r})\nos._exit(0)"], timeout=60)
+    assert dead.returncode == 0 and (run_dir / rundir.LOCK_NAME).exists()
+    p = subprocess.run([sys.executable, "-c", f"from kvlab import rundir\nrundir.acquire({str(run_dir)!r})"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "no longer running; taking it over" in _one_line(p.stderr)
+
+
+@pytest.mark.slow
+def test_second_run_in_a_held_directory_is_refused_before_writing(tmp_path):
+    run_dir = tmp_path / "run"
+    rundir.acquire(run_dir)  # a live run holds it
+    try:
+        line = _refused(["run", f"hydra.run.dir={run_dir}", *QUIET], tmp_path, f"hydra.run.dir={run_dir.resolve()}",
+                        f"pid {os.getpid()}", "another run")
+        assert "give another hydra.run.dir" in line
+        assert sorted(p.name for p in run_dir.iterdir()) == [rundir.LOCK_NAME]  # Hydra wrote nothing either
+    finally:
+        rundir.release(run_dir)
+
+
+def test_workers_read_the_config_their_launcher_handed_them(tmp_path, monkeypatch):
+    from kvlab.worker import load_config
+
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(compose(["workload.isl=111"]), resolve=True))
+    mine = OmegaConf.to_yaml(compose(["workload.isl=222"]), resolve=True)
+    monkeypatch.setenv(rundir.CONFIG_ENV, mine)
+    assert load_config(tmp_path).workload.isl == 222  # not the file another run may have replaced
+    monkeypatch.delenv(rundir.CONFIG_ENV)
+    assert load_config(tmp_path).workload.isl == 111
+
+
+def test_part_files_are_written_through_a_temp_file_of_their_own(tmp_path):
+    from kvlab.records import PartFile, read_part, write_part
+
+    write_part(tmp_path, PartFile(rank=2, side="gen", side_rank=0, failures={1: "x"}))
+    assert read_part(tmp_path, 2).failures == {1: "x"}
+    assert [p.name for p in (tmp_path / "parts").iterdir()] == ["rank2.json"]
+
+
+def test_union_of_wire_intervals_read_back_from_json():
+    assert _union([(0.0, 1.0), [0.5, 2.0], (3.0, 4.0)]) == pytest.approx(3.0)
+
+
+# -- a budget before allocation -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["workload.isl=2147483648"], "workload.isl=2147483648"),
+    (["transfer.slots=1000000"], "transfer.slots=1000000"),
+    (["transfer.slot_mib=10000000"], "transfer.slot_mib=10000000"),
+    (["ctx.tokens_per_block=1000000000"], "ctx.tokens_per_block=1000000000"),
+    (["model=llama3_70b", "workload.isl=131072", "workload.requests=8"], "workload.isl=131072"),
+    (["workload.requests=100000000"], "workload.requests=100000000"),
+    (["cache.capacity_tokens=1000000000"], "cache.capacity_tokens=1000000000"),
+    (["model=llama3_8b", "transfer=naive", "workload.isl=262144"], "workload.isl=262144"),
+], ids=["huge-prompt", "many-slots", "huge-slot", "huge-block", "llama70b-128k", "huge-request-count",
+        "huge-capacity", "naive-buffers"])
+def test_budget_names_the_field_and_what_fits(overrides, field, monkeypatch):
+    monkeypatch.setattr(budget, "host_available", lambda: 24 << 30)  # the figures of a 24 GiB machine
+    import kvlab.cache
+    import kvlab.preflight
+
+    def refuse(*a, **k):
+        raise AssertionError("built or allocated before the budget was checked")
+
+    monkeypatch.setattr(kvlab.cache.PagedCache, "__init__", refuse)
+    monkeypatch.setattr(kvlab.preflight, "plan_run", refuse)
+    t0 = time.time()
+    msg = check_overrides(QUIET + overrides, memory=True)
+    assert time.time() - t0 < 30  # nothing the size of the workload was built
+    assert msg and msg.startswith(field), msg
+    assert "available" in msg and "\n" not in msg
+    assert re.search(r"(at most \d+ \w+|<= [\d.e+-]+) fits?\b", msg), msg  # and a value that fits
+
+
+def test_budget_fits_what_runs_and_bounds_what_the_ranks_hold(monkeypatch):
+    monkeypatch.setattr(budget, "host_available", lambda: 24 << 30)
+    assert check_overrides(QUIET, memory=True) is None
+    setup = build(compose(QUIET))
+    b = budget.estimate(setup)
+    # the cache of every rank as PagedCache sizes it, from the plan of every request: never above the bound
+    from kvlab.preflight import preflight
+    from kvlab.state import CacheState
+    from kvlab.workload import plan_run
+
+    requests, _, order = plan_run(setup)
+    for w, need in enumerate(b.ranks):
+        side, r = setup.side_of(w)
+        blocks = preflight(setup, requests, order, w)
+        real = sum(p.pool_bytes(blocks[p.name] + setup.cache.spare_blocks) for p in CacheState(
+            setup.model, side, r).pools())
+        assert real <= need.cache <= 2 * real + (1 << 20)
+        assert need.staging == setup.transfer.slots * setup.transfer.slot_bytes
+    assert b.chunks_per_request >= max(sum(1 for c in order if c.request == q.id) for q in requests)
+
+
+@pytest.mark.slow
+def test_plan_prints_the_budget_and_run_refuses_it(tmp_path):
+    big = ["model=llama3_70b", "workload.isl=131072", "workload.requests=8"]
+    p = _start(["plan", f"hydra.run.dir={tmp_path / 'plan'}", *QUIET, *big], tmp_path)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and not err.strip(), err
+    assert "memory per rank" in out and "kvlab run would stop here: workload.isl=131072" in out
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["memory"]["fits"] is False and plan["memory"]["need"]["host"] > 400 << 30
+    _refused(["run", f"hydra.run.dir={tmp_path / 'run'}", *QUIET, *big], tmp_path, "workload.isl=131072")
+    assert not (tmp_path / "run").exists()
+
+
+# -- interruption and dead ranks -----------------------------------------------------------------
+
+LONG = ["workload.requests=400", "transfer.slot_mib=1"]  # minutes of transfers on a 2-core machine
+
+
+def _workers(pgid: int, n: int, timeout: float = 120.0) -> list[int]:
+    """Pids of the run's ranks once all ``n`` have started (the launcher's children)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        kids = sorted(pid for pid in _group(pgid) if pid != pgid)
+        if len(kids) >= n:
+            return kids
+        time.sleep(0.2)
+    raise AssertionError("the ranks did not start")
+
+
+def _interrupted(run_dir: Path, sig: str) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] == sig and not summary["verified"]
+    rows = {r["request"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
+    assert len(rows) == summary["requests"] == 400
+    assert summary["completed_requests"] == [q for q, r in sorted(rows.items()) if r["verified"]]
+    assert set(summary["failed_requests"]) == set(rows) - set(summary["completed_requests"])
+    assert sorted(p.name for p in (run_dir / "parts").glob("rank*.json")) == ["rank0.json", "rank1.json",
+                                                                              "rank2.json"]
+    return summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,target", [(signal.SIGINT, "group"), (signal.SIGTERM, "group"),
+                                        (signal.SIGTERM, "parent"), (signal.SIGINT, "parent")],
+                         ids=["ctrl-c", "sigterm-group", "sigterm-parent", "sigint-parent"])
+def test_interrupted_run_stops_every_rank_and_merges_what_it_has(sig, target, tmp_path):
+    run_dir = tmp_path / "run"
+    p = _start(["run", f"hydra.run.dir={run_dir}", *QUIET, *LONG], tmp_path)
+    _workers(p.pid, 3)
+    time.sleep(25)  # into the transfers (the ranks take seconds to import and join on a busy machine)
+    if target == "group":
+        os.killpg(p.pid, sig)
+    else:
+        p.send_signal(sig)
+    t0 = time.time()
+    _, err = p.communicate(timeout=120)
+    assert time.time() - t0 < 30, time.time() - t0
+    _no_process_left(p.pid)
+    assert p.returncode == 128 + sig
+    line = _one_line(err)
+    assert line.startswith(f"kvlab: interrupted by {signal.Signals(sig).name}: ") and "summary in" in line, line
+    _interrupted(run_dir, signal.Signals(sig).name)
+    assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_interrupt_before_the_ranks_start_is_one_line(tmp_path):
+    p = _start(["run", f"hydra.run.dir={tmp_path / 'run'}", *QUIET], tmp_path)
+    time.sleep(1.0)  # composing and checking
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    _no_process_left(p.pid)
+    assert p.returncode == 130
+    assert _one_line(err).startswith("kvlab: interrupted by SIGINT")
+
+
+@pytest.mark.slow
+def test_killed_parent_takes_its_ranks_along(tmp_path):
+    run_dir = tmp_path / "run"
+    p = _start(["run", f"hydra.run.dir={run_dir}", *QUIET, *LONG], tmp_path)
+    _workers(p.pid, 3)
+    time.sleep(10)
+    p.kill()
+    p.communicate(timeout=30)
+    _no_process_left(p.pid, within_s=30)  # PR_SET_PDEATHSIG: each rank writes its part and leaves
+    assert sorted(f.name for f in (run_dir / "parts").glob("rank*.json")) == ["rank0.json", "rank1.json",
+                                                                              "rank2.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 2], ids=["ctx1", "gen0"])
+def test_rank_killed_with_sigkill_ends_the_run_in_seconds(victim, tmp_path):
+    """The launcher sees the death at once; rank 0 does not wait out transfer.timeout_s + 5 (65 s)."""
+    run_dir = tmp_path / "run"
+    p = _start(["run", f"hydra.run.dir={run_dir}", *QUIET, *LONG], tmp_path)
+    ranks = _workers(p.pid, 3)
+    time.sleep(25)
+    os.kill(ranks[victim], signal.SIGKILL)
+    t0 = time.time()
+    _, err = p.communicate(timeout=120)
+    assert time.time() - t0 < 30, time.time() - t0
+    _no_process_left(p.pid)
+    assert p.returncode not in (0, 2) and "Traceback" not in err
+    name = {1: "ctx1", 2: "gen0"}[victim]
+    assert f"rank {victim} ({name}) died: killed by SIGKILL" in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["silent_ranks"] == [victim] and not summary["verified"], (summary, err)
+    assert summary["errors"][0] == f"{name} (rank {victim}) sent no report: its process ended (the launcher saw it)"
