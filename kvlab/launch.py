@@ -45,7 +45,7 @@ def _died(code: int | None) -> bool:
 
 
 def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_env: dict | None = None,
-                 names: list[str] | None = None, death_grace_s: float = 3.0, stop_wait_s: float = 10.0,
+                 names: list[str] | None = None, death_grace_s: float = 3.0, stop_wait_s: float = 20.0,
                  config_yaml: str | None = None) -> Outcome:
     """Run the worker on ``world_size`` local processes and wait for them.
 

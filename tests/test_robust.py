@@ -337,7 +337,7 @@ def test_interrupted_run_stops_every_rank_and_merges_what_it_has(sig, target, tm
         p.send_signal(sig)
     t0 = time.time()
     _, err = p.communicate(timeout=120)
-    assert time.time() - t0 < 30, time.time() - t0
+    assert time.time() - t0 < 45, time.time() - t0
     _no_process_left(p.pid)
     assert p.returncode == 128 + sig
     line = _one_line(err)
@@ -381,7 +381,7 @@ def test_rank_killed_with_sigkill_ends_the_run_in_seconds(victim, tmp_path):
     os.kill(ranks[victim], signal.SIGKILL)
     t0 = time.time()
     _, err = p.communicate(timeout=120)
-    assert time.time() - t0 < 30, time.time() - t0
+    assert time.time() - t0 < 45, time.time() - t0
     _no_process_left(p.pid)
     assert p.returncode not in (0, 2) and "Traceback" not in err
     name = {1: "ctx1", 2: "gen0"}[victim]
