@@ -35,6 +35,7 @@ class RequestRecord:
     bytes: int = 0
     chunks: int = 0
     in_place: int = 0
+    descriptors: int = 0  # memory descriptors the transport posted for this rank's chunks (nixl direct: runs)
     pack: list = field(default_factory=list)  # (start mark, end mark) per packed/unpacked chunk
     wire: list = field(default_factory=list)  # (posted mark, done mark) per chunk
     prefill_start: object = None  # host seconds (prefill=sim) or a GPU event (prefill=gpu)
@@ -76,7 +77,7 @@ def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
     opt = lambda mark: None if mark is None else s(mark)  # noqa: E731 -- host seconds or GPU events
     return RankPart(
         request=rec.request, isl=rec.isl, side=rec.side, rank=rec.rank, start=s(rec.start), end=s(rec.end),
-        bytes=rec.bytes, chunks=rec.chunks, in_place=rec.in_place,
+        bytes=rec.bytes, chunks=rec.chunks, in_place=rec.in_place, descriptors=rec.descriptors,
         copy_s=sum(clock.span(a, b) for a, b in rec.pack),
         wire=[(s(a), s(b)) for a, b in rec.wire],
         prefill_start=opt(rec.prefill_start), prefill_end=opt(rec.prefill_end),
@@ -111,7 +112,8 @@ def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int
         rows.append(RequestRow(
             request=rid, isl=ps[0].isl if ps else None, ctx_dp=ctx_dp.get(rid), gen_dp=gen_dp.get(rid),
             bytes=nbytes, chunks=sum(p.chunks for p in gen), in_place_chunks=sum(p.in_place for p in gen),
-            ctx_in_place_chunks=sum(p.in_place for p in ctx), seconds=seconds, start=start, end=end,
+            ctx_in_place_chunks=sum(p.in_place for p in ctx), descriptors=sum(p.descriptors for p in ctx),
+            seconds=seconds, start=start, end=end,
             gbps=nbytes / seconds / 1e9 if seconds else None,
             pack_s=sum(p.copy_s for p in ctx), wire_s=_union([w for p in ctx for w in p.wire]),
             unpack_s=sum(p.copy_s for p in gen),

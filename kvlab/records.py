@@ -69,6 +69,7 @@ class RankPart:
     bytes: int = 0
     chunks: int = 0
     in_place: int = 0
+    descriptors: int = 0  # memory descriptors this rank's transport posted (nixl: one per WRITE's run)
     copy_s: float = 0.0  # pack (ctx) or unpack (gen) time
     wire: list[tuple[float, float]] = field(default_factory=list)  # (posted, done) per chunk
     prefill_start: float | None = None
@@ -141,6 +142,7 @@ class RequestRow:
     chunks: int = 0
     in_place_chunks: int = 0  # in place on the gen side
     ctx_in_place_chunks: int = 0
+    descriptors: int = 0  # memory descriptors posted for the request (transport=nixl)
     seconds: float | None = None
     start: float | None = None  # absolute (kvlab.clock): order and overlap of requests
     end: float | None = None

@@ -1,0 +1,389 @@
+"""``transport=nixl``: the ctx rank WRITEs each chunk into the gen rank's memory with NIXL.
+
+NIXL is what production engines move KV caches with (vLLM's NixlConnector, TensorRT-LLM,
+SGLang, Dynamo); its UCX backend picks the path (cross-memory attach between processes of
+one host, CUDA IPC between GPUs of one node, RDMA across nodes). One agent per rank;
+every pool and slot is registered once in ``connect``, and the agents' metadata, pool
+addresses and sizes go through the torch.distributed store. Both sides then follow the
+same chunk order; only the ctx rank moves bytes. ``transport.mode``:
+
+- ``staged``: the design of kvlab's chunked strategies over NCCL (and of TensorRT-LLM's
+  bounded bounce buffer): pack into a registered slot (or use the pool where the chunk
+  lies in wire order), one WRITE of one descriptor into the gen rank's registered slot,
+  unpack there. Same slots, same flow control, same bounded memory as ``p2p``.
+- ``direct``: what vLLM's NixlConnector and TensorRT-LLM's Python transceiver do: no
+  staging; one WRITE whose descriptors are the chunk's runs (``kvlab.layout.runs`` of the
+  same rectangle on both states, neighbours that are contiguous on both sides merged), from
+  the ctx pool straight into the gen pool. Both sides compute the runs; the gen rank sends
+  only the block ids the chunk lands in.
+
+Flow control, through NIXL notifications (the gen rank's agent receives them without a
+receive being posted): a gen rank that has room for chunk ``i`` (its slot free again, or
+its blocks allocated) sends ``R<request>.<seq>`` with where the bytes go; the ctx rank WRITEs
+once that has arrived, with the notification ``D<request>.<seq>`` that NIXL delivers after
+the bytes; the gen rank finishes the chunk when it sees it. Every wait polls with a
+deadline of ``transfer.timeout_s``; a peer that is gone fails the WRITE at once (UCX
+reports the disconnect).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import struct
+import time
+import types
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kvlab import nixl
+from kvlab.errors import ConfigError
+from kvlab.layout import runs
+from kvlab.schedule import Chunk, Staging
+from kvlab.state import CacheState
+from kvlab.transports.p2p import P2P
+
+MODES = ("direct", "staged")
+POLL_S = 50e-6  # between polls: two busy ranks on two cores must not starve the one moving bytes
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs in wire order, neighbours that continue each other on both sides merged into one."""
+    if len(length) == 0:
+        return src, dst, length
+    brk = np.ones(len(length), dtype=bool)
+    brk[1:] = (src[1:] != src[:-1] + length[:-1]) | (dst[1:] != dst[:-1] + length[:-1])
+    first = np.flatnonzero(brk)
+    return src[first], dst[first], np.add.reduceat(length, first)
+
+
+def narrow(ops, ctas: int):
+    """The pack/unpack ops on few CTAs on GPUs, as p2p runs them."""
+    if ops.name != "cuda":
+        return ops
+    return types.SimpleNamespace(name=ops.name, pack=functools.partial(ops.pack, ctas=ctas),
+                                 unpack=functools.partial(ops.unpack, ctas=ctas))
+
+
+def descs(addr: np.ndarray, length: np.ndarray, dev: int) -> np.ndarray:
+    out = np.empty((len(addr), 3), dtype=np.uint64)
+    out[:, 0], out[:, 1], out[:, 2] = addr, length, dev
+    return out
+
+
+@dataclass
+class Write:
+    """A chunk on the ctx rank: packed (or not), waiting for the gen rank's room, then WRITE in flight."""
+
+    index: int
+    chunk: Chunk
+    rec: object
+    buf: torch.Tensor | None  # the chunk in wire order (a slot, or the pool in place); None: direct from runs
+    staged: bool
+    event: object = None  # the pack's completion on GPUs: NIXL does not follow CUDA streams
+    xfer: object = None
+    posted: object = None
+
+
+@dataclass
+class Landing:
+    """A chunk on the gen rank: room announced, bytes awaited."""
+
+    index: int
+    chunk: Chunk
+    buf: torch.Tensor | None
+    staged: bool
+    posted: object
+
+
+@dataclass
+class Peer:
+    agent: str
+    pools: dict = field(default_factory=dict)  # pool name -> (address, blocks)
+    dev: int = 0
+    state: CacheState | None = None
+
+
+class Nixl(P2P):
+    def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged"):
+        super().__init__(setup, side, rank, world_rank, device)
+        self.mode = mode
+        self.agent = None
+        self.regs: list = []
+        self.peers: dict[int, Peer] = {}  # side-local rank of the other side -> its agent and memory
+        self.inbox: dict[bytes, bytes] = {}  # notifications by key, until their chunk takes them
+        self.waiting: list[Write] = []  # ctx: chunks packed, not yet written
+        self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
+        self.closed = False
+
+    @classmethod
+    def check(cls, setup) -> None:
+        mode = setup.transport.options.get("mode", "staged")
+        if mode not in MODES:
+            raise ConfigError("transport.mode", mode, "use direct (runs straight into the gen pool) or staged "
+                              "(one WRITE per chunk through registered slots)")
+        if mode == "staged" and setup.transfer.strategy.staging == Staging.per_chunk:
+            raise ConfigError("transport.mode", mode, f"transfer={setup.transfer.strategy.name} allocates a buffer "
+                              "per chunk, and NIXL writes only into memory registered at start; use "
+                              "transport.mode=direct or a strategy with slots")
+        nixl.api()
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        return self.staging.peak_bytes if self.staging is not None else 0
+
+    # -- start-up ---------------------------------------------------------------------------
+    def connect(self, executor) -> None:
+        """Agent, registrations, peers' metadata and memory through the store, one notification each way."""
+        self.executor = executor
+        t = self.setup.transfer
+        self.ops = narrow(executor.ops, t.pack_ctas)
+        # direct mode stages nothing, except a chunk that fault injection corrupts on its way out
+        if self.mode == "staged" or (self.sending and executor.faults.flips):
+            self.staging = self._staging()
+        me = f"{self.side}{self.rank}"
+        self.agent = nixl.agent(me)
+        pools = executor.cache.pools
+        tensors = [s.storage for s in pools.values()]
+        if self.staging is not None and hasattr(self.staging, "storage"):
+            tensors.append(self.staging.storage)
+        self.regs = nixl.register(self.agent, tensors)
+        store = dist.distributed_c10d._get_default_store()
+        info = {"pools": {n: (s.storage.data_ptr(), s.num_blocks) for n, s in pools.items()},
+                "dev": nixl.device_id(tensors[0])}
+        store.set(f"nixl/info/{me}", json.dumps(info))
+        other = "gen" if self.sending else "ctx"
+        spec = self.setup.gen if self.sending else self.setup.ctx
+        names = [f"{other}{r}" for r in range(spec.size)]
+        agents = nixl.connect(self.agent, store, "nixl/md", names)
+        for r, name in enumerate(names):
+            got = json.loads(store.get(f"nixl/info/{name}"))
+            self.peers[r] = Peer(agents[name], {n: tuple(v) for n, v in got["pools"].items()}, got["dev"],
+                                 CacheState(self.setup.model, spec, r))
+        # endpoints are built at the first message: not inside the first timed chunk
+        for p in self.peers.values():
+            self.agent.send_notif(p.agent, b"H")
+        deadline = time.time() + max(t.timeout_s, 30.0)
+        for p in self.peers.values():
+            self._await(b"H", p.agent, deadline, lambda: ConfigError("transport", "nixl", "a peer agent did not "
+                                                                     "answer at start-up"))
+
+    def _staging(self):
+        from kvlab.staging import PerChunkBuffers, SlotPool
+
+        t = self.setup.transfer
+        return (PerChunkBuffers(self.device) if t.strategy.staging == Staging.per_chunk
+                else SlotPool(t.slots, t.slot_bytes, self.device))
+
+    # -- notifications ----------------------------------------------------------------------
+    def _poll(self) -> None:
+        for sender, msgs in self.agent.get_new_notifs().items():
+            for m in msgs:
+                key, _, payload = bytes(m).partition(b" ")
+                self.inbox[key + b"@" + (sender.encode() if isinstance(sender, str) else sender)] = payload
+
+    def _take(self, key: bytes, agent: str) -> bytes | None:
+        return self.inbox.pop(key + b"@" + agent.encode(), None)
+
+    def _await(self, key: bytes, agent: str, deadline: float, err) -> bytes:
+        while True:
+            self._poll()
+            got = self._take(key, agent)
+            if got is not None:
+                return got
+            if time.time() > deadline:
+                raise err()
+            time.sleep(POLL_S)
+
+    @staticmethod
+    def _key(kind: bytes, c: Chunk) -> bytes:
+        return b"%s%d.%d" % (kind, c.request, c.seq)
+
+    # -- chunks -----------------------------------------------------------------------------
+    def _rank_runs(self, state_pool, num_blocks: int, c: Chunk, ids: torch.Tensor, base: int):
+        r = runs(state_pool, num_blocks, c.rect, ids, base)
+        return r.mem.cpu().numpy(), r.wire.cpu().numpy(), r.length.cpu().numpy()
+
+    def _own_runs(self, c: Chunk):
+        store = self.executor.cache.pools[c.rect.pool]
+        table = self.executor.cache.tables[c.request][c.rect.pool]
+        return self._rank_runs(store.pool, store.num_blocks, c, torch.tensor(table.host), table.base)
+
+    def _landing_blocks(self, c: Chunk) -> bytes:
+        """The gen rank's physical blocks under the chunk's tokens: all the ctx rank needs to address it."""
+        store = self.executor.cache.pools[c.rect.pool]
+        table = self.executor.cache.tables[c.request][c.rect.pool]
+        tpb = store.pool.tokens_per_block
+        ids = table.host[c.rect.t0 // tpb - table.base:(c.rect.t1 - 1) // tpb - table.base + 1]
+        return np.asarray(ids, dtype=np.int64).tobytes()
+
+    def start(self, i: int, c: Chunk, rec):
+        clock, faults = self.executor.clock, self.executor.faults
+        if not self.sending:
+            if self.mode == "direct":
+                buf, staged, room = None, False, self._landing_blocks(c)
+            else:
+                buf, staged = self._buffer(i, c)
+                if staged and i % self.staging.slots in self.after_unpack:
+                    self.after_unpack.pop(i % self.staging.slots).synchronize()  # the slot is free again
+                room = struct.pack("<QQ", buf.data_ptr(), buf.numel())
+            self._send(self.peers[c.src].agent, self._key(b"R", c) + b" " + room, c)
+            return Landing(i, c, buf, staged, clock.mark())
+        if self.mode == "direct":
+            buf, staged = None, False
+        else:
+            buf, staged = self._buffer(i, c)
+            if staged:
+                self._copy(c, buf, rec)
+        if i in faults.flips:
+            if not staged:  # corrupt the message, not the cache: the same bytes may go to another gen rank
+                out = self.staging.get(i, c.nbytes)
+                if buf is None:
+                    self._copy(c, out, rec)
+                else:
+                    out.copy_(buf)
+                buf, staged = out, True
+            faults.flip(i, buf)
+        w = Write(i, c, rec, buf, staged)
+        if self.device.type == "cuda":
+            w.event = torch.cuda.Event()
+            w.event.record()
+        self.waiting.append(w)
+        self._pump()
+        return w
+
+    def _send(self, agent: str, msg: bytes, c: Chunk) -> None:
+        try:
+            self.agent.send_notif(agent, msg)
+        except Exception as e:  # noqa: BLE001 - NIXL's errors are plain Exceptions (remote disconnect, ...)
+            raise self.failed(c, "notification failed", e) from e
+
+    def _pump(self) -> None:
+        """WRITE every packed chunk whose room on the gen rank has been announced."""
+        if not self.waiting:
+            return
+        self._poll()
+        still = []
+        for w in self.waiting:
+            peer = self.peers[w.chunk.dst]
+            room = self._take(self._key(b"R", w.chunk), peer.agent)
+            if room is None:
+                still.append(w)
+            else:
+                self._write(w, peer, room)
+        self.waiting = still
+
+    def _write(self, w: Write, peer: Peer, room: bytes) -> None:
+        c = w.chunk
+        storage = self.executor.cache.pools[c.rect.pool].storage
+        dev, mem = nixl.device_id(storage), nixl.mem_type(storage)
+        if self.mode == "staged":
+            addr, n = struct.unpack("<QQ", room)
+            if n != c.nbytes:
+                raise self.failed(c, f"gen rank offers {n} B for a {c.nbytes} B chunk")
+            src, dst, length = (np.array([w.buf.data_ptr()], dtype=np.int64), np.array([addr], dtype=np.int64),
+                                np.array([n], dtype=np.int64))
+        else:
+            ids = torch.from_numpy(np.frombuffer(room, dtype=np.int64).copy())
+            pool = peer.state.pool(c.rect.pool)
+            base_addr, blocks = peer.pools[c.rect.pool]
+            dmem, dwire, length = self._rank_runs(pool, blocks, c, ids, c.rect.t0 // pool.tokens_per_block)
+            if w.buf is not None:  # corrupted on its way out: from the staging copy, in wire order
+                src = w.buf.data_ptr() + dwire
+            else:
+                smem, _, _ = self._own_runs(c)
+                src = storage.data_ptr() + smem
+            src, dst, length = coalesce(src, base_addr + dmem, length)
+        if w.event is not None:
+            w.event.synchronize()
+        w.rec.descriptors += len(length)
+        try:
+            w.xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(descs(src, length, dev), mem),
+                                                self.agent.get_xfer_descs(descs(dst, length, peer.dev), mem),
+                                                peer.agent, self._key(b"D", c))
+            w.posted = self.executor.clock.mark()
+            if self.agent.transfer(w.xfer) == "ERR":
+                raise RuntimeError("NIXL refused the WRITE")
+        except Exception as e:  # noqa: BLE001 - NIXL's errors are plain Exceptions (remote disconnect, ...)
+            raise self.failed(c, "WRITE failed", e) from e
+
+    def finish(self, h, rec) -> bool:
+        c, timeout = h.chunk, self.setup.transfer.timeout_s
+        deadline = time.time() + timeout
+        late = lambda: self.failed(c, f"not done within {timeout:g} s or peer gone")  # noqa: E731
+        if not self.sending:
+            self._await(self._key(b"D", c), self.peers[c.src].agent, deadline, late)
+            rec.wire.append((h.posted, self.executor.clock.mark()))
+            self._flip_landed(h)
+            if h.staged:
+                self._copy(c, h.buf, rec)
+                if self.device.type == "cuda":
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    self.after_unpack[h.index % self.staging.slots] = ev
+                self.staging.put(h.buf)
+            return not h.staged
+        while True:
+            self._pump()
+            if h.xfer is not None:
+                try:
+                    state = self.agent.check_xfer_state(h.xfer)
+                except Exception as e:  # noqa: BLE001
+                    raise self.failed(c, "WRITE failed", e) from e
+                if state == "DONE":
+                    break
+                if state == "ERR":
+                    raise self.failed(c, "WRITE failed")
+            if time.time() > deadline:
+                raise late()
+            time.sleep(POLL_S)
+        rec.wire.append((h.posted, self.executor.clock.mark()))
+        h.xfer.release()
+        h.xfer = None
+        if h.staged:
+            self.staging.put(h.buf)
+        return not h.staged
+
+    def _flip_landed(self, h: Landing) -> None:
+        """Fault injection on the gen rank: bytes of the message inverted where they landed."""
+        offsets = self.executor.faults.flips.get(h.index, [])
+        if not offsets:
+            return
+        if h.buf is not None:
+            self.executor.faults.flip(h.index, h.buf)
+            return
+        mem, wire, _ = self._own_runs(h.chunk)  # runs come in wire order
+        storage = self.executor.cache.pools[h.chunk.rect.pool].storage
+        for j in offsets:
+            k = np.searchsorted(wire, j, side="right") - 1
+            at = int(mem[k] + j - wire[k])
+            storage[at:at + 1].bitwise_xor_(0xFF)
+
+    def abandon(self, h) -> None:
+        if isinstance(h, Write):
+            if h in self.waiting:
+                self.waiting.remove(h)
+            if h.xfer is not None:
+                try:
+                    h.xfer.release()
+                except Exception:  # noqa: BLE001 - a WRITE to a dead peer may not be cancellable; the run ends
+                    pass
+                h.xfer = None
+        if h.staged and self.staging is not None:
+            self.staging.put(h.buf)
+
+    def close(self) -> None:
+        if self.closed or self.agent is None:
+            self.closed = True
+            return
+        self.closed = True
+        for p in self.peers.values():
+            try:
+                self.agent.remove_remote_agent(p.agent)
+            except Exception:  # noqa: BLE001 - the peer may be gone already
+                pass
+        for reg in self.regs:
+            self.agent.deregister_memory(reg)
+        self.regs, self.agent = [], None
