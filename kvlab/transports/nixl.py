@@ -42,6 +42,7 @@ from kvlab import nixl
 from kvlab.errors import ConfigError
 from kvlab.layout import runs
 from kvlab.schedule import Chunk, Staging
+from kvlab.staging import PerChunkBuffers, SlotPool
 from kvlab.state import CacheState
 from kvlab.transports.p2p import P2P
 
@@ -85,6 +86,7 @@ class Write:
     event: object = None  # the pack's completion on GPUs: NIXL does not follow CUDA streams
     xfer: object = None
     posted: object = None
+    reg: object = None  # a per-chunk buffer's registration (naive)
 
 
 @dataclass
@@ -96,6 +98,7 @@ class Landing:
     buf: torch.Tensor | None
     staged: bool
     posted: object
+    reg: object = None  # a per-chunk buffer's registration (naive)
 
 
 @dataclass
@@ -117,6 +120,8 @@ class Nixl(P2P):
         self.waiting: list[Write] = []  # ctx: chunks packed, not yet written
         self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
         self.closed = False
+        self.per_chunk = False  # naive: a buffer per chunk, registered for that chunk only
+        self.window = setup.transfer.slots  # chunk i uses slot i % slots
 
     @classmethod
     def check(cls, setup) -> None:
@@ -124,10 +129,6 @@ class Nixl(P2P):
         if mode not in MODES:
             raise ConfigError("transport.mode", mode, "use direct (runs straight into the gen pool) or staged "
                               "(one WRITE per chunk through registered slots)")
-        if mode == "staged" and setup.transfer.strategy.staging == Staging.per_chunk:
-            raise ConfigError("transport.mode", mode, f"transfer={setup.transfer.strategy.name} allocates a buffer "
-                              "per chunk, and NIXL writes only into memory registered at start; use "
-                              "transport.mode=direct or a strategy with slots")
         nixl.api()
 
     @property
@@ -143,6 +144,7 @@ class Nixl(P2P):
         # direct mode stages nothing, except a chunk that fault injection corrupts on its way out
         if self.mode == "staged" or (self.sending and executor.faults.flips):
             self.staging = self._staging()
+        self.per_chunk = isinstance(self.staging, PerChunkBuffers)
         me = f"{self.side}{self.rank}"
         self.agent = nixl.agent(me)
         pools = executor.cache.pools
@@ -171,8 +173,6 @@ class Nixl(P2P):
                                                                      "answer at start-up"))
 
     def _staging(self):
-        from kvlab.staging import PerChunkBuffers, SlotPool
-
         t = self.setup.transfer
         return (PerChunkBuffers(self.device) if t.strategy.staging == Staging.per_chunk
                 else SlotPool(t.slots, t.slot_bytes, self.device))
@@ -226,9 +226,16 @@ class Nixl(P2P):
                 buf, staged, room = None, False, self._landing_blocks(c)
             else:
                 buf, staged = self._buffer(i, c)
-                if staged and i % self.staging.slots in self.after_unpack:
-                    self.after_unpack.pop(i % self.staging.slots).synchronize()  # the slot is free again
+                if staged and (i % self.window) in self.after_unpack:
+                    self.after_unpack.pop(i % self.window).synchronize()  # the slot is free again
                 room = struct.pack("<QQ", buf.data_ptr(), buf.numel())
+                if staged and self.per_chunk:
+                    # the naive baseline's buffer is new memory: registered now, and its partial metadata
+                    # (the key the ctx agent needs to write into it) travels with the announcement
+                    reg = self.agent.register_memory(buf)
+                    room += self.agent.get_partial_agent_metadata(reg, False)
+                    self._send(self.peers[c.src].agent, self._key(b"R", c) + b" " + room, c)
+                    return Landing(i, c, buf, staged, clock.mark(), reg)
             self._send(self.peers[c.src].agent, self._key(b"R", c) + b" " + room, c)
             return Landing(i, c, buf, staged, clock.mark())
         if self.mode == "direct":
@@ -247,6 +254,8 @@ class Nixl(P2P):
                 buf, staged = out, True
             faults.flip(i, buf)
         w = Write(i, c, rec, buf, staged)
+        if staged and self.per_chunk:
+            w.reg = self.agent.register_memory(buf)
         if self.device.type == "cuda":
             w.event = torch.cuda.Event()
             w.event.record()
@@ -280,7 +289,9 @@ class Nixl(P2P):
         storage = self.executor.cache.pools[c.rect.pool].storage
         dev, mem = nixl.device_id(storage), nixl.mem_type(storage)
         if self.mode == "staged":
-            addr, n = struct.unpack("<QQ", room)
+            addr, n = struct.unpack("<QQ", room[:16])
+            if len(room) > 16:  # a buffer registered for this chunk alone
+                self.agent.add_remote_agent(room[16:])
             if n != c.nbytes:
                 raise self.failed(c, f"gen rank offers {n} B for a {c.nbytes} B chunk")
             src, dst, length = (np.array([w.buf.data_ptr()], dtype=np.int64), np.array([addr], dtype=np.int64),
@@ -319,11 +330,11 @@ class Nixl(P2P):
             self._flip_landed(h)
             if h.staged:
                 self._copy(c, h.buf, rec)
-                if self.device.type == "cuda":
+                if self.device.type == "cuda" and not self.per_chunk:
                     ev = torch.cuda.Event()
                     ev.record()
-                    self.after_unpack[h.index % self.staging.slots] = ev
-                self.staging.put(h.buf)
+                    self.after_unpack[h.index % self.window] = ev
+                self._release(h)
             return not h.staged
         while True:
             self._pump()
@@ -343,8 +354,14 @@ class Nixl(P2P):
         h.xfer.release()
         h.xfer = None
         if h.staged:
-            self.staging.put(h.buf)
+            self._release(h)
         return not h.staged
+
+    def _release(self, h) -> None:
+        if h.reg is not None:
+            self.agent.deregister_memory(h.reg)
+            h.reg = None
+        self.staging.put(h.buf)
 
     def _flip_landed(self, h: Landing) -> None:
         """Fault injection on the gen rank: bytes of the message inverted where they landed."""
@@ -372,7 +389,7 @@ class Nixl(P2P):
                     pass
                 h.xfer = None
         if h.staged and self.staging is not None:
-            self.staging.put(h.buf)
+            self._release(h)
 
     def close(self) -> None:
         if self.closed or self.agent is None:
