@@ -1,4 +1,4 @@
-"""transport=nixl and its reference: raw NIXL WRITEs between processes over UCX (DRAM on CPUs)."""
+"""transport=nixl and its reference: raw NIXL WRITEs between two processes over UCX (DRAM on CPUs)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,6 @@ pytest.importorskip("nixl_cu13", reason='the nixl extra is not installed (pip in
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("writers", [1, 2])
 def test_raw_write_one_and_many_descriptors_verified(writers, tmp_path):
     """The benchmark's reference itself: the bytes land where the shuffled descriptors say, on the target."""

@@ -1,0 +1,134 @@
+"""transport=nixl in both modes, next to raw NIXL WRITEs of the same bytes measured in the same run.
+
+For Llama-3.1-8B and DeepSeek-V3.2 at 4k and 32k prompt tokens, ctx TP2 -> gen TP1 (mismatched
+sides), one request per run, verified: ``transport.mode=staged`` (one descriptor per chunk
+through registered slots) and ``direct`` (one descriptor per merged run, pool to pool), each
+next to
+  - raw NIXL: the same bytes WRITten by two processes into a third, one descriptor each
+    (scripts/nixl_raw.py: the shape of the run, its ctx ranks into its gen rank), the ceiling;
+  - raw NIXL cut into as many descriptors as the run posted per request (same bytes, same
+    mean descriptor size): what NIXL itself does with that many descriptors, without kvlab.
+GB/s of a run = bytes delivered / (ctx's first chunk -> gen's last landing), as every kvlab
+figure. What UCX chose for the WRITEs is read from UCX's own protocol report.
+
+    python scripts/nixl_bench.py --out results/nixl_cpu.json               # CPU (DRAM, this machine)
+    python scripts/nixl_bench.py --device cuda --out nixl_h200.json        # one GPU: ranks share it (VRAM)
+    python scripts/nixl_bench.py --only "llama3_8b 4096"                   # a subset
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+MiB, GiB = 2**20, 2**30
+WRITERS = 2  # ctx TP2 -> gen TP1: two ctx ranks write into one gen rank
+
+
+def runs(device: str, with_ipc: bool) -> list[tuple[str, list[str]]]:
+    common = ["logger=quiet", "workload.requests=1", "workload.concurrency=1", "cache.spare_blocks=2",
+              f"ctx.tp={WRITERS}", "gen.tp=1", "transfer=chunked", "transfer.slot_mib=16", "transfer.slots=4",
+              f"device={device}"]
+    transports = [("nixl staged", ["transport=nixl", "transport.mode=staged"]),
+                  ("nixl direct", ["transport=nixl", "transport.mode=direct"])]
+    if with_ipc:
+        transports.append(("ipc", ["transport=ipc"]))
+    out = []
+    for model in ("llama3_8b", "deepseek_v32"):
+        for isl in (4096, 32768):
+            for name, t in transports:
+                out.append((f"{model} {isl} {name}", common + [f"model={model}", f"workload.isl={isl}"] + t))
+    return out
+
+
+def ucx_choice(log: str) -> list[str]:
+    """The protocols UCX reported for remote writes (``UCX_PROTO_INFO=y``): range, method, transport."""
+    out, inside = [], False
+    for line in log.splitlines():
+        if "remote memory write by ucp_put" in line:
+            inside = True
+            continue
+        if inside:
+            m = re.search(r"\|\s*([\d.]+\S*)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|\s*$", line)
+            if m:
+                out.append(f"{m.group(1)} {m.group(2)} {m.group(3)}")
+            elif not re.search(r"\+-|Range", line):
+                inside = False
+    return sorted(set(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--only", default="", help="run only transfers whose name contains this")
+    ap.add_argument("--ipc", action="store_true", help="add transport=ipc rows (the pull transport)")
+    args = ap.parse_args()
+
+    from nixl_raw import fit, measure
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvlab import nixl
+    from kvlab.runner import run_transfer
+
+    console = Console()
+    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **nixl.versions(),
+              "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if args.device == "cuda" else
+              "cpu", "transfers": []}
+    done = []
+    for name, overrides in runs(args.device, args.ipc):
+        if args.only not in name:
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            t = time.time()
+            s = run_transfer(overrides, d)
+            (row,) = [json.loads(line) for line in (Path(d) / "results.jsonl").read_text().splitlines()]
+            done.append({"name": name, "overrides": overrides, "summary": s, "request": row,
+                         "wall_s": time.time() - t})
+            console.print(f"{name}: {s['gbps']:.2f} GB/s, {row['descriptors']} descriptors, "
+                          f"verified={s['verified']}, {time.time() - t:.0f} s")
+    # the references, after the runs (a small machine runs one thing at a time), from as many writers as the
+    # runs have ctx ranks into one target: one descriptor per writer of the same bytes, and the same bytes
+    # in as many descriptors as each run posted
+    cases = set()
+    for r in done:
+        n, k = r["summary"]["total_bytes"], max(1, r["request"]["descriptors"])
+        cases |= {fit(n, 1, WRITERS), fit(n, k, WRITERS)}
+    raw = measure(sorted(cases), args.device, env={"UCX_PROTO_INFO": "y"}, writers=WRITERS)
+    report["ucx_write"] = ucx_choice(raw["log"])
+    by = {(c["bytes"], c["descriptors"]): c for c in raw["cases"]}
+    table = Table(title=f"transport=nixl on {report['device']}, NIXL {report['nixl']}, UCX {report.get('ucx')}, "
+                        f"{report['date'][:10]}; UCX wrote with: {', '.join(report['ucx_write'])}")
+    for col in ("transfer", "GiB", "descriptors / request", "B / descriptor", "GB/s", "raw 1 desc GB/s", "ratio",
+                "raw same desc GB/s", "ratio", "staging MiB", "verified"):
+        table.add_column(col, justify="right")
+    for r in done:
+        s, k = r["summary"], max(1, r["request"]["descriptors"])
+        one, many = by[fit(s["total_bytes"], 1, WRITERS)], by[fit(s["total_bytes"], k, WRITERS)]
+        r.update(raw_one_gbps=one["gbps"], raw_same_descriptors_gbps=many["gbps"], ratio_to_raw=s["gbps"] / one["gbps"],
+                 ratio_to_raw_same_descriptors=s["gbps"] / many["gbps"], descriptors=r["request"]["descriptors"])
+        table.add_row(r["name"], f"{s['total_bytes'] / GiB:.2f}", f"{r['descriptors']:,}",
+                      f"{s['total_bytes'] // k:,}", f"{s['gbps']:.2f}", f"{one['gbps']:.2f}",
+                      f"{r['ratio_to_raw']:.3f}", f"{many['gbps']:.2f}", f"{r['ratio_to_raw_same_descriptors']:.3f}",
+                      f"{s['peak_staging_bytes'] / MiB:,.0f}", "yes" if s["verified"] else "NO")
+    report["transfers"] = done
+    report["raw"] = raw["cases"]
+    console.print(table)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    console.print(f"written {args.out}")
+
+
+if __name__ == "__main__":
+    main()
