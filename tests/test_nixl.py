@@ -145,12 +145,14 @@ def test_killed_rank_ends_the_nixl_run_with_its_requests_named(mode, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", [c[0] for c in CORRUPTION])
-def test_bytes_flipped_in_direct_mode_are_caught_and_located(case, tmp_path):
-    """In direct mode a flip on the ctx rank goes out of a staging copy (the pool stays intact for the
-    other gen ranks) and a flip on the gen rank lands in its pool, where the runs put the byte."""
+def test_flipped_bytes_are_caught_and_located(case, mode, tmp_path):
+    """Staged: flipped in the slot (or a copy of an in-place chunk) as over p2p. Direct: a flip on the ctx
+    rank goes out of a staging copy (the pool stays intact for the other gen ranks), a flip on the gen
+    rank lands in its pool, where the runs put the byte."""
     _, overrides, flip_rank, want = next(c for c in CORRUPTION if c[0] == case)
-    flips_caught(overrides + NIXL + ["transport.mode=direct"], flip_rank, want, tmp_path)
+    flips_caught(overrides + NIXL + [f"transport.mode={mode}"], flip_rank, want, tmp_path)
 
 
 def test_without_the_extra_transport_nixl_is_one_line_naming_it(tmp_path):
