@@ -175,3 +175,24 @@ def test_unknown_mode_is_one_line():
 
     with pytest.raises(ConfigError, match=r"^transport.mode=pull: use direct .* or staged"):
         build(compose(NIXL + ["transport.mode=pull"]))
+
+
+# -- one GPU: every rank on it, VRAM registered, UCX between the processes (cuda_ipc) ---------------
+GPU = ["logger=quiet", "transport=nixl", "device=cuda", "kernels=cuda", "workload.requests=3",
+       "workload.concurrency=2", "workload.isl=3000", "transfer.slot_mib=0.25", "cache.fragmentation=0.3"]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("overrides", [["transfer=chunked", "ctx.tp=2", "gen.tp=1"],
+                                       ["model=tiny_dsa", "transfer=layerwise", "ctx.tp=1", "gen.tp=2"]],
+                         ids=["gqa-tp2-tp1-chunked", "dsa-tp1-tp2-layerwise"])
+def test_nixl_on_one_gpu_verified(overrides, mode, tmp_path):
+    from kvlab.runner import run_transfer
+
+    s = run_transfer(GPU + overrides + [f"transport.mode={mode}"], tmp_path)
+    assert s["verified"] and s["kernels"] == "cuda", s
+    if mode == "staged":  # nothing but the slots during transfers
+        assert s["peak_extra_device_bytes"] <= s["peak_staging_bytes"] + (1 << 20), s
