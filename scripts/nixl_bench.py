@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 MiB, GiB = 2**20, 2**30
 WRITERS = 2  # ctx TP2 -> gen TP1: two ctx ranks write into one gen rank
+CURVE = (2, 32, 512, 8192, 131072)  # descriptors of the raw curve, from one per writer to 4 KiB pieces at 512 MiB
 
 
 def runs(device: str, with_ipc: bool) -> list[tuple[str, list[str]]]:
@@ -106,6 +107,11 @@ def main() -> None:
     for r in done:
         n, k = r["summary"]["total_bytes"], max(1, r["request"]["descriptors"])
         cases |= {fit(n, 1, WRITERS), fit(n, k, WRITERS)}
+    # and the curve itself: the smallest run's bytes in ever more descriptors
+    if not done:
+        sys.exit(f"nixl_bench: no transfer matches --only {args.only!r}")
+    curve = [fit(min(r["summary"]["total_bytes"] for r in done), k, WRITERS) for k in CURVE]
+    cases |= set(curve)
     raw = measure(sorted(cases), args.device, env={"UCX_PROTO_INFO": "y"}, writers=WRITERS)
     report["ucx_write"] = ucx_choice(raw["log"])
     by = {(c["bytes"], c["descriptors"]): c for c in raw["cases"]}
@@ -126,6 +132,15 @@ def main() -> None:
     report["transfers"] = done
     report["raw"] = raw["cases"]
     console.print(table)
+    curve_table = Table(title="raw NIXL: the same bytes in more descriptors")
+    for col in ("MiB", "descriptors", "B / descriptor", "GB/s", "ratio to the fewest"):
+        curve_table.add_column(col, justify="right")
+    for n, k in sorted(curve, key=lambda c: c[1]):
+        c = by[(n, k)]
+        curve_table.add_row(f"{n / MiB:,.0f}", f"{k:,}", f"{c['piece_bytes']:,}", f"{c['gbps']:.2f}",
+                            f"{c['gbps'] / by[curve[0]]['gbps']:.3f}")
+    report["curve"] = [by[c] for c in curve]
+    console.print(curve_table)
     Path(args.out).write_text(json.dumps(report, indent=2))
     console.print(f"written {args.out}")
 
