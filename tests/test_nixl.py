@@ -1,4 +1,4 @@
-"""transport=nixl and its reference: raw NIXL WRITEs between two processes over UCX (DRAM on CPUs)."""
+"""transport=nixl and its reference: raw NIXL WRITEs between processes over UCX (DRAM on CPUs)."""
 from __future__ import annotations
 
 import json
@@ -6,12 +6,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_faults import CORRUPTION
+from test_faults import CORRUPTION, FAULTY, HANG_S, TIMEOUT_S
+from test_faults import _gave_up_in_time as gave_up_in_time
 from test_faults import test_flipped_bytes_are_caught_and_located as flips_caught
 
 pytest.importorskip("nixl_cu13", reason='the nixl extra is not installed (pip install -e ".[nixl]")')
@@ -19,6 +19,7 @@ pytest.importorskip("nixl_cu13", reason='the nixl extra is not installed (pip in
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writers", [1, 2])
 def test_raw_write_one_and_many_descriptors_verified(writers, tmp_path):
     """The benchmark's reference itself: the bytes land where the shuffled descriptors say, on the target."""
@@ -67,7 +68,7 @@ def test_nixl_end_to_end_verified(overrides, mode, tmp_path):
     assert summary["failed_requests"] == [] and summary["errors"] == []
     setup = build(compose(overrides + NIXL))
     rows = _rows(tmp_path)
-    assert len(rows) == setup.cfg.workload.requests
+    assert len(rows) == setup.workload.requests == summary["requests"]
     for req, row in zip(make_requests(setup), rows):
         assert row["bytes"] == sum(s.nbytes for s in plan(setup.model, setup.ctx, setup.gen, req))
         assert row["verified"]
@@ -106,26 +107,13 @@ def test_coalesce_merges_only_runs_contiguous_on_both_sides():
 
 
 # -- failures --------------------------------------------------------------------------------------
-TIMEOUT_S = 4
-# as tests/test_faults.py: 0.5 MiB chunks, 7 per request and ctx rank, two requests in flight
-FAULTY = ["transfer.slot_mib=0.5", "workload.requests=6", f"transfer.timeout_s={TIMEOUT_S}"]
-
-
-def _kvlab() -> list[str]:
-    script = Path(sys.executable).parent / "kvlab"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_killed_rank_ends_the_nixl_run_with_its_requests_named(mode, tmp_path):
+def test_killed_rank_ends_the_nixl_run_with_its_requests_named(mode, tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
-    t0 = time.time()
     # ctx1 dies as it is about to start its 25th chunk: requests 0 and 1 are through, 2 and 3 in flight
-    p = subprocess.run([*_kvlab(), "run", f"hydra.run.dir={run_dir}", *NIXL, f"transport.mode={mode}", *FAULTY,
-                        "fault.kill_rank=1", "fault.kill_at_chunk=24"], capture_output=True, text=True,
-                       timeout=TIMEOUT_S + 90)
-    assert time.time() - t0 < TIMEOUT_S + 60
+    p = kvlab_cli("run", f"hydra.run.dir={run_dir}", *NIXL, f"transport.mode={mode}", *FAULTY, "fault.kill_rank=1",
+                  "fault.kill_at_chunk=24", timeout=HANG_S)
     assert p.returncode == 3, p.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert not summary["verified"] and summary["silent_ranks"] == [1]
@@ -140,6 +128,7 @@ def test_killed_rank_ends_the_nixl_run_with_its_requests_named(mode, tmp_path):
     # the gen rank gives up on ctx1: UCX reports the disconnect, or the deadline passes
     assert re.fullmatch(rf"gen0: request \d+ chunk \d+ with ctx1: (not done within {TIMEOUT_S} s or peer gone|"
                         r"(notification|WRITE) failed: NIXL_ERR_REMOTE_DISCONNECT)", gen["errors"][0]), gen["errors"]
+    gave_up_in_time(run_dir, [0, 2])
     for r in (0, 2):  # the survivors freed the failed requests' blocks
         assert json.loads((run_dir / "parts" / f"rank{r}.json").read_text())["held_blocks"] == 0
 
@@ -155,14 +144,13 @@ def test_flipped_bytes_are_caught_and_located(case, mode, tmp_path):
     flips_caught(overrides + NIXL + [f"transport.mode={mode}"], flip_rank, want, tmp_path)
 
 
-def test_without_the_extra_transport_nixl_is_one_line_naming_it(tmp_path):
+def test_without_the_extra_transport_nixl_is_one_line_naming_it(tmp_path, kvlab_cli):
     blocked = tmp_path / "blocked"
     blocked.mkdir()
     for mod in ("nixl", "nixl_cu13"):  # shadow the installed package
         (blocked / f"{mod}.py").write_text("raise ImportError('not installed')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocked), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([*_kvlab(), "run", f"hydra.run.dir={tmp_path / 'run'}", *NIXL], capture_output=True,
-                       text=True, env=env, timeout=120)
+    env = {"PYTHONPATH": os.pathsep.join([str(blocked), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    p = kvlab_cli("run", f"hydra.run.dir={tmp_path / 'run'}", *NIXL, env=env)
     assert p.returncode == 2
     assert p.stderr.strip() == ('kvlab: error: transport=nixl: the NIXL package is not installed; '
                                 'pip install -e ".[nixl]"'), p.stderr

@@ -27,11 +27,9 @@ reports the disconnect).
 """
 from __future__ import annotations
 
-import functools
 import json
 import struct
 import time
-import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,10 +39,10 @@ import torch.distributed as dist
 from kvlab import nixl
 from kvlab.errors import ConfigError
 from kvlab.layout import runs
-from kvlab.schedule import Chunk, Staging
-from kvlab.staging import PerChunkBuffers, SlotPool
+from kvlab.schedule import Chunk
+from kvlab.staging import PerChunkBuffers
 from kvlab.state import CacheState
-from kvlab.transports.p2p import P2P
+from kvlab.transports.p2p import P2P, narrow
 
 MODES = ("direct", "staged")
 POLL_S = 50e-6  # between polls: two busy ranks on two cores must not starve the one moving bytes
@@ -58,14 +56,6 @@ def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.n
     brk[1:] = (src[1:] != src[:-1] + length[:-1]) | (dst[1:] != dst[:-1] + length[:-1])
     first = np.flatnonzero(brk)
     return src[first], dst[first], np.add.reduceat(length, first)
-
-
-def narrow(ops, ctas: int):
-    """The pack/unpack ops on few CTAs on GPUs, as p2p runs them."""
-    if ops.name != "cuda":
-        return ops
-    return types.SimpleNamespace(name=ops.name, pack=functools.partial(ops.pack, ctas=ctas),
-                                 unpack=functools.partial(ops.unpack, ctas=ctas))
 
 
 def descs(addr: np.ndarray, length: np.ndarray, dev: int) -> np.ndarray:
@@ -143,7 +133,7 @@ class Nixl(P2P):
         self.ops = narrow(executor.ops, t.pack_ctas)
         # direct mode stages nothing, except a chunk that fault injection corrupts on its way out
         if self.mode == "staged" or (self.sending and executor.faults.flips):
-            self.staging = self._staging()
+            self.staging = self._new_staging()
         self.per_chunk = isinstance(self.staging, PerChunkBuffers)
         me = f"{self.side}{self.rank}"
         self.agent = nixl.agent(me)
@@ -169,13 +159,8 @@ class Nixl(P2P):
             self.agent.send_notif(p.agent, b"H")
         deadline = time.time() + max(t.timeout_s, 30.0)
         for p in self.peers.values():
-            self._await(b"H", p.agent, deadline, lambda: ConfigError("transport", "nixl", "a peer agent did not "
-                                                                     "answer at start-up"))
-
-    def _staging(self):
-        t = self.setup.transfer
-        return (PerChunkBuffers(self.device) if t.strategy.staging == Staging.per_chunk
-                else SlotPool(t.slots, t.slot_bytes, self.device))
+            self._await(b"H", p.agent, deadline,
+                        lambda p=p: RuntimeError(f"nixl: agent {p.agent} did not answer within the start-up deadline"))
 
     # -- notifications ----------------------------------------------------------------------
     def _poll(self) -> None:

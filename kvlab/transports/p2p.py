@@ -65,6 +65,14 @@ def warm_up(groups: dict, world_rank: int, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def narrow(ops, ctas: int):
+    """The pack/unpack ops on few CTAs on GPUs: the copies must leave the wire its SMs (docs/design.md)."""
+    if ops.name != "cuda":
+        return ops
+    return types.SimpleNamespace(name=ops.name, pack=functools.partial(ops.pack, ctas=ctas),
+                                 unpack=functools.partial(ops.unpack, ctas=ctas))
+
+
 @dataclass
 class Posted:
     index: int
@@ -90,14 +98,14 @@ class P2P(Transport):
         t = self.setup.transfer
         self.groups = pair_groups(self.setup)
         # the staging is allocated after the device-memory baseline: it is the transfer's extra memory
-        self.staging = (PerChunkBuffers(self.device) if t.strategy.staging == Staging.per_chunk
-                        else SlotPool(t.slots, t.slot_bytes, self.device))
-        self.ops = executor.ops
-        if self.ops.name == "cuda":  # few CTAs: the copies must leave NCCL its SMs (docs/design.md)
-            ops, ctas = self.ops, t.pack_ctas
-            self.ops = types.SimpleNamespace(name=ops.name, pack=functools.partial(ops.pack, ctas=ctas),
-                                             unpack=functools.partial(ops.unpack, ctas=ctas))
+        self.staging = self._new_staging()
+        self.ops = narrow(executor.ops, t.pack_ctas)
         warm_up(self.groups, self.world_rank, self.device)  # after the baseline: NCCL's buffers count as extra
+
+    def _new_staging(self):
+        t = self.setup.transfer
+        return (PerChunkBuffers(self.device) if t.strategy.staging == Staging.per_chunk
+                else SlotPool(t.slots, t.slot_bytes, self.device))
 
     def _peer(self, c: Chunk) -> int:
         return self.setup.world_rank("gen" if self.sending else "ctx", c.dst if self.sending else c.src)
