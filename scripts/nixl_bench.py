@@ -82,7 +82,7 @@ def main() -> None:
     from rich.table import Table
 
     from kvlab import nixl
-    from kvlab.runner import run_transfer
+    from kvlab.api import run_transfer
 
     console = Console()
     report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **nixl.versions(),

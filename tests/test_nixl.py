@@ -58,9 +58,9 @@ def _rows(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("overrides", [pytest.param(c[1], id=c[0], marks=[] if i == 0 else [pytest.mark.slow])
                                        for i, c in enumerate(CASES)])
 def test_nixl_end_to_end_verified(overrides, mode, tmp_path):
+    from kvlab.api import run_transfer
     from kvlab.config import build, compose
     from kvlab.plan import plan
-    from kvlab.runner import run_transfer
     from kvlab.workload import make_requests
 
     summary = run_transfer(overrides + NIXL + [f"transport.mode={mode}"], tmp_path)
@@ -83,7 +83,7 @@ def test_nixl_end_to_end_verified(overrides, mode, tmp_path):
 def test_direct_merges_runs_that_continue_on_both_sides(tmp_path):
     """Identical layouts and consecutive blocks: every chunk's runs continue each other in both pools,
     so each chunk is one descriptor; fragmented block tables break them up."""
-    from kvlab.runner import run_transfer
+    from kvlab.api import run_transfer
 
     same = NIXL + ["transport.mode=direct", "parallel=same", "transfer=zerocopy", "workload.requests=1",
                    "workload.isl=2048", "transfer.slot_mib=0.5"]
@@ -178,7 +178,7 @@ GPU = ["logger=quiet", "transport=nixl", "device=cuda", "kernels=cuda", "workloa
                                        ["model=tiny_dsa", "transfer=layerwise", "ctx.tp=1", "gen.tp=2"]],
                          ids=["gqa-tp2-tp1-chunked", "dsa-tp1-tp2-layerwise"])
 def test_nixl_on_one_gpu_verified(overrides, mode, tmp_path):
-    from kvlab.runner import run_transfer
+    from kvlab.api import run_transfer
 
     s = run_transfer(GPU + overrides + [f"transport.mode={mode}"], tmp_path)
     assert s["verified"] and s["kernels"] == "cuda", s
