@@ -100,6 +100,7 @@ def main() -> None:
                          "wall_s": time.time() - t})
             console.print(f"{name}: {s['gbps']:.2f} GB/s, {row['descriptors']} descriptors, "
                           f"verified={s['verified']}, {time.time() - t:.0f} s")
+            Path(args.out).write_text(json.dumps(dict(report, transfers=done), indent=2))  # kept if cut short
     # the references, after the runs (a small machine runs one thing at a time), from as many writers as the
     # runs have ctx ranks into one target: one descriptor per writer of the same bytes, and the same bytes
     # in as many descriptors as each run posted
