@@ -91,7 +91,7 @@ CATALOGUE = [
      ["workload.trace=azure_code_2023_300.csv", "arrival=trace"]),
     ("rate-zero", ["workload.arrival=poisson", "workload.rate=0"], ["workload.rate=0", "> 0 requests per second"]),
     ("rate-negative", ["workload.arrival=poisson", "workload.rate=-2"], ["workload.rate=-2", "> 0"]),
-    ("rate-infinite", ["workload.arrival=poisson", "workload.rate=inf"], ["workload.rate=inf", "> 0"]),
+    ("rate-infinite", ["workload.arrival=poisson", "workload.rate=inf"], ["workload.rate=inf", "finite"]),
     ("time-scale-zero", ["workload.time_scale=0"], ["workload.time_scale=0", "> 0"]),
     ("time-scale-negative", ["workload=mooncake", "workload.time_scale=-1"], ["workload.time_scale=-1", "> 0"]),
     ("unknown-arrival", ["workload.arrival=sometimes"], ["workload.arrival=sometimes", "burst, poisson or trace"]),
