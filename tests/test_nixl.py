@@ -55,8 +55,8 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("overrides", [pytest.param(c[1], id=c[0], marks=[] if i == 0 else [pytest.mark.slow])
-                                       for i, c in enumerate(CASES)])
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [pytest.param(c[1], id=c[0]) for c in CASES])
 def test_nixl_end_to_end_verified(overrides, mode, tmp_path):
     from kvlab.api import run_transfer
     from kvlab.config import build, compose
@@ -80,6 +80,7 @@ def test_nixl_end_to_end_verified(overrides, mode, tmp_path):
         assert summary["peak_staging_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_direct_merges_runs_that_continue_on_both_sides(tmp_path):
     """Identical layouts and consecutive blocks: every chunk's runs continue each other in both pools,
     so each chunk is one descriptor; fragmented block tables break them up."""
