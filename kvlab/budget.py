@@ -29,7 +29,7 @@ from kvlab.state import CacheState
 # 240 lognormal requests, 97120 chunks: 384 B per chunk, segments and requests included)
 CHUNK_BYTES = 400
 REQUEST_BYTES = 400
-PROCESS_BYTES = 320 << 20  # a rank's interpreter, torch and gloo (measured: 240 MiB after imports)
+PROCESS_BYTES = 200 << 20  # a rank's own memory: interpreter, torch, gloo (measured: 160 MiB private after imports)
 FILL_PIECE_FACTOR = 16  # fill/verify temporaries per byte of a 16 MiB piece (measured: 229 MiB peak)
 FILL_PIECE_BYTES = 16 << 20
 NCCL_BYTES = 1 << 30  # NCCL's own device buffers per rank (measured on H200: about 0.8 GiB)

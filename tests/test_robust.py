@@ -281,6 +281,20 @@ def test_budget_fits_what_runs_and_bounds_what_the_ranks_hold(monkeypatch):
     assert b.chunks_per_request >= max(sum(1 for c in order if c.request == q.id) for q in requests)
 
 
+def test_budget_on_gpus_counts_the_ranks_that_share_one():
+    """What the ranks check on their GPU (no GPU needed: the free memory is given): ctx0 and ctx1 share
+    cuda:0 when 3 ranks run on 2 GPUs (kvlab.devices.gpu_index); a rank of another host counts alone."""
+    setup = build(compose(QUIET + ["model=llama3_8b", "workload.isl=131072", "workload.requests=1"]))
+    b = budget.estimate(setup, gpus=2)
+    assert [r.memory for r in b.ranks] == ["cuda:0", "cuda:0", "cuda:1"]
+    assert b.need("host") == {k: sum(r.parts()[k] for r in b.ranks) for k in ("plan", "process")}
+    ctx = sum(b.ranks[0].on("cuda:0").values())
+    assert budget.device_problem(setup, 0, 2, 4 * ctx, 3) is None
+    field, value, hint = budget.device_problem(setup, 0, 2, ctx, 3)  # room for one of the two ctx ranks
+    assert (field, value) == ("workload.isl", 131072) and "ctx0 + ctx1 need" in hint and "cuda:0" in hint
+    assert budget.device_problem(setup, 0, 2, int(1.5 * ctx), 1) is None  # torchrun across hosts: alone
+
+
 @pytest.mark.slow
 def test_plan_prints_the_budget_and_run_refuses_it(tmp_path):
     big = ["model=llama3_70b", "workload.isl=131072", "workload.requests=8"]
