@@ -288,6 +288,25 @@ def plot_bandwidth(df: pd.DataFrame, x: str | None = None, rates=None, ax=None) 
     return fig
 
 
+def plot_link_ratio(df: pd.DataFrame, x: str | None = None, ax=None) -> Figure:
+    """``link_ratio`` against prompt length, one line per strategy: delivered GB/s as a share of raw
+    messages of the run's own chunk size between the same ranks, measured in the same run
+    (kvlab.linkrate). 1.0 is the link itself, whatever this machine's link is."""
+    x = _xcol(df, x)
+    fig, ax = _fig_ax(ax)
+    for s in _strategies(df):
+        d = df[df["strategy"] == s].groupby(x, as_index=False)["link_ratio"].median().sort_values(x)
+        ax.plot(d[x], d["link_ratio"], label=s, **STRATEGY_STYLE.get(s, {}))
+    ax.axhline(1.0, color="k", ls="--", lw=1, label="raw link, same messages")
+    _token_axis(ax)
+    ax.set_ylim(0, max(1.05, float(df["link_ratio"].max()) * 1.05))
+    ax.set_ylabel("delivered / raw link")
+    ax.set_title("share of the link each strategy delivers")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return fig
+
+
 def plot_memory(df: pd.DataFrame, x: str | None = None, column: str = "peak_extra_device_bytes", ax=None) -> Figure:
     """Extra device memory (MiB, largest rank) against prompt length, one line per strategy."""
     x = _xcol(df, x)

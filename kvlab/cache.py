@@ -21,7 +21,7 @@ from kvlab.plan import Request, Segment
 from kvlab.schedule import cut_rect
 from kvlab.state import CacheState, RankPool
 
-VERIFY_PIECE_BYTES = 16 << 20  # fill and verify in pieces: their temporaries stay small
+VERIFY_PIECE_BYTES = 8 << 20  # fill and verify in pieces through two scratch buffers of this size
 
 
 class BlockAllocator:
@@ -75,6 +75,7 @@ class PagedCache:
         self.tick = lambda: None  # called per fill/verify piece: long requests still show progress
         self.pools: dict[str, PoolStore] = {}
         self.tables: dict[int, dict[str, BlockTable]] = {}
+        self._scratch: torch.Tensor | None = None  # [2, VERIFY_PIECE_BYTES]: expected and packed bytes
         for i, pool in enumerate(state.pools()):
             n = blocks_needed.get(pool.name, 0) + spare_blocks
             # canaries at both ends of the pool: stray writes past a request's first or last block land
@@ -117,6 +118,12 @@ class PagedCache:
         return Rect(name, p.layers.start, p.layers.stop, p.heads.start, p.heads.stop, p.held_start(isl), isl,
                     p.tokens_per_block)
 
+    def _buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two views of ``nbytes`` into scratch allocated once: fill and verify allocate nothing per piece."""
+        if self._scratch is None:
+            self._scratch = torch.empty(2, VERIFY_PIECE_BYTES, dtype=torch.uint8, device=self.device)
+        return self._scratch[0, :nbytes], self._scratch[1, :nbytes]
+
     def fill(self, req: Request, ops, layer: int | None = None) -> None:
         """Write the request's deterministic contents into every block this rank holds for it (the prefill);
         only global layer ``layer`` when given (the prefill writes each layer when it has computed it)."""
@@ -130,7 +137,7 @@ class PagedCache:
                 rect = replace(rect, l0=i, l1=i + 1)
             for piece in self._pieces(rect, store.pool):
                 self.tick()
-                data = expected(req.id, store.pool, piece, self.device)
+                data = expected(req.id, store.pool, piece, out=self._buffers(piece.nbytes(store.pool.rows))[0])
                 ops.unpack(data, store.pool, store.num_blocks, piece, table.ids, table.base, store.storage)
 
     def verify(self, req: Request, segments: list[Segment], ops) -> list[str]:
@@ -141,16 +148,17 @@ class PagedCache:
             table = self.tables[req.id][seg.rect.pool]
             for piece in self._pieces(seg.rect, store.pool):
                 self.tick()
-                want = expected(req.id, store.pool, piece, self.device)
-                got = torch.empty_like(want)
+                want, got = self._buffers(piece.nbytes(store.pool.rows))
+                expected(req.id, store.pool, piece, out=want)
                 ops.pack(store.storage, store.pool, store.num_blocks, piece, table.ids, table.base, got)
+                if torch.equal(got, want):
+                    continue
                 bad = (got != want).nonzero()
-                if bad.numel():
-                    at = locate(store.pool, piece, int(bad[0]))
-                    errors.append(
-                        f"request {req.id}: {bad.numel()} wrong bytes from ctx{seg.src}, first at pool {at['pool']} "
-                        f"layer {at['layer']} component {at['component']} head {at['head']} token {at['token']} "
-                        f"byte {at['byte']}")
+                at = locate(store.pool, piece, int(bad[0]))
+                errors.append(
+                    f"request {req.id}: {bad.numel()} wrong bytes from ctx{seg.src}, first at pool {at['pool']} "
+                    f"layer {at['layer']} component {at['component']} head {at['head']} token {at['token']} "
+                    f"byte {at['byte']}")
         return errors
 
     def _block_view(self, store: PoolStore, block: int) -> torch.Tensor:

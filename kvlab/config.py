@@ -46,6 +46,7 @@ class TransferSpec:
     timeout_s: float = 60.0  # a chunk that does not complete within this fails its request
     layer_compute_ms: float = 0.0  # the same as prefill.layer_ms (kept for existing configs)
     pack_ctas: int = 16  # CTAs of the pack/unpack kernels: few, so NCCL keeps its SMs
+    baseline: bool = True  # measure the link with raw messages of the run's chunk size first (kvlab.linkrate)
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", make_strategy(self.strategy))

@@ -14,7 +14,12 @@ are and when each may go is the strategy's (kvlab.schedule); the executor owns r
   before its layer was written would carry stale bytes, and the gen side's check says so.
   After the request's last chunk is finished: free its blocks.
 - gen: open a request at its first chunk (allocate) -> start. After its last chunk is
-  finished: verify it bit-exactly, then free its blocks.
+  finished (its clock stops there): verify it bit-exactly, then free its blocks.
+
+Verification (standing in for decode) stays off the measured path: the gen side verifies a
+finished request after the loop, or inside it only when the cache needs its blocks for a
+request opening later (``RequestRecord.in_loop`` says so), so it never stalls the chunks of
+the requests in flight.
 
 A chunk that fails (timeout, lost peer) fails every request this rank has open; the loop
 stops there, since every later chunk would wait on the lost peer too.
@@ -75,6 +80,8 @@ class Executor:
         self.error_at: float | None = None
         self.stopped = False  # told to stop from outside: nobody is left to report to
         self.transfer_peak = 0  # allocator peak of the transfer alone (fill and verify excluded)
+        self.unverified: deque[tuple[Request, list[Segment]]] = deque()  # finished, blocks still held
+        self.looping = False
         self.prefill: dict = {}  # request -> kvlab.prefill.PrefillTimes: the run's timeline (set by the runner)
         self.requests: dict[int, Request] = {}
         held = [p.spec.layers[i] for p in cache.state.pools() for i in p.layers] if side == "ctx" else []
@@ -105,7 +112,14 @@ class Executor:
 
     # -- requests ---------------------------------------------------------------------------
     def _open(self, req: Request, n_chunks: int) -> RequestRecord:
-        self.cache.allocate(req)
+        while True:
+            try:
+                self.cache.allocate(req)
+                break
+            except MemoryError:
+                if not self.unverified:
+                    raise
+                self._verify(*self.unverified.popleft())  # the cache needs its blocks now
         rec = RequestRecord(req.id, req.isl, self.side, self.rank, n_chunks)
         if self.sending:
             t = self.prefill[req.id]
@@ -119,11 +133,25 @@ class Executor:
     def _close(self, req: Request, segments: list[Segment]) -> None:
         rec = self.records[req.id]
         rec.end = self.clock.mark()
-        if not self.sending:
-            mine = [s for s in segments if s.dst == self.rank]
-            with self._untracked():
-                rec.errors += self.cache.verify(req, mine, self.ops)
+        if self.sending:
+            self.cache.release(req.id)
+        else:
+            self.unverified.append((req, [s for s in segments if s.dst == self.rank]))
+
+    def _verify(self, req: Request, mine: list[Segment]) -> None:
+        rec = self.records[req.id]
+        t0 = time.perf_counter()
+        with self._untracked():
+            rec.errors += self.cache.verify(req, mine, self.ops)
+        rec.verify_s = time.perf_counter() - t0
+        if self.looping:
+            rec.in_loop.append("verify")
         self.cache.release(req.id)
+
+    def verify_finished(self) -> None:
+        """Verify every finished request still waiting (after the loop: off the clock)."""
+        while self.unverified:
+            self._verify(*self.unverified.popleft())
 
     def _prefill(self, rec: RequestRecord, c: Chunk) -> None:
         """Run the request's prefill up to the layer chunk ``c`` needs: layer l is computed between the
@@ -138,8 +166,10 @@ class Executor:
             layer = rec.next_layer
             _sleep_until(epoch + (t.layer_end[layer - 1] if layer else t.start))
             if layer in self.held_layers and layer != self.faults.unwritten_layer:
+                t0 = time.perf_counter()
                 with self._untracked():
                     self.cache.fill(self.requests[c.request], self.ops, layer)
+                rec.fill_s += time.perf_counter() - t0
             _sleep_until(epoch + t.layer_end[layer])
             rec.layer_ready[layer] = time.time()
             rec.next_layer += 1
@@ -207,6 +237,7 @@ class Executor:
             counts[c.request] = counts.get(c.request, 0) + 1
         inflight: deque[InFlight] = deque()
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        self.looping = True
         try:
             with ctx:
                 for i, c in enumerate(mine):
@@ -222,8 +253,13 @@ class Executor:
                     self._finish(inflight.popleft(), segments, requests)
         except (ChunkFailed, Stopped) as e:
             self._abort(e, inflight)
+        finally:
+            self.looping = False
         if self.stream is not None and self.error is None:
             self.stream.synchronize()
+        if not self.stopped:  # requests finished before a failure are still checked
+            with ctx:
+                self.verify_finished()
         return list(self.records.values())
 
     def _abort(self, e: ChunkFailed | Stopped, inflight: deque[InFlight]) -> None:
@@ -233,6 +269,11 @@ class Executor:
         self.error_at = time.time()
         self.stopped = isinstance(e, Stopped)
         failed = getattr(e, "request", None)
+        if self.stopped:  # nobody will wait for their verification
+            while self.unverified:
+                req, _ = self.unverified.popleft()
+                self.failures[req.id] = f"{self.side}{self.rank}: {e} before verification"
+                self.cache.release(req.id)
         for rid, rec in self.records.items():
             if rec.end is None:
                 direct = rid == failed or self.stopped

@@ -8,6 +8,8 @@ a rectangle's bytes in wire order, so fill is "unpack the expected bytes" and ve
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvlab.layout import Rect
@@ -16,6 +18,8 @@ from kvlab.state import RankPool
 
 _KIND = {Kind.kv: 1, Kind.mla: 2, Kind.indexer: 3}
 _MASK = 0xFFFFFFFF
+_STEP = 0x9E3779B1  # golden-ratio multiplier of the byte position
+_PIECE_BYTES = 1 << 20  # expected bytes computed per step: stays in cache
 
 
 def mix(v: torch.Tensor) -> torch.Tensor:
@@ -55,25 +59,56 @@ def _tile_groups(rect: Rect) -> list[tuple[int, int, int]]:
     return groups
 
 
-def expected(request: int, pool: RankPool, rect: Rect, device="cpu") -> torch.Tensor:
-    """The bytes of ``rect`` for ``request`` in wire order (uint8, ``rect.nbytes(pool.rows)`` long)."""
+@functools.lru_cache(maxsize=64)
+def _row_table(row: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(thresholds, table) for rows of ``row`` bytes.
+
+    Byte ``x`` of a row with seed ``s`` is the top byte of ``s + x * K`` (mod 2**32): the top byte
+    of ``s``, plus the top byte of ``x * K``, plus a carry when the low 24 bits of both overflow,
+    that is when ``s``'s low 24 bits reach ``x``'s threshold. Sorted by threshold, the positions a
+    seed carries into are a prefix: ``k`` = how many thresholds the seed reaches names it, and
+    ``table[k]`` is the whole row but for the top byte of ``s``."""
+    c = (torch.arange(row, dtype=torch.int64) * _STEP) & _MASK
+    thr = (1 << 24) - (c & 0xFFFFFF)  # 2**24 when x never carries
+    order = torch.argsort(thr, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(row)
+    carry = rank[None, :] < torch.arange(row + 1)[:, None]  # [k, x]
+    table = ((c >> 24)[None, :] + carry).to(torch.uint8)
+    return thr[order].to(torch.int32).to(device), table.to(device)
+
+
+def expected(request: int, pool: RankPool, rect: Rect, device="cpu", out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bytes of ``rect`` for ``request`` in wire order (uint8, ``rect.nbytes(pool.rows)`` long), written
+    into ``out`` when given. Per row one search and a gather of a table row (``_row_table``), a few
+    layers at a time so that the pieces stay in cache: no arithmetic per byte but one add."""
     rows = pool.rows
     nl, nh = rect.n_layers, rect.n_heads
     bpl = nh * sum(rows)
-    out = torch.empty(rect.nbytes(rows), dtype=torch.uint8, device=device)
-    seeds = [row_seeds(request, pool, rect, c, device).to(torch.int32) for c in range(len(rows))]  # [l, h, t]
+    n = rect.nbytes(rows)
+    if out is None:
+        out = torch.empty(n, dtype=torch.uint8, device=device)
+    elif out.numel() != n or out.dtype != torch.uint8:
+        raise ValueError(f"expected(): out has {out.numel()} {out.dtype} elements, the rectangle needs {n} uint8")
+    dev = out.device
+    seeds = [row_seeds(request, pool, rect, c, dev) for c in range(len(rows))]  # [l, h, t]
     for ts, ntiles, ntok in _tile_groups(rect):
         base = (ts - rect.t0) * nl * bpl
         # wire: [tile][layer][component: head, token, byte]
         group = out[base:base + ntiles * nl * ntok * bpl].view(ntiles, nl, ntok * bpl)
+        step = max(1, _PIECE_BYTES // (ntiles * ntok * bpl))  # layers per piece
         off = 0
         for c, row in enumerate(rows):
+            thr, table = _row_table(row, str(dev))
             s = seeds[c][:, :, ts - rect.t0:ts - rect.t0 + ntiles * ntok].reshape(nl, nh, ntiles, ntok)
-            x = torch.arange(row, device=device, dtype=torch.int32)
-            # int32 products wrap; the top byte of seed + x*K varies with every input
-            vals = ((s[..., None] + x * -1640531535) >> 24).to(torch.uint8)  # [l, h, tile, tok, x]
+            s = s.permute(2, 0, 1, 3)  # [tile, l, h, tok], as on the wire
+            hi = (s >> 24).to(torch.uint8)
+            k = torch.searchsorted(thr, (s & 0xFFFFFF).to(torch.int32).contiguous(), right=True)
             dst = group[:, :, off:off + nh * ntok * row].view(ntiles, nl, nh, ntok, row)
-            dst.copy_(vals.permute(2, 0, 1, 3, 4))
+            for a in range(0, nl, step):
+                d = dst[:, a:a + step]
+                low = torch.index_select(table, 0, k[:, a:a + step].reshape(-1)).view(d.shape)
+                torch.add(low, hi[:, a:a + step, ..., None], out=d)
             off += nh * ntok * row
     return out
 

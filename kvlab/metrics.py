@@ -18,7 +18,7 @@ from rich.table import Table
 
 from kvlab import serving
 from kvlab.clock import Clock
-from kvlab.records import Env, Peak, RankPart, RequestRow, Summary, TimelineRow
+from kvlab.records import Env, Link, Peak, RankPart, RequestRow, Summary, TimelineRow
 
 
 @dataclass
@@ -48,6 +48,9 @@ class RequestRecord:
     prefill_alone_s: float | None = None  # prefill=gpu: the same prefill with nothing else on the GPU
     layer_done: dict = field(default_factory=dict)  # global layer -> mark of its last chunk's completion
     errors: list = field(default_factory=list)
+    fill_s: float = 0.0  # host seconds writing the request's cache (ctx)
+    verify_s: float = 0.0  # host seconds checking it (gen)
+    in_loop: list = field(default_factory=list)  # ["verify"] when the check ran inside the transfer loop
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -85,7 +88,8 @@ def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
         errors=list(rec.errors), num_layers=num_layers,
         arrival=rec.arrival, epoch=clock.epoch, chunks_total=rec.chunks_total, first_post=opt(rec.first_post),
         slot_wait=rec.slot_wait, prefill_alone_s=rec.prefill_alone_s,
-        layer_ready={int(k): s(v) for k, v in rec.layer_ready.items()})
+        layer_ready={int(k): s(v) for k, v in rec.layer_ready.items()},
+        fill_s=rec.fill_s, verify_s=rec.verify_s, in_loop=list(rec.in_loop))
 
 
 def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int], gen_dp: dict[int, int],
@@ -118,6 +122,8 @@ def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int
             pack_s=sum(p.copy_s for p in ctx), wire_s=_union([w for p in ctx for w in p.wire]),
             unpack_s=sum(p.copy_s for p in gen),
             verified=bool(gen) and not errors and rid not in failures, error="; ".join(errors) or None,
+            fill_s=sum(p.fill_s for p in ctx), verify_s=sum(p.verify_s for p in gen),
+            in_loop=sorted({w for p in ps for w in p.in_loop}),
             **serving.request_timeline(ctx, gen)))
         for p in ctx:
             if p.prefill_end is None or not layerwise:
@@ -130,19 +136,21 @@ def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int
 
 
 def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[Peak], env: Env,
-              errors: list[str], predicted_s: float | None, silent: list[int]) -> Summary:
+              errors: list[str], predicted_s: float | None, silent: list[int], link: Link | None = None
+              ) -> Summary:
     starts = [p.start for p in parts if p.side == "ctx"] or [p.start for p in parts]
     ends = ([p.end for p in parts if p.side == "gen" and p.end is not None]
             or [p.end for p in parts if p.end is not None])
     seconds = (max(ends) - min(starts)) if starts and ends else 0.0
     total = sum(r.bytes for r in rows)
+    gbps = total / seconds / 1e9 if seconds else 0.0
     isl = [r.isl for r in rows if r.isl]
     side = lambda s: {"tp": s.tp, "pp": s.pp, "dp": s.dp, "tokens_per_block": s.tokens_per_block,  # noqa: E731
                       "layout": s.layout.value}
     return Summary(
         total_bytes=total,
         verified=bool(rows) and all(r.verified for r in rows) and not errors,
-        gbps=total / seconds / 1e9 if seconds else 0.0,
+        gbps=gbps,
         seconds=seconds,
         peak_staging_bytes=max((p.staging for p in peaks), default=0),
         peak_extra_device_bytes=max((p.extra for p in peaks), default=0),
@@ -168,6 +176,12 @@ def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[
         silent_ranks=list(silent),
         arrival=setup.workload.arrival, prefill=setup.prefill.kind,
         serving=serving.percentiles(rows),
+        link_gbps=link.gbps if link else None,
+        link_ratio=gbps / link.gbps if link and link.gbps and gbps else None,
+        link=link,
+        fill_s=sum(r.fill_s for r in rows),
+        verify_s=sum(r.verify_s for r in rows),
+        in_loop_requests={"verify": sum("verify" in r.in_loop for r in rows)},
     )
 
 
@@ -177,7 +191,8 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
     t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx tp{c['tp']} pp{c['pp']} dp{c['dp']} -> "
                     f"gen tp{g['tp']} pp{g['pp']} dp{g['dp']}, {summary.device}")
     for col in ("request", "tokens", "MiB", "ms", "GB/s", "arrival ms", "TTFT ms", "exposed ms", "verified"):
-        t.add_column(col, justify="right")
+        # one-word headers keep their width (80 columns without a terminal); "exposed ms" wraps
+        t.add_column(col, justify="right", min_width=len(col) if " " not in col else None)
     shown = rows if len(rows) <= limit else rows[: limit - 1]
     for r in shown:
         t.add_row(str(r.request), str(r.isl), f"{r.bytes / 2**20:,.2f}",
@@ -190,6 +205,14 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
     t.add_row("all", "", f"{summary.total_bytes / 2**20:,.2f}", f"{summary.seconds * 1e3:,.1f}",
               f"{summary.gbps:,.2f}", "", "", "", "yes" if summary.verified else "[red]NO[/red]")
     console.print(t)
+    link = summary.link
+    if summary.link_gbps:
+        # requests share the link with each other: only the run as a whole has a ratio
+        mib = f"{link.message_bytes / 2**20:,.2f} MiB"
+        what = (f"raw messages of {mib} between the same ranks" if link.reference == "p2p"
+                else f"a local copy_ of the same {mib} pieces")
+        console.print(f"link_ratio {summary.link_ratio or 0:.3f}: delivered {summary.gbps:,.2f} GB/s against "
+                      f"{summary.link_gbps:,.2f} GB/s of {what}, in the same run")
     line = serving.summary_line(summary.serving)
     if line:
         console.print(f"{summary.arrival} arrivals, prefill={summary.prefill}; {line}", markup=False,

@@ -85,6 +85,9 @@ class RankPart:
     slot_wait: float = 0.0  # seconds its chunks waited for a free slot on this rank
     prefill_alone_s: float | None = None  # prefill=gpu: the same prefill with nothing else on the GPU
     layer_ready: dict[int, float] = field(default_factory=dict)  # global layer -> its cache written (ctx)
+    fill_s: float = 0.0  # host seconds writing the request's cache (ctx): part of the prefill
+    verify_s: float = 0.0  # host seconds checking it (gen): the decode's stand-in
+    in_loop: list[str] = field(default_factory=list)  # ["verify"] when the check ran inside the transfer loop
     schema: int = SCHEMA
 
     @property
@@ -109,6 +112,17 @@ class Peak:
 
 
 @dataclass
+class Link:
+    """The link's speed for a run's own messages, measured in the same run (kvlab.linkrate)."""
+
+    reference: str = "p2p"  # p2p: raw messages over the pair groups; copy: a local copy_ of the same bytes
+    message_bytes: int = 0
+    messages: int = 0
+    seconds: float = 0.0
+    gbps: float | None = None
+
+
+@dataclass
 class Env:
     backend: str | None = None
     kernels: str | None = None
@@ -129,6 +143,7 @@ class PartFile:
     held_blocks: int = 0  # cache blocks still held at the end: 0 when every request freed its own
     node: str | None = None
     env: Env = field(default_factory=Env)
+    link: Link | None = None
     schema: int = SCHEMA
 
 
@@ -166,6 +181,9 @@ class RequestRow:
     slot_wait_s: float | None = None
     transfer_s: float | None = None
     ttft_s: float | None = None
+    fill_s: float = 0.0  # writing the cache, inside the prefill (ctx ranks together)
+    verify_s: float = 0.0  # checking it after the transfer (gen ranks together)
+    in_loop: list[str] = field(default_factory=list)  # ["verify"]: checked inside the transfer loop
     schema: int = SCHEMA
 
 
@@ -215,6 +233,12 @@ class Summary:
     serving: dict[str, dict[str, float]] = field(default_factory=dict)  # field -> p50, p90, p99, mean, n
     interrupted: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM), or None
     completed_requests: list[int] = field(default_factory=list)  # verified, in request order
+    link_gbps: float | None = None  # the link's own speed for this run's messages, same run (kvlab.linkrate)
+    link_ratio: float | None = None  # gbps / link_gbps
+    link: Link | None = None
+    fill_s: float = 0.0
+    verify_s: float = 0.0
+    in_loop_requests: dict[str, int] = field(default_factory=dict)  # requests verified inside the loop
     schema: int = SCHEMA
 
 

@@ -204,8 +204,9 @@ def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[
     for row in rows:
         row.isl = row.isl or isl.get(row.request)
     env = gathered[min(gathered)].env if gathered else None
+    link = next((g.link for _, g in sorted(gathered.items()) if g.link), None)
     summary = metrics.summarize(rows, all_parts, setup, [g.peak for g in gathered.values()],
-                                env or Env(), errors, predicted_s, silent)
+                                env or Env(), errors, predicted_s, silent, link)
     summary.interrupted = interrupted
     summary.completed_requests = [r.request for r in rows if r.verified]
     write_run(run_dir, rows, timeline, summary)

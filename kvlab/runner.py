@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from kvlab import budget, faults, metrics, prefill, report, transport, transports
+from kvlab import budget, faults, linkrate, metrics, prefill, report, transport, transports
 from kvlab.cache import PagedCache
 from kvlab.clock import Clock
 from kvlab.config import build
@@ -145,6 +145,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat)
     executor.connect()  # after the baseline: what the transport allocates (slots, NCCL's buffers) is extra
+    link = linkrate.measure(setup, mover, world_rank, order) if setup.transfer.baseline else None
     executor.prefill = prefill.times_for(setup, requests)  # pure: the same timeline on every rank
     executor.gpu_prefill, executor.prefill_alone = gpu_prefill, alone
     dist.barrier()
@@ -172,7 +173,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
 
     part = PartFile(
         rank=world_rank, side=side, side_rank=rank, parts=parts, failures=failures, errors=errors,
-        error_at=executor.error_at, peak=peak, host=socket.gethostname(),
+        error_at=executor.error_at, peak=peak, host=socket.gethostname(), link=link,
         held_blocks=sum(len(t.host) for ts in cache.tables.values() for t in ts.values()),  # 0: all freed
         node=os.environ.get("GROUP_RANK"),
         env=Env(backend=dist.get_backend(), kernels=ops.name,

@@ -1,11 +1,12 @@
 """Pack (pool blocks -> wire bytes) and unpack (wire bytes -> pool blocks) of one rectangle.
 
-Two implementations with one signature: ``reference`` (torch indexing; any device, the
-definition of correct) and ``cuda`` (NVRTC kernels from ``kernels/``). ``get_ops`` picks one:
-``kernels=torch`` always the reference, ``cuda`` the kernels (error without a GPU),
-``auto`` the kernels for CUDA tensors when they compile, else the reference.
+Three implementations with one signature: ``reference`` (torch indexing; any device, the
+definition of correct), ``cpu`` (gathers and scatters of whole rows, near ``copy_`` speed) and
+``cuda`` (NVRTC kernels from ``kernels/``). ``get_ops`` picks one: ``kernels=torch`` always
+the reference, ``cuda`` the kernels (error without a GPU), ``auto`` the kernels for CUDA
+tensors when they compile (else the reference) and the row path for CPU tensors.
 
-Signature of both::
+Signature of all three::
 
     pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out)
     unpack(wire, pool, num_blocks, rect, block_ids, block_base, pool_bytes)
@@ -24,11 +25,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvlab.ops import reference
+from kvlab.ops import cpu, reference
 
 
 def get_ops(kernels: str = "auto", device: str = "cpu"):
-    if kernels == "torch" or (kernels == "auto" and device != "cuda"):
+    if kernels == "auto" and device != "cuda":
+        return SimpleNamespace(name="cpu", pack=cpu.pack, unpack=cpu.unpack, copy_runs=reference.copy_runs)
+    if kernels == "torch":
         return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
                                copy_runs=reference.copy_runs)
     try:

@@ -50,6 +50,10 @@ Protocol. Every rank of both sides makes these calls, in this order:
 9. ``close()``: once at the end, also after a failure, on every rank: unmap, unlink and
    free what ``connect`` and ``pool_storage`` made. Idempotent.
 
+``link_reference``: how kvlab.linkrate measures the link this transport's figures are a
+share of, in every run (``"p2p"``: raw messages over the pair groups; ``"copy"``: a local
+``copy_`` of the same bytes, the default).
+
 ``peak_staging_bytes``: the most staging memory the transport held at once on this rank
 (0 for a transport that moves chunks without buffers). ``pulls`` (class attribute): the gen
 rank copies each chunk straight from the ctx pool, with no staging, pack, message or unpack;
@@ -92,6 +96,8 @@ def failed(side: str, c: Chunk, what: str, e: BaseException | None = None) -> Ch
 
 class Transport:
     """Base of every transport; see the protocol at the top of this module."""
+
+    link_reference = "copy"
 
     pulls = False
 

@@ -84,6 +84,8 @@ class Posted:
 
 
 class P2P(Transport):
+    link_reference = "p2p"  # kvlab.linkrate: raw messages over the same pair groups
+
     def __init__(self, setup, side, rank, world_rank, device):
         super().__init__(setup, side, rank, world_rank, device)
         self.groups: dict = {}

@@ -1,0 +1,91 @@
+"""The CPU benchmark: kvlab's delivered GB/s next to the link's own, measured in the same run.
+
+Each case is one ``kvlab run`` (ctx TP2 -> gen TP1 over gloo, one request, verified) that
+measures, after warm-up, raw gloo messages of its own chunk size between its own ranks
+(``link_gbps``, kvlab.linkrate) before it transfers. Recorded per case: delivered GB/s,
+raw gloo GB/s, their ratio, the wall time of the whole command (start-up, fill and
+verification included), and each rank's peak resident memory against its cache + staging.
+The machine's load average is recorded before and after each case: on a shared machine a
+figure is only worth as much as the quiet it was measured in.
+
+    python scripts/cpu_bench.py --out results/cpu_bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 2**20
+
+CASES = {
+    "llama3_8b 16k chunked 4x16MiB": ["model=llama3_8b", "workload.isl=16384", "workload.requests=1",
+                                      "transfer=chunked", "transfer.slot_mib=16", "transfer.slots=4"],
+    "deepseek_v32 16k chunked 4x16MiB": ["model=deepseek_v32", "workload.isl=16384", "workload.requests=1",
+                                         "transfer=chunked", "transfer.slot_mib=16", "transfer.slots=4"],
+}
+TARGETS = {"link_ratio": 0.5, "llama_wall_s": 30.0, "rss_over_cache_staging": 2.0}
+
+
+def run_case(name: str, overrides: list[str], work: Path) -> dict:
+    run_dir = work / name.replace(" ", "_")
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "kvlab", "run", f"hydra.run.dir={run_dir}", "logger=quiet",
+                        *overrides], capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"{name}: kvlab run failed ({p.returncode}):\n{p.stderr[-2000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ranks = []
+    for f in sorted((run_dir / "parts").glob("rank*.json")):
+        part = json.loads(f.read_text())
+        peak = part["peak"]
+        ranks.append({"rank": part["rank"], "side": part["side"], "max_rss_bytes": peak["max_rss"],
+                      "cache_bytes": peak["cache"], "staging_bytes": peak["staging"],
+                      "rss_over_cache_staging": peak["max_rss"] / (peak["cache"] + peak["staging"])})
+    return {
+        "case": name, "overrides": overrides, "verified": summary["verified"],
+        "bytes": summary["total_bytes"], "gbps": summary["gbps"], "link_gbps": summary["link_gbps"],
+        "link_ratio": summary["link_ratio"], "link": summary["link"], "transfer_s": summary["seconds"],
+        "wall_s": wall, "fill_s": summary["fill_s"], "verify_s": summary["verify_s"],
+        "in_loop_requests": summary["in_loop_requests"], "ranks": ranks,
+        "max_rss_over_cache_staging": max(r["rss_over_cache_staging"] for r in ranks),
+        "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu_bench.json")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per case; the JSON keeps them all")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.repeat):
+            for name, overrides in CASES.items():
+                row = run_case(name, overrides, Path(tmp))
+                rows.append(row)
+                print(f"{name}: {row['gbps']:.2f} GB/s, raw gloo {row['link_gbps']:.2f} GB/s, "
+                      f"ratio {row['link_ratio']:.3f}, wall {row['wall_s']:.1f} s, peak RSS / (cache + staging) "
+                      f"{row['max_rss_over_cache_staging']:.2f}, load {row['loadavg_before'][0]:.1f}", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "python": platform.python_version(), "commit": commit.stdout.strip(),
+           "cpus": os.cpu_count(), "machine": platform.machine(), "targets": TARGETS, "runs": rows}
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
