@@ -6,8 +6,9 @@ import json
 import pytest
 
 from kvlab import linkrate
+from kvlab.api import run_transfer
 from kvlab.config import build, compose
-from kvlab.runner import plan_run, run_transfer
+from kvlab.workload import plan_run
 
 QUIET = ["logger=quiet"]
 SMALL = ["workload.isl=1024", "transfer.slot_mib=0.25"]
