@@ -186,13 +186,15 @@ def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[
 
 
 def print_table(rows: list[RequestRow], summary: Summary, console: Console | None = None, limit: int = 12) -> None:
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file or a pipe: rich's 80 columns would cut the table's columns
+            console = Console(width=max(console.width, 132))
     c, g = summary.ctx, summary.gen
     t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx tp{c['tp']} pp{c['pp']} dp{c['dp']} -> "
                     f"gen tp{g['tp']} pp{g['pp']} dp{g['dp']}, {summary.device}")
     for col in ("request", "tokens", "MiB", "ms", "GB/s", "arrival ms", "TTFT ms", "exposed ms", "verified"):
-        # one-word headers keep their width (80 columns without a terminal); "exposed ms" wraps
-        t.add_column(col, justify="right", min_width=len(col) if " " not in col else None)
+        t.add_column(col, justify="right")
     shown = rows if len(rows) <= limit else rows[: limit - 1]
     for r in shown:
         t.add_row(str(r.request), str(r.isl), f"{r.bytes / 2**20:,.2f}",
