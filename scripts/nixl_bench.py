@@ -40,7 +40,10 @@ CURVE = (2, 32, 512, 8192, 131072)  # descriptors of the raw curve, from one per
 def runs(device: str, with_ipc: bool) -> list[tuple[str, list[str]]]:
     common = ["logger=quiet", "workload.requests=1", "workload.concurrency=1", "cache.spare_blocks=2",
               f"ctx.tp={WRITERS}", "gen.tp=1", "transfer=chunked", "transfer.slot_mib=16", "transfer.slots=4",
-              f"device={device}"]
+              f"device={device}",
+              # on a busy CPU machine the ctx rank's fill (the prefill's output) alone can outlast the default
+              # 60 s that a gen rank waits for its first chunk
+              "transfer.timeout_s=600"]
     transports = [("nixl staged", ["transport=nixl", "transport.mode=staged"]),
                   ("nixl direct", ["transport=nixl", "transport.mode=direct"])]
     if with_ipc:
