@@ -132,6 +132,11 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        if signals:  # a rank killed while stuck joining the others (C++ retries through signals) left no part
+            for r, p in enumerate(procs):
+                if p.returncode == -signal.SIGKILL and not records.part_path(run_dir, r).exists():
+                    records.write_part(run_dir, records.PartFile(rank=r, side="", side_rank=-1, errors=[
+                        f"rank {r}: killed {stop_wait_s:g} s after it was told to stop (stuck joining the others)"]))
         for s, h in previous.items():
             signal.signal(s, h)
     if signals:

@@ -261,13 +261,13 @@ def write_part(run_dir: Path, part: PartFile) -> None:
 
 def mark_dead(run_dir: Path, world_rank: int) -> None:
     """The local launcher saw ``world_rank`` die: rank 0 need not wait for its part."""
-    path = Path(run_dir) / "parts" / f"dead{world_rank}"
+    path = Path(run_dir) / "dead" / f"rank{world_rank}"  # beside parts/, which holds only part files
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()
 
 
 def marked_dead(run_dir: Path, world_rank: int) -> bool:
-    return (Path(run_dir) / "parts" / f"dead{world_rank}").exists()
+    return (Path(run_dir) / "dead" / f"rank{world_rank}").exists()
 
 
 def read_part(run_dir: Path, world_rank: int) -> PartFile | None:
