@@ -83,10 +83,11 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-    except Stopped as e:  # before its part was written: an empty one says it was stopped, not lost
+    except (Stopped, dist.DistError) as e:  # stopped, or a peer gone while joining: an empty part says so
         if read_part(run_dir, world_rank) is None:
+            why = e if isinstance(e, Stopped) else f"lost the others ({type(e).__name__})"
             write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
-                f"rank {world_rank}: {e} before its transfers"]))
+                f"rank {world_rank}: {why} before its transfers"]))
         return 1
     finally:
         for s, h in previous.items():
