@@ -130,7 +130,7 @@ def measure(cases: list[tuple[int, int]], device: str = "cpu", env: dict | None 
     from kvlab.launch import free_port
 
     for n, k in cases:
-        if k % writers or n % (8 * k):
+        if n <= 0 or k % writers or n % (8 * k):
             raise ValueError(f"{n} B in {k} descriptors over {writers} writers: not whole 8-byte pieces")
     out = Path(tempfile.mkdtemp()) / "raw.json"
     port = free_port()
