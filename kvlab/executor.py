@@ -231,6 +231,7 @@ class Executor:
     def run(self, order: list[Chunk], requests: dict[int, Request], segments: dict[int, list[Segment]]
             ) -> list[RequestRecord]:
         mine = chunks_of(order, self.setup, self.world_rank)
+        self.chunks = mine
         self.requests = requests
         counts: dict[int, int] = {}
         for c in mine:

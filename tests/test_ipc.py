@@ -91,7 +91,9 @@ def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path, kvlab_cli):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert not summary["verified"] and summary["silent_ranks"] == [1]
     failed = summary["failed_requests"]
-    assert failed and set(failed) <= {2, 3, 4, 5} and 2 in failed  # ctx1's chunk 24 belongs to request 3 or 2
+    # ctx1's chunk 24 belongs to request 3 or 2; readiness is published once per layer group, so chunks of
+    # that request whose group ctx1 published before dying may still be pulled, but request 4's never is
+    assert {4, 5} <= set(failed) <= {2, 3, 4, 5}
     rows = _rows(run_dir)
     assert rows[0]["verified"] and rows[1]["verified"]
     for rid in failed:  # named with the rank that gave up on them and why, or as never delivered

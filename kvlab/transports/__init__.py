@@ -24,7 +24,9 @@ Protocol. Every rank of both sides makes these calls, in this order:
    baseline (what it allocates counts as the transfer's), before the barrier that starts
    the clock. Every rank calls it, so it may use the default group's store and
    collectives. It may read the executor's ``setup``, ``side``, ``rank``, ``device``,
-   ``cache``, ``ops``, ``stream`` and ``faults``; ``executor.clock`` is set only after it.
+   ``cache``, ``ops``, ``stream`` and ``faults``; ``executor.clock`` is set only after it,
+   and ``executor.chunks`` (this rank's chunks in the order ``start`` sees them) before
+   the first ``start``.
 5. ``opened(request)`` on a ctx rank: the request's blocks are allocated (the prefill
    writes them layer by layer later, kvlab.prefill); its block tables are
    ``executor.cache.tables[request.id]``.

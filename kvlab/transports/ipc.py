@@ -17,12 +17,19 @@ Control plane: the default group's store (small keys, no tensors):
   them and says so; ctx waits for every gen rank, then unlinks.
 - ``opened`` (ctx): the request's block ids per pool, published once the prefill wrote them
   (the gen rank never derives the ctx rank's block ids from the config).
-- ``start`` (ctx): the chunk is ready to be pulled (the strategy's readiness was waited for).
-- ``finish`` (gen): wait until the chunk is ready, copy its runs (run ``i`` of the rectangle
-  on both sides has the same wire offset and length: ``src + mem_ctx[i]`` ->
-  ``dst + mem_gen[i]``), then say it is pulled. ``finish`` (ctx): wait until it is pulled,
-  so that a request's blocks are freed only after every gen rank reading them is done, and
-  the ctx rank runs at most ``transfer.slots`` chunks ahead of its readers.
+- ``start`` (ctx): the first chunk of each (request, ready layer) publishes one key: every
+  chunk of that request whose ready layer it is may be pulled (the strategy's readiness was
+  waited for; on GPUs the stream is synchronized once for all of them): one key per layer
+  group of the request, not one per chunk.
+- ``finish`` (gen): wait for the chunk's ready key unless an earlier chunk already did, then
+  queue the copy of its runs (run ``i`` of the rectangle on both sides has the same wire
+  offset and length: ``src + mem_ctx[i]`` -> ``dst + mem_gen[i]``) on the stream, with no
+  host sync. After its last chunk of the request from a ctx rank it synchronizes the stream
+  once and acks that (request, ctx rank). ``finish`` (ctx): a chunk returns at once, except
+  the request's last one, which waits for the ack of every gen rank that reads it, so that
+  a request's blocks are freed only after every reader is done.
+So a request costs the store one key per ready layer and one per (ctx, gen) pair, and the
+gen rank one host sync per (request, ctx rank), whatever the chunk size.
 Every wait has the deadline ``transfer.timeout_s``: a dead or stalled peer fails the chunk's
 request there, as with ``p2p``.
 
@@ -61,6 +68,11 @@ class Ipc(Transport):
         self.tables: dict[tuple[int, int], dict[str, tuple[int, torch.Tensor]]] = {}  # (request, ctx) -> pool -> table
         self.store = None
         self.gpu = device.type == "cuda"
+        self.src_pools: dict[int, CacheState] = {}  # ctx rank -> its cache state (pool shapes)
+        self.published: dict[int, set[int]] = {}  # ctx: request -> ready layers whose key is set
+        self.readers: dict[int, set[int]] = {}  # ctx: request -> gen ranks reading its chunks
+        self.seen: set[tuple[int, int, int]] = set()  # gen: (request, ctx, ready layer) keys waited for
+        self.last: dict[tuple[int, int], int] | None = None  # gen: (request, ctx) -> index of its last chunk
 
     @classmethod
     def check(cls, setup) -> None:
@@ -175,36 +187,59 @@ class Ipc(Transport):
                                 for name, (base, ids) in got.items()}
         return self.tables[key][c.rect.pool]
 
+    def _last_chunks(self) -> dict[tuple[int, int], int]:
+        if self.last is None:
+            self.last = {(c.request, c.src): i for i, c in enumerate(self.executor.chunks)}
+        return self.last
+
     def start(self, i: int, c: Chunk, rec):
         posted = self.executor.clock.mark()
         if self.sending:
-            if self.gpu:  # another process reads these bytes: the prefill's writes ordered on our stream must be done
-                self.executor.stream.synchronize()
-            self.store.set(f"ipc/r/{c.request}/{c.seq}", "1")
+            self.readers.setdefault(c.request, set()).add(c.dst)
+            done = self.published.setdefault(c.request, set())
+            if c.ready_layer not in done:
+                if self.gpu:  # another process reads these bytes: the prefill's writes on our stream must be done
+                    self.executor.stream.synchronize()
+                self.store.set(f"ipc/r/{c.request}/{self.rank}/{c.ready_layer}", "1")
+                done.add(c.ready_layer)
         return i, c, posted
 
     def finish(self, handle, rec) -> bool:
         i, c, posted = handle
         if self.sending:
-            self._wait(f"ipc/d/{c.request}/{c.seq}", "pulled by the gen rank", c)
-            for k in (f"ipc/r/{c.request}/{c.seq}", f"ipc/d/{c.request}/{c.seq}"):
-                self.store.delete_key(k)
-            if rec.chunks + 1 == rec.chunks_total:  # every reader of this request's blocks is done
+            if rec.chunks + 1 == rec.chunks_total:  # every reader of this request's blocks must be done
+                for g in sorted(self.readers.pop(c.request)):
+                    self._wait(f"ipc/d/{c.request}/{self.rank}/{g}", f"pulled by gen{g}", c)
+                    self.store.delete_key(f"ipc/d/{c.request}/{self.rank}/{g}")
+                for layer in self.published.pop(c.request):
+                    self.store.delete_key(f"ipc/r/{c.request}/{self.rank}/{layer}")
                 self.store.delete_key(f"ipc/t/{c.request}/{self.rank}")
         else:
-            self._wait(f"ipc/r/{c.request}/{c.seq}", "ready on the ctx rank", c)
+            unit = (c.request, c.src, c.ready_layer)
+            if unit not in self.seen:
+                self._wait(f"ipc/r/{c.request}/{c.src}/{c.ready_layer}", "ready on the ctx rank", c)
+                self.seen.add(unit)
             self._pull(i, c, rec)
-            self.store.set(f"ipc/d/{c.request}/{c.seq}", "1")
-            if rec.chunks + 1 == rec.chunks_total:
-                self.tables = {k: v for k, v in self.tables.items() if k[0] != c.request}
+            if self._last_chunks()[(c.request, c.src)] == i:
+                if self.gpu:
+                    self.executor.stream.synchronize()  # the ctx rank frees the blocks once they are reported pulled
+                self.store.set(f"ipc/d/{c.request}/{c.src}/{self.rank}", "1")
+                self.tables.pop((c.request, c.src), None)
+                self.seen = {u for u in self.seen if u[:2] != (c.request, c.src)}
         rec.wire.append((posted, self.executor.clock.mark()))
         return True
+
+    def abandon(self, handle) -> None:
+        if self.gpu and not self.sending:  # queued copies may still read a ctx pool that is about to be freed
+            self.executor.stream.synchronize()
 
     def _pull(self, i: int, c: Chunk, rec) -> None:
         ex = self.executor
         t0 = ex.clock.mark()
         src_bytes, src_blocks = self.peers[c.src][c.rect.pool]
-        src_pool = CacheState(self.setup.model, self.setup.ctx, c.src).pool(c.rect.pool)
+        if c.src not in self.src_pools:
+            self.src_pools[c.src] = CacheState(self.setup.model, self.setup.ctx, c.src)
+        src_pool = self.src_pools[c.src].pool(c.rect.pool)
         base, ids = self._table(c)
         src = runs(src_pool, src_blocks, c.rect, ids, base)
         store = ex.cache.pools[c.rect.pool]
@@ -215,6 +250,4 @@ class Ipc(Transport):
             k = int(((dst.wire <= j) & (j < dst.wire + dst.length)).nonzero()[0])
             at = int(dst.mem[k]) + j - int(dst.wire[k])
             store.storage[at:at + 1].bitwise_xor_(0xFF)
-        if self.gpu:
-            ex.stream.synchronize()  # the ctx rank may free the blocks once this chunk is reported pulled
         rec.pack.append((t0, ex.clock.mark()))
