@@ -100,11 +100,13 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
             if first is not None and codes[0] in (0, 1):
                 deadline = min(deadline, now + 5.0)
             if nudge_at is not None and now > nudge_at and told is None:
-                # a rank without a part file yet is stuck on a peer that is gone or has given up: stop
-                # it (it writes its part); those that have reported are waiting for rank 0's verdict
+                # a rank without a part file yet is stuck on a peer that is gone or has given up: stop it
+                # (it writes its part). The others that reported go too: a send blocked in C++ on a peer
+                # that no longer receives returns (and lets its rank see the signal) only once that
+                # peer's process has closed its sockets
                 nudge_at = None
                 for r, p in enumerate(procs):
-                    if p.poll() is None and not records.part_path(run_dir, r).exists():
+                    if p.poll() is None and (r != 0 or not records.part_path(run_dir, r).exists()):
                         p.send_signal(signal.SIGTERM)
             if signals and told is None:
                 told = now  # stop every rank (the group may have had the signal already: the same)
