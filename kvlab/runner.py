@@ -147,6 +147,11 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
                         faults.for_rank(setup.fault, world_rank, mine), board.beat)
     executor.connect()  # after the baseline: what the transport allocates (slots, NCCL's buffers) is extra
     link = linkrate.measure(setup, mover, world_rank, order) if setup.transfer.baseline else None
+    if device.type == "cuda":
+        # the baseline's own buffers are freed by now: keep them out of the transfer's peak, which still
+        # starts from everything connect allocated (slots, the transport's buffers)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     executor.prefill = prefill.times_for(setup, requests)  # pure: the same timeline on every rank
     executor.gpu_prefill, executor.prefill_alone = gpu_prefill, alone
     dist.barrier()
