@@ -11,7 +11,8 @@ pair, bounded by ``MESSAGE_BUDGET`` bytes; ``transfer.baseline=false`` skips it.
 The reference depends on how bytes cross, and each transport names its own
 (``Transport.link_reference``): ``p2p`` sends messages over the transport's pair groups;
 a transport whose gen rank pulls the bytes itself measures a local ``copy_`` of the same
-bytes (``copy``, the default). ``REFERENCES`` maps a reference name to its measure.
+bytes (``copy``, the default); a transport without one (``None``) reports no link figures.
+``REFERENCES`` maps a reference name to its measure.
 """
 from __future__ import annotations
 
@@ -96,10 +97,12 @@ def local_copy(setup: Setup, transport: Transport, world_rank: int, order: list[
 REFERENCES: dict[str, Callable[[Setup, Transport, int, list[Chunk]], float]] = {"p2p": raw_p2p, "copy": local_copy}
 
 
-def measure(setup: Setup, transport: Transport, world_rank: int, order: list[Chunk]) -> Link:
+def measure(setup: Setup, transport: Transport, world_rank: int, order: list[Chunk]) -> Link | None:
     """Every rank calls this at the same point, after ``transport.connect``; every rank returns the same
     figures. The reference is the transport's own (``Transport.link_reference``)."""
     reference = transport.link_reference
+    if reference is None:  # the transport has no in-run reference: the run reports no link figures
+        return None
     nbytes, n, pairs = messages(order)
     if not pairs or nbytes == 0:
         return Link(reference)
