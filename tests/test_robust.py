@@ -311,6 +311,9 @@ def test_plan_prints_the_budget_and_run_refuses_it(tmp_path):
 # -- interruption and dead ranks -----------------------------------------------------------------
 
 LONG = ["workload.requests=400", "transfer.slot_mib=1"]  # minutes of transfers on a 2-core machine
+# a run that is still transferring whenever the signal comes, however fast the machine: ctx0 stalls at its
+# third chunk for longer than the test waits, and its peers wait as long for it
+STALLED = [*LONG, "fault.stall_rank=0", "fault.stall_at_chunk=2", "fault.stall_s=600", "transfer.timeout_s=600"]
 
 
 def _workers(pgid: int, n: int, timeout: float = 120.0) -> list[int]:
@@ -342,7 +345,7 @@ def _interrupted(run_dir: Path, sig: str) -> dict:
                          ids=["ctrl-c", "sigterm-group", "sigterm-parent", "sigint-parent"])
 def test_interrupted_run_stops_every_rank_and_merges_what_it_has(sig, target, tmp_path):
     run_dir = tmp_path / "run"
-    p = _start(["run", f"hydra.run.dir={run_dir}", *QUIET, *LONG], tmp_path)
+    p = _start(["run", f"hydra.run.dir={run_dir}", *QUIET, *STALLED], tmp_path)
     _workers(p.pid, 3)
     time.sleep(25)  # into the transfers (the ranks take seconds to import and join on a busy machine)
     if target == "group":
