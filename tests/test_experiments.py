@@ -66,7 +66,7 @@ def test_every_job_is_valid_and_small(hydra_conf, preset):
                 assert str(OmegaConf.select(OmegaConf.create(s.to_dict()), k)) == v
 
 
-def test_presets_sweep_what_the_issue_asks(hydra_conf):
+def test_sweep_presets_cover_strategies_layouts_and_prompt_lengths(hydra_conf):
     p = {name: jobs(hydra_conf, name)[0] for name in ("strategies", "parallel_matrix", "prompt_lengths")}
     assert set(p["strategies"]["transfer"]) == {"naive", "chunked", "layerwise", "zerocopy"}
     assert p["parallel_matrix"] == {"ctx.tp": ["1", "2", "3"], "gen.tp": ["1", "2", "3"]}
