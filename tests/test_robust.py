@@ -392,7 +392,7 @@ def test_killed_parent_takes_its_ranks_along(tmp_path):
 def test_rank_killed_with_sigkill_ends_the_run_in_seconds(victim, tmp_path):
     """The launcher sees the death at once; rank 0 does not wait out transfer.timeout_s + 5 (65 s)."""
     run_dir = tmp_path / "run"
-    p = _start(["run", f"hydra.run.dir={run_dir}", *QUIET, *LONG], tmp_path)
+    p = _start(["run", f"hydra.run.dir={run_dir}", *QUIET, *STALLED], tmp_path)
     ranks = _workers(p.pid, 3)
     time.sleep(25)
     os.kill(ranks[victim], signal.SIGKILL)
