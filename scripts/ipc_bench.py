@@ -38,7 +38,7 @@ SIDES = [("TP1 -> TP1", ["ctx.tp=1", "gen.tp=1"]),
                                                        "gen.layout=layer_major"])]
 # chunks of 1 GiB: ipc allocates no slot, so transfer.slot_mib only sets how many chunks (and store round
 # trips) a request takes
-COMMON = ["transport=ipc", "device=cuda", "kernels=cuda", "logger=quiet", "workload.requests=1",
+COMMON = ["transport=ipc", "device=cuda", "kernels=cuda", "logger=quiet",
           "transfer=chunked", "transfer.slot_mib=1024", "transfer.timeout_s=120"]
 
 
@@ -60,29 +60,38 @@ def copy_gbps(n: int, reps: int = 3) -> float:
     return n / sorted(times)[len(times) // 2] / 1e9
 
 
-def run_case(model: str, isl: int, label: str, overrides: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as d:
+def run_case(model: str, isl: int, label: str, overrides: list[str], keep: Path | None = None,
+             requests: int = 1) -> dict:
+    """One ``kvlab run``; ``keep``: leave its run directory there (parts, per-rank profiles with KVLAB_PROFILE=1)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        if keep is not None:
+            d = keep / f"{model}-{isl}-{label.replace(' ', '').replace('>', '')}"
+            d.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "kvlab", "run", f"hydra.run.dir={d}", f"model={model}",
-                f"workload.isl={isl}", *COMMON, *overrides]
+                f"workload.isl={isl}", *COMMON, f"workload.requests={requests}", *overrides]
         t0 = time.time()
         p = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=400)
-        path = Path(d) / "summary.json"
+        path = d / "summary.json"
         if p.returncode or not path.exists():
             return {"model": model, "isl": isl, "sides": label, "error": (p.stderr or p.stdout)[-2000:]}
         s = json.loads(path.read_text())
+        rows = [json.loads(line) for line in (d / "results.jsonl").read_text().splitlines() if line.strip()]
     return {"model": model, "isl": isl, "sides": label, "overrides": overrides, "bytes": s["total_bytes"],
             "gbps": s["gbps"], "seconds": s["seconds"], "verified": s["verified"],
+            "link_gbps": s.get("link_gbps"), "link_ratio": s.get("link_ratio"),
+            "requests": [{"seconds": r["seconds"], "gbps": r["gbps"]} for r in rows],
             "peak_staging_bytes": s["peak_staging_bytes"], "peak_extra_device_bytes": s["peak_extra_device_bytes"],
             "wall_s": time.time() - t0}
 
 
 def kernel_vs_engine(isl: int = 32768) -> dict:
-    """One whole reshard of Llama-3.1-8B's cache in one process: the run-copy kernel and the copy engine."""
+    """One whole reshard of Llama-3.1-8B's cache in one process (block_major tpb 32 -> layer_major tpb 64):
+    the rectangle-copy kernel in a few shapes, and the copy engine over the same runs."""
     from cuda.bindings import runtime as rt
 
-    from kvlab.layout import Runs, runs
+    from kvlab.layout import runs
     from kvlab.ops import cuda as cuda_ops
-    from kvlab.ops import reference
     from kvlab.parallel import Layout, SideSpec
     from kvlab.plan import Request, plan
     from kvlab.spec import ModelSpec
@@ -96,29 +105,44 @@ def kernel_vs_engine(isl: int = 32768) -> dict:
     for side in (ctx, gen):
         pool = CacheState(model, side, 0).pool(seg.rect.pool)
         nb = -(-isl // pool.tokens_per_block)
-        ids = torch.arange(nb, device=dev)
+        ids = torch.randperm(nb, device=dev)  # scattered blocks, as a paged cache has them
         storage = torch.zeros(pool.pool_bytes(nb), dtype=torch.uint8, device=dev)
-        sides.append((storage, runs(pool, nb, seg.rect, ids, 0)))
-    (src, rs), (dst, rd) = sides
+        sides.append((storage, pool, nb, ids))
+    (src, sp, snb, sids), (dst, dp, dnb, dids) = sides
     src.random_(0, 256)
-    n = int(rd.length.sum())
+    n = seg.rect.nbytes(sp.rows)
 
     def timed(fn) -> float:
         fn()
         torch.cuda.synchronize()
         times = []
-        for _ in range(3):
-            t = time.perf_counter()
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
             fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return sorted(times)[1]
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return sorted(times)[2]
 
-    kernel_s = timed(lambda: cuda_ops.copy_runs(src, rs, dst, rd))
-    want = dst.clone()
-    out = {"bytes": n, "runs": rs.mem.numel(), "kernel_gbps": n / kernel_s / 1e9, "copy_gbps": copy_gbps(n)}
+    copy = copy_gbps(n)
+    # the expected pool through the pack and unpack kernels (tested against the torch reference elsewhere)
+    want, wire = torch.zeros_like(dst), torch.empty(n, dtype=torch.uint8, device=dev)
+    cuda_ops.pack(src, sp, snb, seg.rect, sids, 0, wire)
+    cuda_ops.unpack(wire, dp, dnb, seg.rect, dids, 0, want)
+    del wire
+    out = {"bytes": n, "runs": int(runs(sp, snb, seg.rect, sids, 0).mem.numel()), "copy_gbps": copy, "kernel": []}
+    for threads, unroll, per_sm in ((256, 8, 8), (256, 4, 8), (512, 8, 4), (1024, 8, 2), (256, 16, 8), (128, 8, 16)):
+        tuning = cuda_ops.Tuning(threads=threads, unroll=unroll)
+        ctas = torch.cuda.get_device_properties(dev).multi_processor_count * per_sm
+        dst.zero_()
+        s = timed(lambda c=ctas, t=tuning: cuda_ops.copy_rect(src, sp, snb, sids, 0, dst, dp, dnb, dids, 0, seg.rect,
+                                                              ctas=c, tuning=t))
+        out["kernel"].append({"threads": threads, "unroll": unroll, "ctas": ctas, "gbps": n / s / 1e9,
+                              "ratio": n / s / 1e9 / copy, "verified": bool(torch.equal(dst, want))})
     dst.zero_()
     try:
+        rs, rd = runs(sp, snb, seg.rect, sids, 0), runs(dp, dnb, seg.rect, dids, 0)
         srcs = (rs.mem + src.data_ptr()).tolist()
         dsts = (rd.mem + dst.data_ptr()).tolist()
         sizes = rd.length.tolist()
@@ -141,13 +165,6 @@ def kernel_vs_engine(isl: int = 32768) -> dict:
         out.update(engine_gbps=n / engine_s / 1e9, engine_verified=bool(torch.equal(dst, want)))
     except Exception as e:  # noqa: BLE001 - the comparison is reported, not required
         out["engine_error"] = f"{type(e).__name__}: {e}"
-    sub = slice(0, min(rs.mem.numel(), 4096))  # the kernel against the reference on a slice of the runs
-    part_s = Runs(rs.mem[sub], rs.wire[sub], rs.length[sub])
-    part_d = Runs(rd.mem[sub], rd.wire[sub], rd.length[sub])
-    check = torch.zeros_like(dst)
-    reference.copy_runs(src, part_s, check, part_d)
-    touched = check != 0
-    out["kernel_verified"] = bool(torch.equal(want[touched], check[touched]))
     return out
 
 
@@ -155,6 +172,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--keep", type=Path, help="keep each run's directory under this folder")
+    ap.add_argument("--requests", type=int, default=1, help="requests per run (the first pays one-time costs)")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the kernel-against-copy-engine comparison")
     a = ap.parse_args()
     models = MODELS[:1] if a.quick else MODELS
     env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -162,13 +182,13 @@ def main() -> None:
     import cuda.bindings
     env["cuda_bindings"] = cuda.bindings.__version__
     print(json.dumps(env))
-    out = {"env": env, "kernel_vs_engine": kernel_vs_engine(), "runs": []}
+    out = {"env": env, "kernel_vs_engine": None if a.no_kernels else kernel_vs_engine(), "runs": []}
     print(json.dumps(out["kernel_vs_engine"]))
     torch.cuda.empty_cache()
     refs: dict[int, float] = {}
     for model, isl in models:
         for label, ov in SIDES:
-            r = run_case(model, isl, label, ov)
+            r = run_case(model, isl, label, ov, a.keep, a.requests)
             if "bytes" in r:
                 if r["bytes"] not in refs:
                     refs[r["bytes"]] = copy_gbps(r["bytes"])

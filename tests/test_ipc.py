@@ -100,7 +100,9 @@ def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path, kvlab_cli):
         assert re.match(r"(gen0|ctx0): (aborted after )?request \d+ chunk \d+ with (ctx1|gen0): "
                         r"|gen0 received \d+ of 14 chunks", rows[rid]["error"]), rows[rid]["error"]
     gen = json.loads((run_dir / "parts" / "rank2.json").read_text())
-    assert "ready on the ctx rank not within 4 s" in gen["errors"][0] and "with ctx1" in gen["errors"][0]
+    # the gen rank gave up on ctx1 waiting for its next request's block table or its data
+    assert re.search(r"(ready on the ctx rank|the block table from the ctx rank) not within 4 s", gen["errors"][0])
+    assert "with ctx1" in gen["errors"][0]
     assert gen["held_blocks"] == 0
     assert _ours() <= before  # unlinked at the handshake: a dead ctx rank leaves no file behind
 
@@ -116,7 +118,8 @@ def test_stalled_ctx_rank_is_left_behind_and_the_run_ends(tmp_path, kvlab_cli):
     assert not summary["verified"] and summary["silent_ranks"] == [1]
     rows = _rows(tmp_path)
     assert rows[0]["verified"] and rows[1]["verified"]
-    assert any("ready on the ctx rank not within 4 s" in e for e in summary["errors"]), summary["errors"]
+    assert any(re.search(r"(ready on the ctx rank|the block table from the ctx rank) not within 4 s", e)
+               for e in summary["errors"]), summary["errors"]
     stalled = json.loads((tmp_path / "parts" / "rank1.json").read_text())
     assert stalled["errors"] == ["ctx1: stopped by SIGTERM"]
 

@@ -85,3 +85,21 @@ def test_no_register_spills(verbose_build, tuning):
     spills = [line for line in text.splitlines() if "spill" in line]
     assert len(spills) >= 4, f"no ptxas report in the NVRTC log:\n{text}"
     assert all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), text
+
+
+@pytest.mark.parametrize("tuning", [dict(threads=256, unroll=8), dict(threads=512, unroll=4),
+                                    dict(threads=64, unroll=1)])
+def test_rect_copy_compiles_without_spills(cuda_ops, tuning):
+    """kernels/run_copy.cu (transport=ipc's copy) builds for sm_90 in every tuning the benchmark tries, in registers."""
+    import io
+
+    from cuda.core import Program
+
+    opts = cuda_ops._options("sm_90", cuda_ops.Tuning(**tuning), "run_copy")
+    opts.ptxas_options = "-v"
+    log = io.StringIO()
+    src = cuda_ops._source(cuda_ops.RUN_COPY_SOURCE)
+    cubin = bytes(Program(src, "c++", options=opts).compile("cubin", logs=log).code)
+    assert cubin[:4] == b"\x7fELF" and b"kv_copy_rect" in cubin
+    spills = [line for line in log.getvalue().replace("\0", "").splitlines() if "spill" in line]
+    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()

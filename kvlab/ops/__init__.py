@@ -10,11 +10,14 @@ Signature of all three::
 
     pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out)
     unpack(wire, pool, num_blocks, rect, block_ids, block_base, pool_bytes)
-    copy_runs(src_pool_bytes, src_runs, dst_pool_bytes, dst_runs)
+    copy_rect(src_pool_bytes, src_pool, src_num_blocks, src_block_ids, src_block_base,
+              dst_pool_bytes, dst_pool, dst_num_blocks, dst_block_ids, dst_block_base, rect)
 
-``copy_runs`` moves one rectangle straight from one pool into another (``transport=ipc``):
-run ``i`` of ``src_runs`` (``kvlab.layout.runs`` on the source side) into run ``i`` of
-``dst_runs``; the runs of one rectangle share wire offsets and lengths in every layout.
+``copy_rect`` moves one rectangle straight from one pool into another (``transport=ipc``),
+resharding on the way: run ``i`` of the rectangle on the source side (``kvlab.layout.runs``)
+into run ``i`` on the destination side; the runs of one rectangle share wire offsets and
+lengths in every layout. The CUDA kernel computes both sides' runs itself, from the block
+tables, so a chunk costs one launch and no host sync.
 
 ``pool_bytes`` is the pool's uint8 storage, ``block_ids[i]`` the physical block of logical
 block ``block_base + i`` (int32 or int64, on the pool's device), ``out``/``wire`` a uint8
@@ -30,10 +33,10 @@ from kvlab.ops import cpu, reference
 
 def get_ops(kernels: str = "auto", device: str = "cpu"):
     if kernels == "auto" and device != "cuda":
-        return SimpleNamespace(name="cpu", pack=cpu.pack, unpack=cpu.unpack, copy_runs=reference.copy_runs)
+        return SimpleNamespace(name="cpu", pack=cpu.pack, unpack=cpu.unpack, copy_rect=reference.copy_rect)
     if kernels == "torch":
         return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
-                               copy_runs=reference.copy_runs)
+                               copy_rect=reference.copy_rect)
     try:
         from kvlab.ops import cuda as cuda_ops
         cuda_ops.ensure_compiled()
@@ -41,5 +44,5 @@ def get_ops(kernels: str = "auto", device: str = "cpu"):
         if kernels == "cuda":
             raise RuntimeError(f"kernels=cuda: the CUDA kernels are unavailable here ({e}); use kernels=torch") from e
         return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
-                               copy_runs=reference.copy_runs)
-    return SimpleNamespace(name="cuda", pack=cuda_ops.pack, unpack=cuda_ops.unpack, copy_runs=cuda_ops.copy_runs)
+                               copy_rect=reference.copy_rect)
+    return SimpleNamespace(name="cuda", pack=cuda_ops.pack, unpack=cuda_ops.unpack, copy_rect=cuda_ops.copy_rect)

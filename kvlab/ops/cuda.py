@@ -23,14 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvlab.layout import Rect, Runs
-from kvlab.ops.reference import check_buffers, check_runs
+from kvlab.layout import Rect
+from kvlab.ops.reference import check_buffers, check_rect_pair
 from kvlab.paths import KERNELS_DIR
 from kvlab.state import RankPool
 
 KERNEL_SOURCE = KERNELS_DIR / "kv_copy.cu"
 RUN_COPY_SOURCE = KERNELS_DIR / "run_copy.cu"
-RUN_COPY_THREADS = 256
 DEFAULT_CTAS = 16
 _INT_MAX = 2**31 - 1
 
@@ -309,40 +308,71 @@ def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, 
     _launch(False, pool_bytes, pool, num_blocks, rect, block_ids, block_base, wire_buf, ctas, tuning)
 
 
-def ensure_run_copy(index: int) -> None:
-    """Load the run-copy kernel on device ``index`` now, not inside the first timed copy."""
-    _run_copy_kernel(index)
+RECT_TUNING = Tuning(threads=256, unroll=8)  # full occupancy at 8 CTAs per SM; see scripts/ipc_bench.py
 
 
-@cache
-def _run_copy_kernel(index: int):
+def ensure_run_copy(index: int, tuning: Tuning = RECT_TUNING) -> None:
+    """Load the rectangle-copy kernel on device ``index`` now, not inside the first timed copy."""
+    _rect_kernel(index, tuning)
+
+
+@lru_cache(maxsize=8)
+def _rect_kernel(index: int, tuning: Tuning):
     from cuda.core import Device, ObjectCode
 
     Device(index).set_current()
-    obj = ObjectCode.from_cubin(compile_for_arch(device_arch(index), source=RUN_COPY_SOURCE), name="run_copy")
-    return obj.get_kernel("kv_copy_runs"), obj
+    cubin = compile_for_arch(device_arch(index), tuning, source=RUN_COPY_SOURCE)
+    obj = ObjectCode.from_cubin(cubin, name="run_copy")
+    return obj.get_kernel("kv_copy_rect"), obj
 
 
-def copy_runs(src_bytes: torch.Tensor, src: Runs, dst_bytes: torch.Tensor, dst: Runs, *, ctas: int | None = None
-              ) -> None:
-    """``kernels/run_copy.cu`` on the current stream: run ``i`` of ``src`` into run ``i`` of ``dst``, one launch
-    for every run of a rectangle. ``src_bytes`` may be another process's pool opened through CUDA IPC."""
-    check_runs(src, dst)
+def _side(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, block_base: int) -> tuple:
+    """One side's kernel parameters (``Side`` in kernels/run_copy.cu)."""
+    i32, i64 = np.int32, np.int64
+    bs, ls = pool.strides(num_blocks)
+    coffs = pool.comp_offsets()
+    return (block_ids.data_ptr(), i32(block_ids.dtype == torch.int64), i32(pool.tokens_per_block), i64(block_base),
+            i64(bs), i64(ls), i64(coffs[0]), i64(coffs[1] if len(coffs) > 1 else 0),
+            i32(rect.l0 - pool.layers.start), i32(rect.h0 - pool.heads.start))
+
+
+def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool, dst_num_blocks, dst_ids,
+              dst_base, rect, *, ctas: int | None = None, tuning: Tuning = RECT_TUNING) -> None:
+    """``kernels/run_copy.cu`` on the current stream: every run of ``rect`` from the source pool into the
+    destination pool in one launch, both sides' addresses computed on the device from their block tables
+    (no index tensors, no host sync). ``src_bytes`` may be another process's pool opened through CUDA IPC."""
     dev = dst_bytes.device
-    if dev.type != "cuda" or src_bytes.device != dev or dst.mem.device != dev:
-        raise ValueError(f"copy_runs needs both pools and the runs on one CUDA device ({src_bytes.device}, {dev}, "
-                         f"{dst.mem.device})")
-    n = src.mem.numel()
-    if n == 0:
+    check_rect_pair(src_bytes, src_pool, src_num_blocks, dst_bytes, dst_pool, dst_num_blocks, rect)
+    for side, (pool_bytes, pool, ids, base) in (("source", (src_bytes, src_pool, src_ids, src_base)),
+                                                ("destination", (dst_bytes, dst_pool, dst_ids, dst_base))):
+        if pool_bytes.device != dev:
+            raise ValueError(f"copy_rect needs both pools on one CUDA device: the {side} is on {pool_bytes.device}, "
+                             f"the destination on {dev}")
+        _check_cuda(pool_bytes, pool, rect, ids, base, dst_bytes)
+    if not (src_ids.is_contiguous() and dst_ids.is_contiguous()):
+        raise ValueError("copy_rect needs contiguous block tables")
+    T = rect.tile
+    ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
+    rows = src_pool.rows
+    nruns = ntiles * rect.n_layers * len(rows) * rect.n_heads
+    if nruns == 0 or rect.n_tokens <= 0:
         return
     from cuda.core import Device, LaunchConfig, Stream, launch
 
     Device(dev.index).set_current()
-    kernel, _ = _run_copy_kernel(dev.index)
-    ctas = ctas or torch.cuda.get_device_properties(dev).multi_processor_count * 8
-    warps = RUN_COPY_THREADS // 32  # a warp per run
+    kernel, _ = _rect_kernel(dev.index, tuning)
+    if ctas is None:
+        ctas = _sm_count(dev.index) * max(1, 2048 // tuning.threads)
+    grid = max(1, min(ctas, -(-nruns // (tuning.threads // 32))))
     stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
-    mem_s, mem_d, length = src.mem.contiguous(), dst.mem.contiguous(), src.length.contiguous()
-    grid = max(1, min(ctas, -(-n // warps)))
-    launch(stream, LaunchConfig(grid=grid, block=RUN_COPY_THREADS), kernel, src_bytes.data_ptr(),
-           dst_bytes.data_ptr(), mem_s.data_ptr(), mem_d.data_ptr(), length.data_ptr(), np.int64(n))
+    i32, i64 = np.int32, np.int64
+    launch(stream, LaunchConfig(grid=grid, block=tuning.threads), kernel, src_bytes.data_ptr(), dst_bytes.data_ptr(),
+           *_side(src_pool, src_num_blocks, rect, src_ids, src_base),
+           *_side(dst_pool, dst_num_blocks, rect, dst_ids, dst_base),
+           i32(T), i64(rect.t0), i64(rect.t1), i32(rect.n_layers), i32(rect.n_heads), i32(len(rows)), i32(rows[0]),
+           i32(rows[1] if len(rows) > 1 else 0), i64(nruns))
+
+
+@cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -40,14 +40,37 @@ def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes) 
         pool_bytes.index_copy_(0, mem, wire_buf.index_select(0, wire))
 
 
-def check_runs(src: Runs, dst: Runs) -> None:
-    if not (torch.equal(src.wire, dst.wire) and torch.equal(src.length, dst.length)):
-        raise ValueError("copy_runs: the two sides' runs are not of one rectangle")
+def check_rect_pair(src_bytes: torch.Tensor, src_pool: RankPool, src_num_blocks: int, dst_bytes: torch.Tensor,
+                    dst_pool: RankPool, dst_num_blocks: int, rect: Rect) -> None:
+    """Both pools hold ``rect`` (one model's pool, the same row sizes) and are whole uint8 storages."""
+    if src_bytes.dtype != torch.uint8 or dst_bytes.dtype != torch.uint8:
+        raise TypeError("copy_rect works on uint8 tensors")
+    if src_pool.rows != dst_pool.rows:
+        raise ValueError(f"copy_rect: the pools' rows differ ({src_pool.rows} and {dst_pool.rows}): not one pool kind")
+    for what, b, pool, nb in (("source", src_bytes, src_pool, src_num_blocks),
+                              ("destination", dst_bytes, dst_pool, dst_num_blocks)):
+        if b.numel() != pool.pool_bytes(nb) or not b.is_contiguous():
+            raise ValueError(f"copy_rect: the {what} storage has {b.numel()} bytes, its layout needs "
+                             f"{pool.pool_bytes(nb)} contiguous ones")
+    for what, pool in (("source", src_pool), ("destination", dst_pool)):
+        if rect.tile <= 0 or pool.tokens_per_block % rect.tile:
+            raise ValueError(f"copy_rect: tile {rect.tile} does not divide the {what}'s tokens_per_block "
+                             f"{pool.tokens_per_block}")
 
 
 def copy_runs(src_bytes: torch.Tensor, src: Runs, dst_bytes: torch.Tensor, dst: Runs) -> None:
     """Run ``i`` of ``src`` into run ``i`` of ``dst``: one rectangle straight from one pool into another
     (the runs of one rectangle have the same wire offsets and lengths in every layout)."""
-    check_runs(src, dst)
+    if not (torch.equal(src.wire, dst.wire) and torch.equal(src.length, dst.length)):
+        raise ValueError("copy_runs: the two sides' runs are not of one rectangle")
     for (src_mem, _), (dst_mem, _) in zip(_byte_index(src), _byte_index(dst)):  # equal lengths: equal groups
         dst_bytes.index_copy_(0, dst_mem, src_bytes.index_select(0, src_mem))
+
+
+def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool, dst_num_blocks, dst_ids,
+              dst_base, rect, *, copy_runs=copy_runs) -> None:
+    """``rect`` straight from one pool into another (``transport=ipc``): the runs of both sides, then
+    ``copy_runs`` (this module's, or a faster one with its signature)."""
+    check_rect_pair(src_bytes, src_pool, src_num_blocks, dst_bytes, dst_pool, dst_num_blocks, rect)
+    copy_runs(src_bytes, runs(src_pool, src_num_blocks, rect, src_ids, src_base),
+              dst_bytes, runs(dst_pool, dst_num_blocks, rect, dst_ids, dst_base))

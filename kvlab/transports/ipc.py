@@ -15,8 +15,9 @@ the gen ranks that opened it until they close it.
 Control plane: the default group's store (small keys, no tensors):
 - ``connect``: ctx publishes each pool (file path or IPC handle, bytes, blocks); gen maps
   them and says so; ctx waits for every gen rank, then unlinks.
-- ``opened`` (ctx): the request's block ids per pool, published once the prefill wrote them
-  (the gen rank never derives the ctx rank's block ids from the config).
+- ``opened`` (ctx): the request's block ids per pool, published as soon as they are allocated
+  (the gen rank never derives the ctx rank's block ids from the config); a gen rank fetches
+  them, and copies them to its device, before it waits for the data.
 - ``start`` (ctx): the first chunk of each (request, ready layer) publishes one key: every
   chunk of that request whose ready layer it is may be pulled (the strategy's readiness was
   waited for; on GPUs the stream is synchronized once for all of them): one key per layer
@@ -24,7 +25,8 @@ Control plane: the default group's store (small keys, no tensors):
 - ``finish`` (gen): wait for the chunk's ready key unless an earlier chunk already did, then
   queue the copy of its runs (run ``i`` of the rectangle on both sides has the same wire
   offset and length: ``src + mem_ctx[i]`` -> ``dst + mem_gen[i]``) on the stream, with no
-  host sync. After its last chunk of the request from a ctx rank it synchronizes the stream
+  host sync: on GPUs one kernel launch (``ops.copy_rect``) that computes both sides' runs
+  from the block tables. After its last chunk of the request from a ctx rank it synchronizes the stream
   once and acks that (request, ctx rank). ``finish`` (ctx): a chunk returns at once, except
   the request's last one, which waits for the ack of every gen rank that reads it, so that
   a request's blocks are freed only after every reader is done.
@@ -136,14 +138,14 @@ class Ipc(Transport):
         self.store.set(f"ipc/mapped/{self.rank}", "1")
 
     def _warm_up(self) -> None:
-        """Load the copy path's kernels (the run-copy kernel, torch's index arithmetic) before the clock
-        starts: one token of the first pool copied onto itself, which changes no byte."""
+        """Load the copy path's kernel before the clock starts: one token of the first pool copied onto
+        itself, which changes no byte."""
         ex = self.executor
         store = next(iter(ex.cache.pools.values()))
         p = store.pool
         rect = Rect(p.name, p.layers.start, p.layers.start + 1, p.heads.start, p.heads.start + 1, 0, 1, 1)
-        r = runs(p, store.num_blocks, rect, torch.zeros(1, dtype=torch.int64, device=self.device), 0)
-        ex.ops.copy_runs(store.storage, r, store.storage, r)
+        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        ex.ops.copy_rect(store.storage, p, store.num_blocks, ids, 0, store.storage, p, store.num_blocks, ids, 0, rect)
         if self.gpu:
             torch.cuda.synchronize(self.device)
 
@@ -182,6 +184,7 @@ class Ipc(Transport):
     def _table(self, c: Chunk) -> tuple[int, torch.Tensor]:
         key = (c.request, c.src)
         if key not in self.tables:
+            self._wait(f"ipc/t/{c.request}/{c.src}", "the block table from the ctx rank", c)
             got = json.loads(self.store.get(f"ipc/t/{c.request}/{c.src}"))
             self.tables[key] = {name: (base, torch.tensor(ids, dtype=torch.int64, device=self.device))
                                 for name, (base, ids) in got.items()}
@@ -216,6 +219,7 @@ class Ipc(Transport):
                 self.store.delete_key(f"ipc/t/{c.request}/{self.rank}")
         else:
             unit = (c.request, c.src, c.ready_layer)
+            self._table(c)  # published when the ctx rank allocated the blocks: fetched before the data is ready
             if unit not in self.seen:
                 self._wait(f"ipc/r/{c.request}/{c.src}/{c.ready_layer}", "ready on the ctx rank", c)
                 self.seen.add(unit)
@@ -241,13 +245,15 @@ class Ipc(Transport):
             self.src_pools[c.src] = CacheState(self.setup.model, self.setup.ctx, c.src)
         src_pool = self.src_pools[c.src].pool(c.rect.pool)
         base, ids = self._table(c)
-        src = runs(src_pool, src_blocks, c.rect, ids, base)
         store = ex.cache.pools[c.rect.pool]
         table = ex.cache.tables[c.request][c.rect.pool]
-        dst = runs(store.pool, store.num_blocks, c.rect, table.ids, table.base)
-        ex.ops.copy_runs(src_bytes, src, store.storage, dst)
-        for j in ex.faults.flips.get(i, []):  # inside the copy's output, at the chunk's wire offset j
-            k = int(((dst.wire <= j) & (j < dst.wire + dst.length)).nonzero()[0])
-            at = int(dst.mem[k]) + j - int(dst.wire[k])
-            store.storage[at:at + 1].bitwise_xor_(0xFF)
+        ex.ops.copy_rect(src_bytes, src_pool, src_blocks, ids, base,
+                         store.storage, store.pool, store.num_blocks, table.ids, table.base, c.rect)
+        flips = ex.faults.flips.get(i, [])
+        if flips:  # inside the copy's output, at the chunk's wire offsets
+            dst = runs(store.pool, store.num_blocks, c.rect, table.ids, table.base)
+            for j in flips:
+                k = int(((dst.wire <= j) & (j < dst.wire + dst.length)).nonzero()[0])
+                at = int(dst.mem[k]) + j - int(dst.wire[k])
+                store.storage[at:at + 1].bitwise_xor_(0xFF)
         rec.pack.append((t0, ex.clock.mark()))
