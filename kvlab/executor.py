@@ -133,6 +133,7 @@ class Executor:
     def _close(self, req: Request, segments: list[Segment]) -> None:
         rec = self.records[req.id]
         rec.end = self.clock.mark()
+        self.transport.closed(req.id)
         if self.sending:
             self.cache.release(req.id)
         else:

@@ -132,9 +132,10 @@ def kernel_vs_engine(isl: int = 32768) -> dict:
     cuda_ops.unpack(wire, dp, dnb, seg.rect, dids, 0, want)
     del wire
     out = {"bytes": n, "runs": int(runs(sp, snb, seg.rect, sids, 0).mem.numel()), "copy_gbps": copy, "kernel": []}
-    for threads, unroll, per_sm in ((256, 8, 8), (256, 4, 8), (512, 8, 4), (1024, 8, 2), (256, 16, 8), (128, 8, 16)):
+    # ctas None: the resident CTAs (the default); a number: that grid, walked in several waves
+    for threads, unroll, ctas in ((256, 8, None), (256, 4, None), (512, 8, None), (128, 8, None), (1024, 4, None),
+                                  (256, 8, 132 * 16)):
         tuning = cuda_ops.Tuning(threads=threads, unroll=unroll)
-        ctas = torch.cuda.get_device_properties(dev).multi_processor_count * per_sm
         dst.zero_()
         s = timed(lambda c=ctas, t=tuning: cuda_ops.copy_rect(src, sp, snb, sids, 0, dst, dp, dnb, dids, 0, seg.rect,
                                                               ctas=c, tuning=t))

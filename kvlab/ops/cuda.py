@@ -308,7 +308,7 @@ def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, 
     _launch(False, pool_bytes, pool, num_blocks, rect, block_ids, block_base, wire_buf, ctas, tuning)
 
 
-RECT_TUNING = Tuning(threads=256, unroll=8)  # full occupancy at 8 CTAs per SM; see scripts/ipc_bench.py
+RECT_TUNING = Tuning(threads=256, unroll=8)  # 64 registers, 1024 threads per SM; see scripts/ipc_bench.py
 
 
 def ensure_run_copy(index: int, tuning: Tuning = RECT_TUNING) -> None:
@@ -318,12 +318,16 @@ def ensure_run_copy(index: int, tuning: Tuning = RECT_TUNING) -> None:
 
 @lru_cache(maxsize=8)
 def _rect_kernel(index: int, tuning: Tuning):
+    """(kernel, CTAs that are resident at once on the device, ObjectCode): a grid of exactly the resident
+    CTAs walks the runs in one wave, with no tail of late CTAs."""
     from cuda.core import Device, ObjectCode
 
     Device(index).set_current()
     cubin = compile_for_arch(device_arch(index), tuning, source=RUN_COPY_SOURCE)
     obj = ObjectCode.from_cubin(cubin, name="run_copy")
-    return obj.get_kernel("kv_copy_rect"), obj
+    kernel = obj.get_kernel("kv_copy_rect")
+    per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(tuning.threads, 0)
+    return kernel, max(1, per_sm) * _sm_count(index), obj
 
 
 def _side(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, block_base: int) -> tuple:
@@ -355,14 +359,16 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
     rows = src_pool.rows
     nruns = ntiles * rect.n_layers * len(rows) * rect.n_heads
-    if nruns == 0 or rect.n_tokens <= 0:
+    if rect.n_tokens <= 0:
         return
+    # the kernel indexes runs and tokens with int
+    if nruns > _INT_MAX or rect.t1 > _INT_MAX or T * max(rows) > 2**30:
+        raise ValueError(f"rect {rect} exceeds the rectangle copy's limits (2^31 runs and tokens, 2^30-byte runs)")
     from cuda.core import Device, LaunchConfig, Stream, launch
 
     Device(dev.index).set_current()
-    kernel, _ = _rect_kernel(dev.index, tuning)
-    if ctas is None:
-        ctas = _sm_count(dev.index) * max(1, 2048 // tuning.threads)
+    kernel, resident, _ = _rect_kernel(dev.index, tuning)
+    ctas = ctas or resident
     grid = max(1, min(ctas, -(-nruns // (tuning.threads // 32))))
     stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
     i32, i64 = np.int32, np.int64

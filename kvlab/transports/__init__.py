@@ -48,8 +48,11 @@ Protocol. Every rank of both sides makes these calls, in this order:
    order) happen in here, on the bytes in flight. A peer that is gone or silent for
    ``transfer.timeout_s`` raises ``ChunkFailed`` within that deadline; the host never
    waits longer than that anywhere in this protocol.
-8. ``abandon(handle)``: a started chunk that will never be finished (the run is failing).
-9. ``close()``: once at the end, also after a failure, on every rank: unmap, unlink and
+8. ``closed(request)``: after the request's last chunk on this rank is finished and its end is
+   marked (a gen rank's end is the transfer's end): what may follow the transfer without being
+   timed, such as a pull transport's report that the reader is done.
+9. ``abandon(handle)``: a started chunk that will never be finished (the run is failing).
+10. ``close()``: once at the end, also after a failure, on every rank: unmap, unlink and
    free what ``connect`` and ``pool_storage`` made. Idempotent.
 
 ``link_reference``: how kvlab.linkrate measures the link this transport's figures are a
@@ -133,6 +136,9 @@ class Transport:
 
     def finish(self, handle, rec) -> bool:
         raise NotImplementedError
+
+    def closed(self, request: int) -> None:
+        pass
 
     def abandon(self, handle) -> None:
         pass

@@ -26,12 +26,15 @@ Control plane: the default group's store (small keys, no tensors):
   queue the copy of its runs (run ``i`` of the rectangle on both sides has the same wire
   offset and length: ``src + mem_ctx[i]`` -> ``dst + mem_gen[i]``) on the stream, with no
   host sync: on GPUs one kernel launch (``ops.copy_rect``) that computes both sides' runs
-  from the block tables. After its last chunk of the request from a ctx rank it synchronizes the stream
-  once and acks that (request, ctx rank). ``finish`` (ctx): a chunk returns at once, except
-  the request's last one, which waits for the ack of every gen rank that reads it, so that
-  a request's blocks are freed only after every reader is done.
+  from the block tables. After its last chunk of the request from a ctx rank it records an
+  event; the (request, ctx rank) is acked once that event has passed: checked at each later
+  ``finish``, and waited for in ``closed``, once the request's end is marked (the ack is not
+  part of the transfer's time). ``finish`` (ctx): a chunk returns at once, except the
+  request's last one, which waits for the ack of every gen rank that reads it, so that a
+  request's blocks are freed only after every reader is done. A ctx rank's marks are host
+  times: it queues no GPU work while the gen ranks copy.
 So a request costs the store one key per ready layer and one per (ctx, gen) pair, and the
-gen rank one host sync per (request, ctx rank), whatever the chunk size.
+gen rank one host wait per request, after its end, whatever the chunk size.
 Every wait has the deadline ``transfer.timeout_s``: a dead or stalled peer fails the chunk's
 request there, as with ``p2p``.
 
@@ -75,6 +78,7 @@ class Ipc(Transport):
         self.readers: dict[int, set[int]] = {}  # ctx: request -> gen ranks reading its chunks
         self.seen: set[tuple[int, int, int]] = set()  # gen: (request, ctx, ready layer) keys waited for
         self.last: dict[tuple[int, int], int] | None = None  # gen: (request, ctx) -> index of its last chunk
+        self.unacked: list[tuple[torch.cuda.Event | None, int, int]] = []  # gen: pulls not yet reported done
 
     @classmethod
     def check(cls, setup) -> None:
@@ -195,8 +199,13 @@ class Ipc(Transport):
             self.last = {(c.request, c.src): i for i, c in enumerate(self.executor.chunks)}
         return self.last
 
+    def _mark(self):
+        """A ctx rank's marks are host times: a GPU event it recorded while a gen rank copies would
+        switch the shared GPU to the ctx process's context in the middle of the copy."""
+        return self.executor.clock.host() if self.sending else self.executor.clock.mark()
+
     def start(self, i: int, c: Chunk, rec):
-        posted = self.executor.clock.mark()
+        posted = self._mark()
         if self.sending:
             self.readers.setdefault(c.request, set()).add(c.dst)
             done = self.published.setdefault(c.request, set())
@@ -223,19 +232,47 @@ class Ipc(Transport):
             if unit not in self.seen:
                 self._wait(f"ipc/r/{c.request}/{c.src}/{c.ready_layer}", "ready on the ctx rank", c)
                 self.seen.add(unit)
+            self._acks(wait=False)
             self._pull(i, c, rec)
+            done = self._mark()
             if self._last_chunks()[(c.request, c.src)] == i:
+                # the ctx rank frees the blocks once they are reported pulled: report when the copies are done,
+                # without making the host wait for them here (the next chunks' copies are queued meanwhile)
+                event = None
                 if self.gpu:
-                    self.executor.stream.synchronize()  # the ctx rank frees the blocks once they are reported pulled
-                self.store.set(f"ipc/d/{c.request}/{c.src}/{self.rank}", "1")
+                    event = torch.cuda.Event()
+                    event.record(self.executor.stream)
+                self.unacked.append((event, c.request, c.src))
                 self.tables.pop((c.request, c.src), None)
                 self.seen = {u for u in self.seen if u[:2] != (c.request, c.src)}
-        rec.wire.append((posted, self.executor.clock.mark()))
+            rec.wire.append((posted, done))
+            return True
+        rec.wire.append((posted, self._mark()))
         return True
 
+    def _acks(self, wait: bool, request: int | None = None) -> None:
+        """Tell the ctx ranks which (request, ctx rank) pulls are complete: those whose copies are done, or
+        with ``wait`` every one (of ``request`` only, if given), waiting for their copies."""
+        keep = []
+        for event, rid, src in self.unacked:
+            mine = request is None or rid == request
+            if mine and wait and event is not None:
+                event.synchronize()
+            if mine and (wait or event is None or event.query()):
+                self.store.set(f"ipc/d/{rid}/{src}/{self.rank}", "1")
+            else:
+                keep.append((event, rid, src))
+        self.unacked = keep
+
+    def closed(self, request: int) -> None:
+        if not self.sending:  # the request's end is marked: its last acks leave the measured path
+            self._acks(wait=True, request=request)
+
     def abandon(self, handle) -> None:
-        if self.gpu and not self.sending:  # queued copies may still read a ctx pool that is about to be freed
-            self.executor.stream.synchronize()
+        if not self.sending:
+            if self.gpu:  # queued copies may still read a ctx pool that is about to be freed
+                self.executor.stream.synchronize()
+            self._acks(wait=True)  # pulls that did complete: their ctx ranks may free those blocks
 
     def _pull(self, i: int, c: Chunk, rec) -> None:
         ex = self.executor
