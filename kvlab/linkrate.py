@@ -10,8 +10,9 @@ pair, bounded by ``MESSAGE_BUDGET`` bytes; ``transfer.baseline=false`` skips it.
 
 The reference depends on how bytes cross, and each transport names its own
 (``Transport.link_reference``): ``p2p`` sends messages over the transport's pair groups;
-a transport whose gen rank pulls the bytes itself measures a local ``copy_`` of the same
-bytes (``copy``, the default); a transport without one (``None``) reports no link figures.
+``nixl`` WRITEs them with the transport's NIXL agents (kvlab.transports.nixl); a transport
+whose gen rank pulls the bytes itself measures a local ``copy_`` of the same bytes (``copy``,
+the default); a transport without one (``None``) reports no link figures.
 ``REFERENCES`` maps a reference name to its measure.
 """
 from __future__ import annotations
@@ -94,7 +95,13 @@ def local_copy(setup: Setup, transport: Transport, world_rank: int, order: list[
     return time.perf_counter() - t0
 
 
-REFERENCES: dict[str, Callable[[Setup, Transport, int, list[Chunk]], float]] = {"p2p": raw_p2p, "copy": local_copy}
+def raw_nixl(setup: Setup, transport: Transport, world_rank: int, order: list[Chunk]) -> float:
+    """Seconds this rank took for its share of the messages as raw NIXL WRITEs between the transport's agents."""
+    return transport.raw_writes(*messages(order))
+
+
+REFERENCES: dict[str, Callable[[Setup, Transport, int, list[Chunk]], float]] = {
+    "p2p": raw_p2p, "copy": local_copy, "nixl": raw_nixl}
 
 
 def measure(setup: Setup, transport: Transport, world_rank: int, order: list[Chunk]) -> Link | None:

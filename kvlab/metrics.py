@@ -211,8 +211,9 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
     if summary.link_gbps:
         # requests share the link with each other: only the run as a whole has a ratio
         mib = f"{link.message_bytes / 2**20:,.2f} MiB"
-        what = (f"raw messages of {mib} between the same ranks" if link.reference == "p2p"
-                else f"a local copy_ of the same {mib} pieces")
+        what = {"p2p": f"raw messages of {mib} between the same ranks",
+                "nixl": f"raw NIXL WRITEs of {mib} between the same ranks"}.get(
+            link.reference, f"a local copy_ of the same {mib} pieces")
         console.print(f"link_ratio {summary.link_ratio or 0:.3f}: delivered {summary.gbps:,.2f} GB/s against "
                       f"{summary.link_gbps:,.2f} GB/s of {what}, in the same run")
     line = serving.summary_line(summary.serving)

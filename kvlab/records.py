@@ -115,7 +115,8 @@ class Peak:
 class Link:
     """The link's speed for a run's own messages, measured in the same run (kvlab.linkrate)."""
 
-    reference: str = "p2p"  # p2p: raw messages over the pair groups; copy: a local copy_ of the same bytes
+    reference: str = "p2p"  # p2p: raw messages over the pair groups; copy: a local copy_ of the same bytes;
+    # nixl: raw NIXL WRITEs between the run's agents
     message_bytes: int = 0
     messages: int = 0
     seconds: float = 0.0

@@ -4,12 +4,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
+from types import SimpleNamespace as ns
 
 import numpy as np
 import pytest
+import torch
 from test_faults import CORRUPTION, FAULTY, HANG_S, TIMEOUT_S
 from test_faults import _gave_up_in_time as gave_up_in_time
 from test_faults import test_flipped_bytes_are_caught_and_located as flips_caught
@@ -78,6 +82,123 @@ def test_nixl_end_to_end_verified(overrides, mode, tmp_path):
             assert row["descriptors"] > row["chunks"] and row["in_place_chunks"] == row["chunks"]
     if mode == "direct":
         assert summary["peak_staging_bytes"] == 0
+    assert summary["link"]["reference"] == "nixl" and summary["link_ratio"] > 0  # the run's own raw WRITEs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_every_nixl_run_reports_raw_nixl_writes_of_its_chunks_as_its_link(mode, tmp_path):
+    """The in-run reference: raw WRITEs of the run's largest chunk between its own pairs (3 -> 2: ctx1
+    feeds both gen ranks), timed on every rank, the slowest taken."""
+    from kvlab import linkrate
+    from kvlab.api import run_transfer
+    from kvlab.config import build, compose
+    from kvlab.workload import plan_run
+
+    over = NIXL + [f"transport.mode={mode}", "ctx.tp=3", "gen.tp=2", "workload.isl=700", "transfer.slot_mib=0.05",
+                   "workload.requests=2"]
+    summary = run_transfer(over, tmp_path)
+    assert summary["verified"], summary
+    nbytes, n, pairs = linkrate.messages(plan_run(build(compose(over)))[2])
+    assert len(pairs) == 4
+    link = summary["link"]
+    assert link["reference"] == "nixl" and link["message_bytes"] == nbytes and link["messages"] == n * len(pairs)
+    assert link["seconds"] > 0
+    assert summary["link_gbps"] == pytest.approx(n * len(pairs) * nbytes / link["seconds"] / 1e9)
+    assert summary["link_ratio"] == pytest.approx(summary["gbps"] / summary["link_gbps"])
+
+
+class _Event:
+    """A CUDA event's host side: not done until told."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _Agent:
+    def __init__(self, inbox=None):
+        self.sent, self.posted, self.inbox = [], [], inbox or {}
+
+    def send_notif(self, agent, msg):
+        self.sent.append((agent, msg))
+
+    def get_new_notifs(self):
+        out, self.inbox = self.inbox, {}
+        return out
+
+    def get_xfer_descs(self, d, mem):
+        return d
+
+    def initialize_xfer(self, op, local, remote, agent):
+        return object()
+
+    def transfer(self, x, notif):
+        self.posted.append((x, notif))
+        return "PROC"
+
+
+def _bare(side: str):
+    """A nixl transport with a fake agent and one peer, as connect leaves it (no processes)."""
+    from kvlab.transports.nixl import Nixl, Peer
+
+    t = Nixl.__new__(Nixl)
+    t.side, t.mode, t.per_chunk, t.window, t.spin_s = side, "staged", False, 2, 0.0
+    t.inbox, t.waiting, t.xfers = {}, [], {}
+    t.unannounced = deque()
+    t.peers = {0: Peer("peer0")}
+    t.agent = _Agent()
+    t.executor = ns(clock=ns(mark=lambda: 0.0))
+    return t
+
+
+def _chunk(seq: int, nbytes: int = 64):
+    return ns(request=0, seq=seq, src=0, dst=0, nbytes=nbytes, rect=ns(pool="kv"))
+
+
+def test_gen_announces_a_slot_only_after_its_last_unpack_has_run_without_waiting_for_it():
+    """GPUs: the host does not block on the unpack; the announcement of the slot's next chunk (and of every
+    chunk after it: announcements go in order) waits in the transport until the unpack's event has completed."""
+    from kvlab.transports.nixl import Landing
+
+    t = _bare("gen")
+    ev = _Event()
+    first = Landing(0, _chunk(0), None, True, 0.0, room=b"a", after=ev)
+    second = Landing(1, _chunk(1), None, True, 0.0, room=b"b")
+    t.unannounced.extend([first, second])
+    t._announce()
+    assert t.agent.sent == []
+    ev.done = True
+    t._announce()
+    assert t.agent.sent == [("peer0", b"R0.0 a"), ("peer0", b"R0.1 b")] and not t.unannounced
+
+
+def test_ctx_writes_a_chunk_once_packed_and_reposts_the_prepared_slot_write():
+    """A packed chunk goes once the gen rank's room has arrived and its pack's event has completed (the
+    host polls, it does not wait); a second chunk between the same two slots reuses the prepared WRITE."""
+    from kvlab.transports.nixl import Write
+
+    t = _bare("ctx")
+    t.executor.cache = ns(pools={"kv": ns(storage=torch.zeros(8, dtype=torch.uint8))})
+    slot = torch.zeros(64, dtype=torch.uint8)
+    room = struct.pack("<QQ", 4096, 64)
+    rec = ns(descriptors=0)
+    ev = _Event()
+    w = Write(0, _chunk(0), rec, slot, True, event=ev)
+    t.waiting.append(w)
+    t.agent.inbox = {"peer0": [b"R0.0 " + room]}
+    t._pump()
+    assert t.agent.posted == [] and t.waiting == [w]  # room is there, the pack is not done
+    ev.done = True
+    t._pump()
+    assert [n for _, n in t.agent.posted] == [b"D0.0"] and w.kept and rec.descriptors == 1
+    w2 = Write(4, _chunk(4), rec, slot, True)
+    t.waiting.append(w2)
+    t.agent.inbox = {"peer0": [b"R0.4 " + room]}
+    t._pump()
+    assert [n for _, n in t.agent.posted] == [b"D0.0", b"D0.4"] and w2.xfer is w.xfer and len(t.xfers) == 1
 
 
 @pytest.mark.slow

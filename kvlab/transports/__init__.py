@@ -56,8 +56,9 @@ Protocol. Every rank of both sides makes these calls, in this order:
    free what ``connect`` and ``pool_storage`` made. Idempotent.
 
 ``link_reference``: how kvlab.linkrate measures the link this transport's figures are a
-share of, in every run (``"p2p"``: raw messages over the pair groups; ``"copy"``: a local
-``copy_`` of the same bytes, the default; ``None``: no in-run reference, no link figures).
+share of, in every run (``"p2p"``: raw messages over the pair groups; ``"nixl"``: raw NIXL
+WRITEs between the transport's agents; ``"copy"``: a local ``copy_`` of the same bytes, the
+default; ``None``: no in-run reference, no link figures).
 
 ``peak_staging_bytes``: the most staging memory the transport held at once on this rank
 (0 for a transport that moves chunks without buffers). ``pulls`` (class attribute): the gen

@@ -24,12 +24,27 @@ once that has arrived, with the notification ``D<request>.<seq>`` that NIXL deli
 the bytes; the gen rank finishes the chunk when it sees it. Every wait polls with a
 deadline of ``transfer.timeout_s``; a peer that is gone fails the WRITE at once (UCX
 reports the disconnect).
+
+Per chunk the host does only what NIXL needs. A staged WRITE from a slot into a gen slot
+is prepared once and posted again with each chunk's notification (preparing one costs
+about as much as a 16 MiB WRITE on a GPU). On GPUs nothing blocks the host on the device:
+a packed chunk is written once its pack's event has completed (NIXL does not follow CUDA
+streams), and a gen slot is announced again once the event of its last unpack has; until
+then the rank goes on polling. On GPUs a wait first spins (``SPIN_S``, yielding the core)
+before it sleeps between polls: a sleep costs more than a WRITE of a slot there, while on
+a CPU machine the ranks share the cores the WRITEs run on.
+
+The in-run link reference (``link_reference = "nixl"``, kvlab.linkrate) is raw NIXL: the
+run's ctx ranks WRITE messages of the run's chunk size from a registered buffer into one
+on each gen rank they feed, ``transfer.slots`` in flight, after one untimed round.
 """
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,13 +54,14 @@ import torch.distributed as dist
 from kvlab import nixl
 from kvlab.errors import ConfigError
 from kvlab.layout import runs
-from kvlab.schedule import Chunk
+from kvlab.schedule import Chunk, Staging
 from kvlab.staging import PerChunkBuffers
 from kvlab.state import CacheState
 from kvlab.transports.p2p import P2P, narrow
 
 MODES = ("direct", "staged")
 POLL_S = 50e-6  # between polls: two busy ranks on two cores must not starve the one moving bytes
+SPIN_S = 2e-3  # on GPUs, polls without sleep at the start of a wait: the cores are not the ranks' bottleneck
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,6 +80,19 @@ def descs(addr: np.ndarray, length: np.ndarray, dev: int) -> np.ndarray:
     return out
 
 
+class Backoff:
+    """Between two polls of one wait: yield the core for the first ``spin_s``, then sleep ``POLL_S``."""
+
+    def __init__(self, spin_s: float):
+        self.until = time.perf_counter() + spin_s
+
+    def __call__(self) -> None:
+        if time.perf_counter() < self.until:
+            os.sched_yield()
+        else:
+            time.sleep(POLL_S)
+
+
 @dataclass
 class Write:
     """A chunk on the ctx rank: packed (or not), waiting for the gen rank's room, then WRITE in flight."""
@@ -75,6 +104,7 @@ class Write:
     staged: bool
     event: object = None  # the pack's completion on GPUs: NIXL does not follow CUDA streams
     xfer: object = None
+    kept: bool = False  # the WRITE is a prepared slot-to-slot one, posted again by later chunks
     posted: object = None
     reg: object = None  # a per-chunk buffer's registration (naive)
 
@@ -89,6 +119,8 @@ class Landing:
     staged: bool
     posted: object
     reg: object = None  # a per-chunk buffer's registration (naive)
+    room: bytes = b""  # what the announcement says: where the bytes go
+    after: object = None  # GPUs: the event of the slot's last unpack, announced once it has completed
 
 
 @dataclass
@@ -100,19 +132,21 @@ class Peer:
 
 
 class Nixl(P2P):
-    # no in-run reference yet: the raw NIXL WRITE of the same bytes is measured by scripts/nixl_bench.py,
-    # and p2p's (pair groups) does not exist here
-    link_reference = None
+    link_reference = "nixl"  # kvlab.linkrate: raw NIXL WRITEs of the run's chunk size between its pairs
 
-    def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged"):
+    def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", pack_ctas: int | None = None):
         super().__init__(setup, side, rank, world_rank, device)
         self.mode = mode
+        self.pack_ctas = pack_ctas
         self.agent = None
         self.regs: list = []
         self.peers: dict[int, Peer] = {}  # side-local rank of the other side -> its agent and memory
         self.inbox: dict[bytes, bytes] = {}  # notifications by key, until their chunk takes them
         self.waiting: list[Write] = []  # ctx: chunks packed, not yet written
+        self.unannounced: deque[Landing] = deque()  # gen, GPUs: slots whose last unpack may still run
         self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
+        self.xfers: dict[tuple, object] = {}  # ctx: prepared slot-to-slot WRITEs, posted again per chunk
+        self.spin_s = SPIN_S if device.type == "cuda" else 0.0
         self.closed = False
         self.per_chunk = False  # naive: a buffer per chunk, registered for that chunk only
         self.window = setup.transfer.slots  # chunk i uses slot i % slots
@@ -123,6 +157,9 @@ class Nixl(P2P):
         if mode not in MODES:
             raise ConfigError("transport.mode", mode, "use direct (runs straight into the gen pool) or staged "
                               "(one WRITE per chunk through registered slots)")
+        ctas = setup.transport.options.get("pack_ctas")
+        if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1):
+            raise ConfigError("transport.pack_ctas", ctas, "use a positive number of CTAs, or null for one per SM")
         nixl.api()
 
     @property
@@ -134,7 +171,12 @@ class Nixl(P2P):
         """Agent, registrations, peers' metadata and memory through the store, one notification each way."""
         self.executor = executor
         t = self.setup.transfer
-        self.ops = narrow(executor.ops, t.pack_ctas)
+        # NIXL's WRITE runs on copy engines (one node) or the NIC, not on SMs: unlike NCCL's sends, nothing
+        # needs the SMs the pack/unpack kernels would leave free (transfer.pack_ctas is for p2p)
+        ctas = self.pack_ctas
+        if ctas is None and self.device.type == "cuda":
+            ctas = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.ops = narrow(executor.ops, ctas or t.pack_ctas)
         # direct mode stages nothing, except a chunk that fault injection corrupts on its way out
         if self.mode == "staged" or (self.sending and executor.faults.flips):
             self.staging = self._new_staging()
@@ -166,6 +208,83 @@ class Nixl(P2P):
             self._await(b"H", p.agent, deadline,
                         lambda p=p: RuntimeError(f"nixl: agent {p.agent} did not answer within the start-up deadline"))
 
+    # -- the in-run link reference (kvlab.linkrate) -----------------------------------------
+    def raw_writes(self, nbytes: int, n: int, pairs: list[tuple[int, int]]) -> float:
+        """Seconds this rank took, from a barrier, for its pairs' ``n`` raw WRITEs of ``nbytes`` each (one
+        untimed round first): a ctx rank WRITEs round-robin over its gen ranks, ``transfer.slots`` in flight
+        as the transfer has (one for the naive baseline, as p2p's reference); a gen rank is done when every
+        WRITE's notification has arrived. One buffer of one message per rank, registered for this measure
+        alone; every wait is bounded by ``transfer.timeout_s``."""
+        store = dist.distributed_c10d._get_default_store()
+        mine = [(c, g) for c, g in pairs if (c if self.sending else g) == self.rank]
+        window = self.setup.transfer.slots if self.setup.transfer.strategy.staging == Staging.slots else 1
+        timeout = self.setup.transfer.timeout_s
+        buf = torch.empty(nbytes if mine else 1, dtype=torch.uint8, device=self.device)
+        reg = self.agent.register_memory(buf)
+        dev, mem = nixl.device_id(buf), nixl.mem_type(buf)
+        wait = Backoff(self.spin_s)
+
+        def late(what: str) -> RuntimeError:
+            return RuntimeError(f"nixl link reference: {what} not done within {timeout:g} s")
+
+        xfers: dict[int, list] = {}
+        if not self.sending:
+            # the ctx agents learn this buffer's key from its partial metadata: it came after connect
+            store.set(f"nixl/link/gen{self.rank}",
+                      struct.pack("<Q", buf.data_ptr()) + self.agent.get_partial_agent_metadata(reg, False))
+
+            def rounds(tag: bytes, count: int) -> None:
+                deadline = time.time() + timeout
+                for k in range(count):
+                    for c, _ in mine:
+                        self._await(b"%s%d" % (tag, k), self.peers[c].agent, deadline,
+                                    lambda c=c: late(f"a WRITE from ctx{c}"))
+        else:
+            one = np.array([nbytes], dtype=np.int64)
+            for _, g in mine:
+                got = store.get(f"nixl/link/gen{g}")
+                self.agent.add_remote_agent(got[8:])
+                dst = np.array(struct.unpack("<Q", got[:8]), dtype=np.int64)
+                peer = self.peers[g]
+                # a handle is posted again only once it is done: one per message in flight
+                xfers[g] = [self.agent.initialize_xfer(
+                    "WRITE", self.agent.get_xfer_descs(descs(np.array([buf.data_ptr()]), one, dev), mem),
+                    self.agent.get_xfer_descs(descs(dst, one, peer.dev), mem), peer.agent) for _ in range(window)]
+
+            def done(x, deadline: float) -> None:
+                while (state := self.agent.check_xfer_state(x)) == "PROC":
+                    if time.time() > deadline:
+                        raise late("a WRITE")
+                    wait()
+                if state != "DONE":
+                    raise late("a WRITE")
+
+            def rounds(tag: bytes, count: int) -> None:
+                deadline, inflight = time.time() + timeout, deque()
+                for j in range(count * len(mine)):
+                    k, at = divmod(j, len(mine))
+                    if len(inflight) >= window:
+                        done(inflight.popleft(), deadline)
+                    x = xfers[mine[at][1]][k % window]
+                    if self.agent.transfer(x, b"%s%d" % (tag, k)) == "ERR":
+                        raise late("a WRITE")
+                    inflight.append(x)
+                while inflight:
+                    done(inflight.popleft(), deadline)
+
+        try:
+            rounds(b"LW", 1)  # the first WRITEs of this size: endpoints and registrations warm, not timed
+            dist.barrier()
+            t0 = time.perf_counter()
+            rounds(b"L", n)
+            seconds = time.perf_counter() - t0
+            dist.barrier()  # every WRITE has landed before a gen rank frees its buffer
+        finally:
+            for x in (x for xs in xfers.values() for x in xs):
+                x.release()
+            self.agent.deregister_memory(reg)
+        return seconds
+
     # -- notifications ----------------------------------------------------------------------
     def _poll(self) -> None:
         for sender, msgs in self.agent.get_new_notifs().items():
@@ -177,14 +296,16 @@ class Nixl(P2P):
         return self.inbox.pop(key + b"@" + agent.encode(), None)
 
     def _await(self, key: bytes, agent: str, deadline: float, err) -> bytes:
+        wait = Backoff(self.spin_s)
         while True:
+            self._announce()
             self._poll()
             got = self._take(key, agent)
             if got is not None:
                 return got
             if time.time() > deadline:
                 raise err()
-            time.sleep(POLL_S)
+            wait()
 
     @staticmethod
     def _key(kind: bytes, c: Chunk) -> bytes:
@@ -215,18 +336,18 @@ class Nixl(P2P):
                 buf, staged, room = None, False, self._landing_blocks(c)
             else:
                 buf, staged = self._buffer(i, c)
-                if staged and (i % self.window) in self.after_unpack:
-                    self.after_unpack.pop(i % self.window).synchronize()  # the slot is free again
                 room = struct.pack("<QQ", buf.data_ptr(), buf.numel())
-                if staged and self.per_chunk:
-                    # the naive baseline's buffer is new memory: registered now, and its partial metadata
-                    # (the key the ctx agent needs to write into it) travels with the announcement
-                    reg = self.agent.register_memory(buf)
-                    room += self.agent.get_partial_agent_metadata(reg, False)
-                    self._send(self.peers[c.src].agent, self._key(b"R", c) + b" " + room, c)
-                    return Landing(i, c, buf, staged, clock.mark(), reg)
-            self._send(self.peers[c.src].agent, self._key(b"R", c) + b" " + room, c)
-            return Landing(i, c, buf, staged, clock.mark())
+            h = Landing(i, c, buf, staged, clock.mark(), room=room)
+            if staged and self.per_chunk:
+                # the naive baseline's buffer is new memory: registered now, and its partial metadata
+                # (the key the ctx agent needs to write into it) travels with the announcement
+                h.reg = self.agent.register_memory(buf)
+                h.room += self.agent.get_partial_agent_metadata(h.reg, False)
+            elif staged:
+                h.after = self.after_unpack.pop(i % self.window, None)  # the slot is free once that has run
+            self.unannounced.append(h)
+            self._announce()
+            return h
         if self.mode == "direct":
             buf, staged = None, False
         else:
@@ -252,6 +373,14 @@ class Nixl(P2P):
         self._pump()
         return w
 
+    def _announce(self) -> None:
+        """Gen: announce, in order, the chunks whose landing place is free (on GPUs: the slot's last unpack
+        has run; the host does not wait for it)."""
+        while self.unannounced and (self.unannounced[0].after is None or self.unannounced[0].after.query()):
+            h = self.unannounced.popleft()
+            h.after = None
+            self._send(self.peers[h.chunk.src].agent, self._key(b"R", h.chunk) + b" " + h.room, h.chunk)
+
     def _send(self, agent: str, msg: bytes, c: Chunk) -> None:
         try:
             self.agent.send_notif(agent, msg)
@@ -266,11 +395,11 @@ class Nixl(P2P):
         still = []
         for w in self.waiting:
             peer = self.peers[w.chunk.dst]
-            room = self._take(self._key(b"R", w.chunk), peer.agent)
-            if room is None:
-                still.append(w)
+            key = self._key(b"R", w.chunk)
+            if key + b"@" + peer.agent.encode() not in self.inbox or (w.event is not None and not w.event.query()):
+                still.append(w)  # no room yet, or (GPUs) still packing: the host does not wait for the device
             else:
-                self._write(w, peer, room)
+                self._write(w, peer, self._take(key, peer.agent))
         self.waiting = still
 
     def _write(self, w: Write, peer: Peer, room: bytes) -> None:
@@ -296,15 +425,21 @@ class Nixl(P2P):
                 smem, _, _ = self._own_runs(c)
                 src = storage.data_ptr() + smem
             src, dst, length = coalesce(src, base_addr + dmem, length)
-        if w.event is not None:
-            w.event.synchronize()
         w.rec.descriptors += len(length)
+        # a WRITE between two slots is prepared once and posted again; any other (runs, a pool in place,
+        # a per-chunk buffer) is prepared for this chunk and released when it is done
+        key = (int(src[0]), int(dst[0]), int(length[0]), peer.agent) if w.staged and not self.per_chunk else None
         try:
-            w.xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(descs(src, length, dev), mem),
-                                                self.agent.get_xfer_descs(descs(dst, length, peer.dev), mem),
-                                                peer.agent, self._key(b"D", c))
+            w.xfer = self.xfers.get(key) if key else None
+            if w.xfer is None:
+                w.xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(descs(src, length, dev), mem),
+                                                    self.agent.get_xfer_descs(descs(dst, length, peer.dev), mem),
+                                                    peer.agent)
+                if key:
+                    self.xfers[key] = w.xfer
+            w.kept = key is not None
             w.posted = self.executor.clock.mark()
-            if self.agent.transfer(w.xfer) == "ERR":
+            if self.agent.transfer(w.xfer, self._key(b"D", c)) == "ERR":
                 raise RuntimeError("NIXL refused the WRITE")
         except Exception as e:  # noqa: BLE001 - NIXL's errors are plain Exceptions (remote disconnect, ...)
             raise self.failed(c, "WRITE failed", e) from e
@@ -325,6 +460,7 @@ class Nixl(P2P):
                     self.after_unpack[h.index % self.window] = ev
                 self._release(h)
             return not h.staged
+        wait = Backoff(self.spin_s)
         while True:
             self._pump()
             if h.xfer is not None:
@@ -338,9 +474,10 @@ class Nixl(P2P):
                     raise self.failed(c, "WRITE failed")
             if time.time() > deadline:
                 raise late()
-            time.sleep(POLL_S)
+            wait()
         rec.wire.append((h.posted, self.executor.clock.mark()))
-        h.xfer.release()
+        if not h.kept:
+            h.xfer.release()
         h.xfer = None
         if h.staged:
             self._release(h)
@@ -371,12 +508,14 @@ class Nixl(P2P):
         if isinstance(h, Write):
             if h in self.waiting:
                 self.waiting.remove(h)
-            if h.xfer is not None:
+            if h.xfer is not None and not h.kept:  # a prepared one is released in close
                 try:
                     h.xfer.release()
                 except Exception:  # noqa: BLE001 - a WRITE to a dead peer may not be cancellable; the run ends
                     pass
-                h.xfer = None
+            h.xfer = None
+        elif h in self.unannounced:
+            self.unannounced.remove(h)
         if h.staged and self.staging is not None:
             self._release(h)
 
@@ -385,6 +524,12 @@ class Nixl(P2P):
             self.closed = True
             return
         self.closed = True
+        for x in self.xfers.values():
+            try:
+                x.release()
+            except Exception:  # noqa: BLE001 - one still in flight to a dead peer may not be releasable
+                pass
+        self.xfers = {}
         for p in self.peers.values():
             try:
                 self.agent.remove_remote_agent(p.agent)
