@@ -147,7 +147,7 @@ class Nixl(P2P):
         self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
         self.xfers: dict[tuple, object] = {}  # ctx: prepared slot-to-slot WRITEs, posted again per chunk
         self.spin_s = SPIN_S if device.type == "cuda" else 0.0
-        self.closed = False
+        self.shut = False  # close() has run
         self.per_chunk = False  # naive: a buffer per chunk, registered for that chunk only
         self.window = setup.transfer.slots  # chunk i uses slot i % slots
 
@@ -520,10 +520,10 @@ class Nixl(P2P):
             self._release(h)
 
     def close(self) -> None:
-        if self.closed or self.agent is None:
-            self.closed = True
+        if self.shut or self.agent is None:
+            self.shut = True
             return
-        self.closed = True
+        self.shut = True
         for x in self.xfers.values():
             try:
                 x.release()
