@@ -33,7 +33,7 @@ from kvlab.ops import cpu, reference
 
 def get_ops(kernels: str = "auto", device: str = "cpu"):
     if kernels == "auto" and device != "cuda":
-        return SimpleNamespace(name="cpu", pack=cpu.pack, unpack=cpu.unpack, copy_rect=reference.copy_rect)
+        return SimpleNamespace(name="cpu", pack=cpu.pack, unpack=cpu.unpack, copy_rect=cpu.copy_rect)
     if kernels == "torch":
         return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
                                copy_rect=reference.copy_rect)
