@@ -27,11 +27,6 @@ from kvlab.metrics import _union
 QUIET = ["logger=quiet"]
 
 
-def _kvlab() -> list[str]:
-    script = Path(sys.executable).parent / "kvlab"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvlab"]
-
-
 def _group(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group ``pgid``."""
     out = []
@@ -55,9 +50,10 @@ def _no_process_left(pgid: int, within_s: float = 10.0) -> None:
     assert not left, f"processes left in the run's group: {left}"
 
 
-def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([*_kvlab(), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # the run's own process group, as a shell job would have
+def _start(argv: list[str], cwd: Path) -> subprocess.Popen:
+    """``argv`` (``kvlab_cli.argv(...)``) started in its own process group, as a shell job would be."""
+    return subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def _one_line(stderr: str) -> str:
@@ -66,8 +62,8 @@ def _one_line(stderr: str) -> str:
     return lines[0]
 
 
-def _refused(args: list[str], cwd: Path, *fragments: str, timeout: float = 120) -> str:
-    p = _start(args, cwd)
+def _refused(argv: list[str], cwd: Path, *fragments: str, timeout: float = 120) -> str:
+    p = _start(argv, cwd)
     _, err = p.communicate(timeout=timeout)
     _no_process_left(p.pid)
     assert p.returncode == 2, err
@@ -150,23 +146,25 @@ def test_values_in_process(overrides, fragments):
     (["-m", "transfer.timeout_s=inf"], "transfer.timeout_s=inf"),
 ], ids=["slot-inf", "stall-inf", "copy-rate-zero", "alpha-negative", "plus-new-key", "delete-model",
         "multirun-bad-job", "multirun-inf"])
-def test_values_through_the_cli(command, overrides, fragment, tmp_path):
+def test_values_through_the_cli(command, overrides, fragment, tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
-    _refused([command, f"hydra.run.dir={run_dir}", *QUIET, *overrides], tmp_path, fragment)
+    _refused(kvlab_cli.argv(command, f"hydra.run.dir={run_dir}", *QUIET, *overrides), tmp_path, fragment)
     assert not run_dir.exists() and not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["run", "plan"])
-def test_run_dir_that_cannot_be_written(command, tmp_path):
+def test_run_dir_that_cannot_be_written(command, tmp_path, kvlab_cli):
     (tmp_path / "afile").write_text("")
-    _refused([command, f"hydra.run.dir={tmp_path / 'afile'}", *QUIET], tmp_path, "hydra.run.dir=", "afile",
-             "a file is in the way")
-    _refused([command, f"hydra.run.dir={tmp_path / 'afile' / 'below'}", *QUIET], tmp_path, "hydra.run.dir=")
+    _refused(kvlab_cli.argv(command, f"hydra.run.dir={tmp_path / 'afile'}", *QUIET), tmp_path, "hydra.run.dir=",
+             "afile", "a file is in the way")
+    _refused(kvlab_cli.argv(command, f"hydra.run.dir={tmp_path / 'afile' / 'below'}", *QUIET), tmp_path,
+             "hydra.run.dir=")
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
-        _refused([command, f"hydra.run.dir={ro / 'run'}", *QUIET], tmp_path, "hydra.run.dir=", "Permission denied")
+        _refused(kvlab_cli.argv(command, f"hydra.run.dir={ro / 'run'}", *QUIET), tmp_path, "hydra.run.dir=",
+                 "Permission denied")
 
 
 # -- one run per directory ---------------------------------------------------------------------
@@ -193,12 +191,12 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_second_run_in_a_held_directory_is_refused_before_writing(tmp_path):
+def test_second_run_in_a_held_directory_is_refused_before_writing(tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
     rundir.acquire(run_dir)  # a live run holds it
     try:
-        line = _refused(["run", f"hydra.run.dir={run_dir}", *QUIET], tmp_path, f"hydra.run.dir={run_dir.resolve()}",
-                        f"pid {os.getpid()}", "another run")
+        line = _refused(kvlab_cli.argv("run", f"hydra.run.dir={run_dir}", *QUIET), tmp_path,
+                        f"hydra.run.dir={run_dir.resolve()}", f"pid {os.getpid()}", "another run")
         assert "give another hydra.run.dir" in line
         assert sorted(p.name for p in run_dir.iterdir()) == [rundir.LOCK_NAME]  # Hydra wrote nothing either
     finally:
@@ -296,15 +294,15 @@ def test_budget_on_gpus_counts_the_ranks_that_share_one():
 
 
 @pytest.mark.slow
-def test_plan_prints_the_budget_and_run_refuses_it(tmp_path):
+def test_plan_prints_the_budget_and_run_refuses_it(tmp_path, kvlab_cli):
     big = ["model=llama3_70b", "workload.isl=131072", "workload.requests=8"]
-    p = _start(["plan", f"hydra.run.dir={tmp_path / 'plan'}", *QUIET, *big], tmp_path)
+    p = _start(kvlab_cli.argv("plan", f"hydra.run.dir={tmp_path / 'plan'}", *QUIET, *big), tmp_path)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0 and not err.strip(), err
     assert "memory per rank" in out and "kvlab run would stop here: workload.isl=131072" in out
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert plan["memory"]["fits"] is False and plan["memory"]["need"]["host"] > 400 << 30
-    _refused(["run", f"hydra.run.dir={tmp_path / 'run'}", *QUIET, *big], tmp_path, "workload.isl=131072")
+    _refused(kvlab_cli.argv("run", f"hydra.run.dir={tmp_path / 'run'}", *QUIET, *big), tmp_path, "workload.isl=131072")
     assert not (tmp_path / "run").exists()
 
 
@@ -343,9 +341,9 @@ def _interrupted(run_dir: Path, sig: str) -> dict:
 @pytest.mark.parametrize("sig,target", [(signal.SIGINT, "group"), (signal.SIGTERM, "group"),
                                         (signal.SIGTERM, "parent"), (signal.SIGINT, "parent")],
                          ids=["ctrl-c", "sigterm-group", "sigterm-parent", "sigint-parent"])
-def test_interrupted_run_stops_every_rank_and_merges_what_it_has(sig, target, tmp_path):
+def test_interrupted_run_stops_every_rank_and_merges_what_it_has(sig, target, tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
-    p = _start(["run", f"hydra.run.dir={run_dir}", *QUIET, *STALLED], tmp_path)
+    p = _start(kvlab_cli.argv("run", f"hydra.run.dir={run_dir}", *QUIET, *STALLED), tmp_path)
     _workers(p.pid, 3)
     time.sleep(25)  # into the transfers (the ranks take seconds to import and join on a busy machine)
     if target == "group":
@@ -364,8 +362,8 @@ def test_interrupted_run_stops_every_rank_and_merges_what_it_has(sig, target, tm
 
 
 @pytest.mark.slow
-def test_interrupt_before_the_ranks_start_is_one_line(tmp_path):
-    p = _start(["run", f"hydra.run.dir={tmp_path / 'run'}", *QUIET], tmp_path)
+def test_interrupt_before_the_ranks_start_is_one_line(tmp_path, kvlab_cli):
+    p = _start(kvlab_cli.argv("run", f"hydra.run.dir={tmp_path / 'run'}", *QUIET), tmp_path)
     time.sleep(1.0)  # composing and checking
     os.killpg(p.pid, signal.SIGINT)
     _, err = p.communicate(timeout=60)
@@ -375,9 +373,9 @@ def test_interrupt_before_the_ranks_start_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_parent_takes_its_ranks_along(tmp_path):
+def test_killed_parent_takes_its_ranks_along(tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
-    p = _start(["run", f"hydra.run.dir={run_dir}", *QUIET, *LONG], tmp_path)
+    p = _start(kvlab_cli.argv("run", f"hydra.run.dir={run_dir}", *QUIET, *LONG), tmp_path)
     _workers(p.pid, 3)
     time.sleep(10)
     p.kill()
@@ -389,10 +387,10 @@ def test_killed_parent_takes_its_ranks_along(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 2], ids=["ctx1", "gen0"])
-def test_rank_killed_with_sigkill_ends_the_run_in_seconds(victim, tmp_path):
+def test_rank_killed_with_sigkill_ends_the_run_in_seconds(victim, tmp_path, kvlab_cli):
     """The launcher sees the death at once; rank 0 does not wait out transfer.timeout_s + 5 (65 s)."""
     run_dir = tmp_path / "run"
-    p = _start(["run", f"hydra.run.dir={run_dir}", *QUIET, *STALLED], tmp_path)
+    p = _start(kvlab_cli.argv("run", f"hydra.run.dir={run_dir}", *QUIET, *STALLED), tmp_path)
     ranks = _workers(p.pid, 3)
     time.sleep(25)
     os.kill(ranks[victim], signal.SIGKILL)
