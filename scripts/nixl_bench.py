@@ -15,6 +15,7 @@ figure. What UCX chose for the WRITEs is read from UCX's own protocol report.
     python scripts/nixl_bench.py --device cuda --out nixl_h200.json        # one GPU: ranks share it (VRAM)
     python scripts/nixl_bench.py --only "llama3_8b 4096"                   # a subset
     python scripts/nixl_bench.py --slot-mib 16 128 --slots 2 ...           # staged with 16 and 128 MiB slots
+    python scripts/nixl_bench.py --profile "32768 nixl staged 16" ...      # + host profiles of those ranks
 
 Every run also reports its in-run link (raw NIXL WRITEs of its own chunk size between its
 own ranks, kvlab.linkrate) and the ratio to it; the JSON keeps the load average, the
@@ -63,6 +64,19 @@ def runs(device: str, with_ipc: bool, slot_mib: list[float], slots: int) -> list
             for name, t in transports:
                 out.append((f"{model} {isl} {name}", common + [f"model={model}", f"workload.isl={isl}"] + t))
     return out
+
+
+def profiled(overrides: list[str]) -> dict[str, str]:
+    """One more run of a case with every rank under cProfile (KVLAB_PROFILE=1): rank -> its top functions."""
+    from kvlab.api import run_transfer
+
+    os.environ["KVLAB_PROFILE"] = "1"
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            run_transfer(overrides, d)
+            return {f.stem.removeprefix("profile_"): f.read_text() for f in sorted(Path(d).glob("profile_rank*.txt"))}
+    finally:
+        del os.environ["KVLAB_PROFILE"]
 
 
 def commit() -> str | None:
@@ -132,6 +146,8 @@ def main() -> None:
     ap.add_argument("--slot-mib", type=float, nargs="+", default=[16.0],
                     help="slot (= chunk) sizes: staged runs once per size, direct and ipc with the first")
     ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--profile", default="", help="run the transfers whose name contains this once more, every "
+                    "rank under cProfile, and keep the profiles in the JSON")
     args = ap.parse_args()
     if args.table:
         print(markdown(json.loads(Path(args.table).read_text())))
@@ -166,6 +182,10 @@ def main() -> None:
                           f"{row['descriptors']} descriptors, verified={s['verified']}, {time.time() - t:.0f} s, "
                           f"load {os.getloadavg()[0]:.1f}")
             Path(args.out).write_text(json.dumps(dict(report, transfers=done), indent=2))  # kept if cut short
+    if args.profile:
+        # host profiles of every rank, from runs of their own: cProfile slows the host, not the figures above
+        report["profiles"] = {name: profiled(overrides) for name, overrides in runs(
+            args.device, args.ipc, args.slot_mib, args.slots) if args.profile in name}
     # the references, after the runs (a small machine runs one thing at a time), from as many writers as the
     # runs have ctx ranks into one target: one descriptor per writer of the same bytes, and the same bytes
     # in as many descriptors as each run posted

@@ -395,11 +395,13 @@ class Nixl(P2P):
         still = []
         for w in self.waiting:
             peer = self.peers[w.chunk.dst]
-            key = self._key(b"R", w.chunk)
-            if key + b"@" + peer.agent.encode() not in self.inbox or (w.event is not None and not w.event.query()):
-                still.append(w)  # no room yet, or (GPUs) still packing: the host does not wait for the device
+            # (GPUs) still packing: the host does not wait for the device; the room's notice waits in the inbox
+            room = None if w.event is not None and not w.event.query() else self._take(self._key(b"R", w.chunk),
+                                                                                      peer.agent)
+            if room is None:
+                still.append(w)
             else:
-                self._write(w, peer, self._take(key, peer.agent))
+                self._write(w, peer, room)
         self.waiting = still
 
     def _write(self, w: Write, peer: Peer, room: bytes) -> None:
