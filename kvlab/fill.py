@@ -30,13 +30,19 @@ def mix(v: torch.Tensor) -> torch.Tensor:
     return v ^ (v >> 16)
 
 
+@functools.lru_cache(maxsize=64)
+def _layers(layers: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor(layers, dtype=torch.int64, device=device)
+
+
 def row_seeds(request: int, pool: RankPool, rect: Rect, comp: int, device) -> torch.Tensor:
     """int64 [layers, heads, tokens]: one seed per row of component ``comp`` of ``rect``."""
-    layers = torch.tensor(pool.spec.layers[rect.l0:rect.l1], device=device, dtype=torch.int64)
+    # no tensor built from host data on the device: that copy would wait for every kernel queued before it
+    layers = _layers(pool.spec.layers, str(device))[rect.l0:rect.l1]
     heads = torch.arange(rect.h0, rect.h1, device=device, dtype=torch.int64)
     tokens = torch.arange(rect.t0, rect.t1, device=device, dtype=torch.int64)
-    key = mix(torch.tensor(request * 0x9E3779B1 + _KIND[pool.spec.kind] * 0x7F4A7C15 + comp * 0x6A09E667,
-                            device=device, dtype=torch.int64))
+    key = int(mix(torch.tensor(request * 0x9E3779B1 + _KIND[pool.spec.kind] * 0x7F4A7C15 + comp * 0x6A09E667,
+                               dtype=torch.int64)))
     v = mix(key + layers[:, None, None] * 0x3C6EF372)
     v = mix(v + heads[None, :, None] * 0xBB67AE85)
     return mix(v + tokens[None, None, :] * 0x510E527F)
