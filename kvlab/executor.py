@@ -277,7 +277,7 @@ class Executor:
                 self.failures[req.id] = f"{self.side}{self.rank}: {e} before verification"
                 self.cache.release(req.id)
         for rid, rec in self.records.items():
-            if rec.end is None:
+            if rec.end is None or rid == failed:  # failed: also one whose end was marked (a pull not done in time)
                 direct = rid == failed or self.stopped
                 self.failures[rid] = self.error if direct else f"{self.side}{self.rank}: aborted after {e}"
                 if rid in self.cache.tables:

@@ -182,3 +182,25 @@ def test_cost_model_charges_a_pull_one_copy_and_no_staging():
     assert pull.requests[0].pack_s == 0 < push.requests[0].pack_s
     # one copy on the device (no pack, no link) beats pack + NVLink message + unpack
     assert pull.seconds < push.seconds
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fault", [["fault.kill_rank=1", "fault.kill_at_chunk=24"],
+                                   ["fault.stall_rank=1", "fault.stall_at_chunk=24", "fault.stall_s=300"]],
+                         ids=["killed", "stalled"])
+def test_cuda_ctx_rank_lost_ends_the_run(fault, tmp_path, kvlab_cli):
+    """On GPUs the copies wait on the device for the ctx rank's counter: a ctx rank that dies or stalls
+    before writing it must still fail its requests within the deadline, and the gen rank's stream must
+    drain (its waits released) so that the run ends instead of hanging on a wait that never ends."""
+    p = kvlab_cli("run", f"hydra.run.dir={tmp_path}", *GPU[:4], "transfer.slot_mib=0.5", "workload.requests=6",
+                  f"transfer.timeout_s={TIMEOUT_S}", *fault, timeout=300)
+    assert p.returncode in (1, 3), p.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary["verified"] and summary["silent_ranks"] == [1]
+    rows = _rows(tmp_path)
+    assert rows[0]["verified"] and rows[1]["verified"]
+    assert {4, 5} <= set(summary["failed_requests"]) <= {2, 3, 4, 5}
+    gen = json.loads((tmp_path / "parts" / "rank2.json").read_text())
+    assert gen["errors"] and "ctx1" in gen["errors"][0], gen["errors"]
+    assert gen["held_blocks"] == 0

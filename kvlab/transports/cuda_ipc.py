@@ -73,3 +73,40 @@ def close(base: int) -> None:
     from cuda.bindings import driver
 
     _ok(driver.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
+
+
+# -- device-side ordering: a ctx rank's counter, written by its stream, waited for by a gen rank's --------
+RELEASE = 2**63 - 1  # the wait's >= compares signed: the largest int64 releases every waiter
+
+
+def write_value(stream: int, ptr: int, value: int) -> None:
+    """Queue a write of the int64 ``value`` at ``ptr`` on ``stream``, after the stream's earlier work and its
+    memory writes (the default memory barrier)."""
+    from cuda.bindings import driver
+
+    flags = int(driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+    _ok(driver.cuStreamWriteValue64(driver.CUstream(stream), driver.CUdeviceptr(ptr), value, flags),
+        "cuStreamWriteValue64")
+
+
+def wait_value(stream: int, ptr: int, value: int) -> None:
+    """Make ``stream``'s later work wait until the int64 at ``ptr`` is >= ``value`` (no host involved)."""
+    from cuda.bindings import driver
+
+    flags = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    _ok(driver.cuStreamWaitValue64(driver.CUstream(stream), driver.CUdeviceptr(ptr), value, flags),
+        "cuStreamWaitValue64")
+
+
+def stream_ops_error(device: torch.device) -> str | None:
+    """Why stream memory operations cannot order copies on ``device``, or None. Probed with a real write and
+    wait: the capability attribute can read 0 where they work."""
+    try:
+        flag = torch.zeros(1, dtype=torch.int64, device=device)
+        s = torch.cuda.Stream(device)
+        write_value(s.cuda_stream, flag.data_ptr(), 1)
+        wait_value(s.cuda_stream, flag.data_ptr(), 1)
+        s.synchronize()
+        return None if int(flag.item()) == 1 else "a probe's write did not land"
+    except Exception as e:  # noqa: BLE001 - any failure means: order through the host instead
+        return str(e)

@@ -35,6 +35,19 @@ Control plane: the default group's store (small keys, no tensors):
   times: it queues no GPU work while the gen ranks copy.
 So a request costs the store one key per ready layer and one per (ctx, gen) pair, and the
 gen rank one host wait per request, after its end, whatever the chunk size.
+
+Device-side readiness (GPUs where stream memory operations work; probed at ``connect``, else
+the ready keys are waited for on the host as on CPUs). Each ctx rank numbers its (request,
+ready layer) units in the order it publishes them (its chunk order) and sends each request's
+numbers with its block table. Publishing a unit is then a write of its number, queued on the
+ctx rank's stream after the layer's writes (``cuStreamWriteValue64`` into one int64 slot per
+gen rank of a small exported buffer), plus the ready key; the ctx host never waits for the
+device. A gen rank queues ``cuStreamWaitValue64(slot >= number)`` before the unit's copies, so
+they start the moment the layer is written, with no host round trip between. Its host runs at
+most one unit ahead of the ready keys it has seen, and polls each request's completion event
+with the deadline: a ctx rank that dies before writing its counter fails the request there,
+and the gen rank then writes the largest int64 into its own slots (the wait compares signed)
+so that its stream drains before the mappings close.
 Every wait has the deadline ``transfer.timeout_s``: a dead or stalled peer fails the chunk's
 request there, as with ``p2p``.
 
@@ -47,6 +60,7 @@ import datetime
 import json
 import os
 import tempfile
+import time
 import uuid
 
 import torch
@@ -57,7 +71,7 @@ from kvlab.errors import ConfigError
 from kvlab.layout import Rect, runs
 from kvlab.schedule import Chunk
 from kvlab.state import CacheState
-from kvlab.transports import Transport
+from kvlab.transports import ChunkFailed, Transport
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -79,6 +93,13 @@ class Ipc(Transport):
         self.seen: set[tuple[int, int, int]] = set()  # gen: (request, ctx, ready layer) keys waited for
         self.last: dict[tuple[int, int], int] | None = None  # gen: (request, ctx) -> index of its last chunk
         self.unacked: list[tuple[torch.cuda.Event | None, int, int]] = []  # gen: pulls not yet reported done
+        # device-side readiness (GPUs with stream memory operations): each ctx rank's stream writes its
+        # publishing counter into one int64 slot per gen rank; a gen rank's stream waits for the value
+        self.flags: torch.Tensor | None = None  # ctx: the slots
+        self.seqs: dict[tuple[int, int], int] | None = None  # ctx: (request, ready layer) -> counter value
+        self.peer_flags: dict[int, int] = {}  # gen: ctx rank -> address of this gen rank's slot there
+        self.unit_seq: dict[tuple[int, int], dict[int, int]] = {}  # gen: (request, ctx) -> ready layer -> value
+        self.unconfirmed: tuple[str, Chunk] | None = None  # gen: a queued device wait whose key is not seen yet
 
     @classmethod
     def check(cls, setup) -> None:
@@ -121,6 +142,14 @@ class Ipc(Transport):
         self.store = dist.distributed_c10d._get_default_store()
         cache = executor.cache
         if self.sending:
+            flags = {}
+            if self.gpu:
+                from kvlab.transports import cuda_ipc
+                if cuda_ipc.stream_ops_error(self.device) is None:
+                    # 2 MiB: an allocation of its own, whose handle no other tensor's export shares
+                    self.flags = torch.zeros(2**18, dtype=torch.int64, device=self.device)
+                    flags["handle"], flags["offset"] = cuda_ipc.export(self.flags)
+            self.store.set(f"ipc/flags/{self.rank}", json.dumps(flags))
             pools = {}
             for name, st in cache.pools.items():
                 pools[name] = {"bytes": st.storage.numel(), "blocks": st.num_blocks}
@@ -138,6 +167,10 @@ class Ipc(Transport):
             self._wait(f"ipc/pools/{src}", f"ctx{src} publishing its pools")
             pools = json.loads(self.store.get(f"ipc/pools/{src}"))
             self.peers[src] = {name: (self._map(p), p["blocks"]) for name, p in pools.items()}
+            flags = json.loads(self.store.get(f"ipc/flags/{src}"))  # set before the pools
+            if flags:
+                slots = self._map({**flags, "bytes": 8 * self.setup.gen.size})
+                self.peer_flags[src] = slots.data_ptr() + 8 * self.rank
         self._warm_up()
         self.store.set(f"ipc/mapped/{self.rank}", "1")
 
@@ -169,9 +202,21 @@ class Ipc(Transport):
                 pass
         self.files.clear()
 
+    def _release(self) -> None:
+        """Let this gen rank's stream past every device wait it queued (the run is ending or failing; a
+        dead ctx rank never writes its counter): the copies behind them read stale bytes, which no one
+        checks any more."""
+        if self.peer_flags:
+            from kvlab.transports import cuda_ipc
+            side = torch.cuda.Stream(self.device)
+            for ptr in self.peer_flags.values():
+                cuda_ipc.write_value(side.cuda_stream, ptr, cuda_ipc.RELEASE)
+            side.synchronize()
+
     def close(self) -> None:
         self._unlink()
         if self.opened_handles:
+            self._release()
             from kvlab.transports import cuda_ipc
             torch.cuda.synchronize(self.device)  # no copy may still read a mapping being closed
             for base in self.opened_handles:
@@ -181,9 +226,14 @@ class Ipc(Transport):
 
     # -- requests and chunks --------------------------------------------------------------
     def opened(self, req) -> None:
+        if self.seqs is None:  # the counter's value for each unit: units are published in this rank's order
+            self.seqs = {}
+            for c in self.executor.chunks:
+                self.seqs.setdefault((c.request, c.ready_layer), len(self.seqs) + 1)
         tables = self.executor.cache.tables[req.id]
-        self.store.set(f"ipc/t/{req.id}/{self.rank}",
-                       json.dumps({name: [t.base, list(t.host)] for name, t in tables.items()}))
+        seq = {layer: v for (r, layer), v in self.seqs.items() if r == req.id}
+        self.store.set(f"ipc/t/{req.id}/{self.rank}", json.dumps(
+            {"tables": {name: [t.base, list(t.host)] for name, t in tables.items()}, "seq": seq}))
 
     def _table(self, c: Chunk) -> tuple[int, torch.Tensor]:
         key = (c.request, c.src)
@@ -191,7 +241,8 @@ class Ipc(Transport):
             self._wait(f"ipc/t/{c.request}/{c.src}", "the block table from the ctx rank", c)
             got = json.loads(self.store.get(f"ipc/t/{c.request}/{c.src}"))
             self.tables[key] = {name: (base, torch.tensor(ids, dtype=torch.int64, device=self.device))
-                                for name, (base, ids) in got.items()}
+                                for name, (base, ids) in got["tables"].items()}
+            self.unit_seq[key] = {int(layer): v for layer, v in got["seq"].items()}
         return self.tables[key][c.rect.pool]
 
     def _last_chunks(self) -> dict[tuple[int, int], int]:
@@ -210,7 +261,13 @@ class Ipc(Transport):
             self.readers.setdefault(c.request, set()).add(c.dst)
             done = self.published.setdefault(c.request, set())
             if c.ready_layer not in done:
-                if self.gpu:  # another process reads these bytes: the prefill's writes on our stream must be done
+                # another process reads these bytes: the prefill's writes queued on our stream come first
+                if self.flags is not None:  # ordered on the device: the host does not wait
+                    from kvlab.transports import cuda_ipc
+                    value = self.seqs[(c.request, c.ready_layer)]
+                    for g in range(self.setup.gen.size):
+                        cuda_ipc.write_value(self.executor.stream.cuda_stream, self.flags.data_ptr() + 8 * g, value)
+                elif self.gpu:
                     self.executor.stream.synchronize()
                 self.store.set(f"ipc/r/{c.request}/{self.rank}/{c.ready_layer}", "1")
                 done.add(c.ready_layer)
@@ -230,7 +287,19 @@ class Ipc(Transport):
             unit = (c.request, c.src, c.ready_layer)
             self._table(c)  # published when the ctx rank allocated the blocks: fetched before the data is ready
             if unit not in self.seen:
-                self._wait(f"ipc/r/{c.request}/{c.src}/{c.ready_layer}", "ready on the ctx rank", c)
+                key = f"ipc/r/{c.request}/{c.src}/{c.ready_layer}"
+                if c.src in self.peer_flags:
+                    # the copies wait on the device; the host runs at most one unit ahead of what it has seen
+                    # published, so that a dead ctx rank is noticed within the deadline
+                    if self.unconfirmed is not None:
+                        before, at = self.unconfirmed
+                        self._wait(before, "ready on the ctx rank", at)
+                    from kvlab.transports import cuda_ipc
+                    value = self.unit_seq[(c.request, c.src)][c.ready_layer]
+                    cuda_ipc.wait_value(self.executor.stream.cuda_stream, self.peer_flags[c.src], value)
+                    self.unconfirmed = (key, c)
+                else:
+                    self._wait(key, "ready on the ctx rank", c)
                 self.seen.add(unit)
             self._acks(wait=False)
             self._pull(i, c, rec)
@@ -254,11 +323,21 @@ class Ipc(Transport):
         """Tell the ctx ranks which (request, ctx rank) pulls are complete: those whose copies are done, or
         with ``wait`` every one (of ``request`` only, if given), waiting for their copies."""
         keep = []
+        timeout = self.setup.transfer.timeout_s
+        deadline = time.time() + timeout
         for event, rid, src in self.unacked:
             mine = request is None or rid == request
             if mine and wait and event is not None:
-                event.synchronize()
+                while not event.query():  # a device wait on a dead ctx rank's counter would never end
+                    if time.time() > deadline:
+                        self._release()
+                        raise ChunkFailed(f"request {rid} with ctx{src}: its copies not done within {timeout:g} s "
+                                          "(the ctx rank never published it)", rid)
+                    time.sleep(50e-6)
             if mine and (wait or event is None or event.query()):
+                if self.unconfirmed is not None and self.unconfirmed[1].request == rid \
+                        and self.unconfirmed[1].src == src:
+                    self.unconfirmed = None  # its copies ran: the counter was written; its key may be deleted
                 self.store.set(f"ipc/d/{rid}/{src}/{self.rank}", "1")
             else:
                 keep.append((event, rid, src))
@@ -270,9 +349,10 @@ class Ipc(Transport):
 
     def abandon(self, handle) -> None:
         if not self.sending:
+            self._acks(wait=False)  # pulls that did complete: their ctx ranks may free those blocks
             if self.gpu:  # queued copies may still read a ctx pool that is about to be freed
+                self._release()
                 self.executor.stream.synchronize()
-            self._acks(wait=True)  # pulls that did complete: their ctx ranks may free those blocks
 
     def _pull(self, i: int, c: Chunk, rec) -> None:
         ex = self.executor
