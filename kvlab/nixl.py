@@ -32,11 +32,12 @@ def api():
     return _api
 
 
-def agent(name: str):
-    """An agent with the UCX backend and no progress thread: kvlab polls its transfers and notifications
-    itself, and an idle progress thread costs a quarter of a core (measured), which a CPU run cannot spare."""
+def agent(name: str, progress_thread: bool = False):
+    """An agent with the UCX backend. Without a progress thread (the default) kvlab polls its transfers and
+    notifications itself: an idle progress thread costs a quarter of a core (measured), which a CPU run cannot
+    spare. With one, NIXL completes WRITEs and sends their notifications while the rank's thread is busy."""
     _api = api()
-    return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
 
 
 def mem_type(t: torch.Tensor) -> str:

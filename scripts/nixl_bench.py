@@ -45,7 +45,8 @@ WRITERS = 2  # ctx TP2 -> gen TP1: two ctx ranks write into one gen rank
 CURVE = (2, 32, 512, 8192, 131072)  # descriptors of the raw curve, from one per writer to 4 KiB pieces at 512 MiB
 
 
-def runs(device: str, with_ipc: bool, slot_mib: list[float], slots: int) -> list[tuple[str, list[str]]]:
+def runs(device: str, with_ipc: bool, slot_mib: list[float], slots: int, thread: bool = False
+         ) -> list[tuple[str, list[str]]]:
     common = ["logger=quiet", "workload.requests=1", "workload.concurrency=1", "cache.spare_blocks=2",
               f"ctx.tp={WRITERS}", "gen.tp=1", "transfer=chunked", f"transfer.slots={slots}", f"device={device}",
               # on a busy CPU machine the ctx rank's fill (the prefill's output) alone can outlast the default
@@ -56,6 +57,9 @@ def runs(device: str, with_ipc: bool, slot_mib: list[float], slots: int) -> list
                   for m in slot_mib]
     transports.append((f"nixl direct {slot_mib[0]:g} MiB", ["transport=nixl", "transport.mode=direct",
                                                             f"transfer.slot_mib={slot_mib[0]}"]))
+    if thread:  # the first staged case again, NIXL's progress thread completing WRITEs and notifications
+        name, over = transports[0]
+        transports.append((f"{name} progress thread", over + ["transport.progress_thread=true"]))
     if with_ipc:
         transports.append((f"ipc {slot_mib[0]:g} MiB", ["transport=ipc", f"transfer.slot_mib={slot_mib[0]}"]))
     out = []
@@ -146,6 +150,8 @@ def main() -> None:
     ap.add_argument("--slot-mib", type=float, nargs="+", default=[16.0],
                     help="slot (= chunk) sizes: staged runs once per size, direct and ipc with the first")
     ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--progress-thread", action="store_true",
+                    help="add the first staged case with NIXL's progress thread (transport.progress_thread=true)")
     ap.add_argument("--profile", default="", help="run the transfers whose name contains this once more, every "
                     "rank under cProfile, and keep the profiles in the JSON")
     args = ap.parse_args()
@@ -169,7 +175,7 @@ def main() -> None:
               "transfers": []}
     started = time.time()
     done = []
-    for name, overrides in runs(args.device, args.ipc, args.slot_mib, args.slots):
+    for name, overrides in runs(args.device, args.ipc, args.slot_mib, args.slots, args.progress_thread):
         if args.only not in name:
             continue
         with tempfile.TemporaryDirectory() as d:
@@ -185,7 +191,7 @@ def main() -> None:
     if args.profile:
         # host profiles of every rank, from runs of their own: cProfile slows the host, not the figures above
         report["profiles"] = {name: profiled(overrides) for name, overrides in runs(
-            args.device, args.ipc, args.slot_mib, args.slots) if args.profile in name}
+            args.device, args.ipc, args.slot_mib, args.slots, args.progress_thread) if args.profile in name}
     # the references, after the runs (a small machine runs one thing at a time), from as many writers as the
     # runs have ctx ranks into one target: one descriptor per writer of the same bytes, and the same bytes
     # in as many descriptors as each run posted

@@ -287,6 +287,27 @@ def test_unknown_mode_is_one_line():
         build(compose(NIXL + ["transport.mode=pull"]))
 
 
+@pytest.mark.parametrize(("override", "want"), [
+    ("transport.pack_ctas=0", r"^transport.pack_ctas=0: use a positive number of CTAs, or null for one per SM$"),
+    ("transport.progress_thread=3", r"^transport.progress_thread=3: use true .* or false")])
+def test_bad_transport_options_are_one_line(override, want):
+    from kvlab.config import build, compose
+    from kvlab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=want):
+        build(compose(NIXL + [override]))
+
+
+@pytest.mark.slow
+def test_nixl_with_its_progress_thread_verified(tmp_path):
+    """NIXL's own thread completes the WRITEs and sends their notifications; the ranks still poll theirs."""
+    from kvlab.api import run_transfer
+
+    s = run_transfer(NIXL + ["transport.progress_thread=true", "transfer=layerwise", "workload.isl=1500",
+                             "transfer.slot_mib=0.25"], tmp_path)
+    assert s["verified"] and s["failed_requests"] == [] and s["link"]["reference"] == "nixl", s
+
+
 # -- one GPU: every rank on it, VRAM registered, UCX between the processes (cuda_ipc) ---------------
 GPU = ["logger=quiet", "transport=nixl", "device=cuda", "kernels=cuda", "workload.requests=3",
        "workload.concurrency=2", "workload.isl=3000", "transfer.slot_mib=0.25", "cache.fragmentation=0.3"]

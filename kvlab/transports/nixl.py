@@ -134,10 +134,12 @@ class Peer:
 class Nixl(P2P):
     link_reference = "nixl"  # kvlab.linkrate: raw NIXL WRITEs of the run's chunk size between its pairs
 
-    def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", pack_ctas: int | None = None):
+    def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", pack_ctas: int | None = None,
+                 progress_thread: bool = False):
         super().__init__(setup, side, rank, world_rank, device)
         self.mode = mode
         self.pack_ctas = pack_ctas
+        self.progress_thread = progress_thread
         self.agent = None
         self.regs: list = []
         self.peers: dict[int, Peer] = {}  # side-local rank of the other side -> its agent and memory
@@ -160,6 +162,10 @@ class Nixl(P2P):
         ctas = setup.transport.options.get("pack_ctas")
         if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1):
             raise ConfigError("transport.pack_ctas", ctas, "use a positive number of CTAs, or null for one per SM")
+        thread = setup.transport.options.get("progress_thread", False)
+        if not isinstance(thread, bool):
+            raise ConfigError("transport.progress_thread", thread, "use true (NIXL's own thread progresses WRITEs "
+                              "and notifications) or false (the rank polls them)")
         nixl.api()
 
     @property
@@ -182,7 +188,7 @@ class Nixl(P2P):
             self.staging = self._new_staging()
         self.per_chunk = isinstance(self.staging, PerChunkBuffers)
         me = f"{self.side}{self.rank}"
-        self.agent = nixl.agent(me)
+        self.agent = nixl.agent(me, self.progress_thread)
         pools = executor.cache.pools
         tensors = [s.storage for s in pools.values()]
         if self.staging is not None and hasattr(self.staging, "storage"):
