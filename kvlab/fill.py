@@ -9,6 +9,7 @@ a rectangle's bytes in wire order, so fill is "unpack the expected bytes" and ve
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -65,15 +66,37 @@ def _tile_groups(rect: Rect) -> list[tuple[int, int, int]]:
     return groups
 
 
-@functools.lru_cache(maxsize=64)
-def _row_table(row: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(thresholds, table) for rows of ``row`` bytes.
+_BUCKET_SHIFT = 12  # the carry search looks a seed's low 24 bits up in 4096 buckets of 4096 values
 
-    Byte ``x`` of a row with seed ``s`` is the top byte of ``s + x * K`` (mod 2**32): the top byte
+
+@dataclass(frozen=True)
+class _RowTable:
+    """Byte ``x`` of a row with seed ``s`` is the top byte of ``s + x * K`` (mod 2**32): the top byte
     of ``s``, plus the top byte of ``x * K``, plus a carry when the low 24 bits of both overflow,
     that is when ``s``'s low 24 bits reach ``x``'s threshold. Sorted by threshold, the positions a
     seed carries into are a prefix: ``k`` = how many thresholds the seed reaches names it, and
-    ``table[k]`` is the whole row but for the top byte of ``s``."""
+    ``table[k]`` is the whole row but for the top byte of ``s``.
+
+    ``k`` is found without a binary search (70 ns per row on this path's CPUs): ``below[b]`` counts
+    the thresholds under bucket ``b`` of the low 24 bits, ``inside[j, b]`` is the ``j``-th threshold
+    in bucket ``b`` (2**24, never reached, where there is none). The multiplier's equidistribution
+    leaves at most one or two thresholds per bucket for rows of KiBs."""
+
+    below: torch.Tensor  # int64 [4096]
+    inside: torch.Tensor  # int32 [most thresholds in one bucket, 4096]
+    table: torch.Tensor  # uint8 [row + 1, row]
+
+    def carries(self, low: torch.Tensor) -> torch.Tensor:
+        """``k`` for seeds whose low 24 bits are ``low`` (int32): how many thresholds they reach."""
+        b = (low >> _BUCKET_SHIFT).long()
+        k = self.below[b]
+        for edge in self.inside:
+            k += low >= edge[b]
+        return k
+
+
+@functools.lru_cache(maxsize=64)
+def _row_table(row: int, device: str) -> _RowTable:
     c = (torch.arange(row, dtype=torch.int64) * _STEP) & _MASK
     thr = (1 << 24) - (c & 0xFFFFFF)  # 2**24 when x never carries
     order = torch.argsort(thr, stable=True)
@@ -81,7 +104,17 @@ def _row_table(row: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     rank[order] = torch.arange(row)
     carry = rank[None, :] < torch.arange(row + 1)[:, None]  # [k, x]
     table = ((c >> 24)[None, :] + carry).to(torch.uint8)
-    return thr[order].to(torch.int32).to(device), table.to(device)
+    reached = thr[thr < (1 << 24)]
+    n_buckets = 1 << (24 - _BUCKET_SHIFT)
+    bucket = reached >> _BUCKET_SHIFT
+    below = torch.searchsorted(torch.sort(reached).values, torch.arange(n_buckets) << _BUCKET_SHIFT)
+    per = torch.bincount(bucket, minlength=n_buckets)
+    inside = torch.full((int(per.max()) if reached.numel() else 0, n_buckets), 1 << 24, dtype=torch.int64)
+    for t in torch.sort(reached).values.tolist():  # once per row size: a few hundred thresholds
+        b = t >> _BUCKET_SHIFT
+        j = int((inside[:, b] < (1 << 24)).sum())
+        inside[j, b] = t
+    return _RowTable(below.to(device), inside.to(torch.int32).to(device), table.to(device))
 
 
 def expected(request: int, pool: RankPool, rect: Rect, device="cpu", out: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,15 +138,15 @@ def expected(request: int, pool: RankPool, rect: Rect, device="cpu", out: torch.
         step = max(1, _PIECE_BYTES // (ntiles * ntok * bpl))  # layers per piece
         off = 0
         for c, row in enumerate(rows):
-            thr, table = _row_table(row, str(dev))
+            rt = _row_table(row, str(dev))
             s = seeds[c][:, :, ts - rect.t0:ts - rect.t0 + ntiles * ntok].reshape(nl, nh, ntiles, ntok)
             s = s.permute(2, 0, 1, 3)  # [tile, l, h, tok], as on the wire
             hi = (s >> 24).to(torch.uint8)
-            k = torch.searchsorted(thr, (s & 0xFFFFFF).to(torch.int32).contiguous(), right=True)
+            k = rt.carries((s & 0xFFFFFF).to(torch.int32))
             dst = group[:, :, off:off + nh * ntok * row].view(ntiles, nl, nh, ntok, row)
             for a in range(0, nl, step):
                 d = dst[:, a:a + step]
-                low = torch.index_select(table, 0, k[:, a:a + step].reshape(-1)).view(d.shape)
+                low = torch.index_select(rt.table, 0, k[:, a:a + step].reshape(-1)).view(d.shape)
                 torch.add(low, hi[:, a:a + step, ..., None], out=d)
             off += nh * ntok * row
     return out
