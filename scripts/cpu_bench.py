@@ -8,7 +8,12 @@ verification included), and each rank's peak resident memory against its cache +
 The machine's load average is recorded before and after each case: on a shared machine a
 figure is only worth as much as the quiet it was measured in.
 
-    python scripts/cpu_bench.py --out results/cpu_bench.json
+How to measure (the README's CPU table comes from the JSON this writes):
+  1. nothing else running on the machine: `uptime` shows a load average well under 1;
+  2. python scripts/cpu_bench.py --repeat 3 --out results/cpu_bench.json
+     (each run is one `kvlab run` of 15-20 s on this 2-core machine at load 3);
+  3. python scripts/cpu_bench.py --table results/cpu_bench.json
+     prints the README's table rows (each run with its load average) from that JSON.
 """
 from __future__ import annotations
 
@@ -65,11 +70,31 @@ def run_case(name: str, overrides: list[str], work: Path) -> dict:
     }
 
 
+def table(path: Path) -> str:
+    """The README's rows for the runs of a JSON this script wrote."""
+    runs = json.loads(path.read_text())["runs"]
+    lines = ["| case | GiB | GB/s | raw gloo GB/s | link_ratio | wall s | peak RSS / (cache + staging), worst rank |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in runs:
+        name = r["case"].split(" chunked")[0]
+        lines.append(f"| {name} (load {r['loadavg_before'][0]:.1f}) | {r['bytes'] / 2**30:.2f} | {r['gbps']:.2f} | "
+                     f"{r['link_gbps']:.2f} | {r['link_ratio']:.3f} | {r['wall_s']:.1f} | "
+                     f"{r['max_rss_over_cache_staging']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu_bench.json")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu_bench.json", help="the JSON to write")
     ap.add_argument("--repeat", type=int, default=1, help="runs per case; the JSON keeps them all")
+    ap.add_argument("--note", default="", help="a line kept in the JSON (where and how it was measured)")
+    ap.add_argument("--table", type=Path, metavar="JSON", help="print the README's table of a JSON and exit")
     args = ap.parse_args()
+    if args.table is not None:
+        print(table(args.table))
+        return
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat {args.repeat}: must be at least 1")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.repeat):
@@ -83,8 +108,11 @@ def main() -> None:
     out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "python": platform.python_version(), "commit": commit.stdout.strip(),
            "cpus": os.cpu_count(), "machine": platform.machine(), "targets": TARGETS, "runs": rows}
+    if args.note:
+        out["note"] = args.note
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")
+    print(table(args.out))
 
 
 if __name__ == "__main__":
