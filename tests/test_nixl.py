@@ -165,8 +165,8 @@ def test_gen_announces_a_slot_only_after_its_last_unpack_has_run_without_waiting
 
     t = _bare("gen")
     ev = _Event()
-    first = Landing(0, _chunk(0), None, True, 0.0, room=b"a", after=ev)
-    second = Landing(1, _chunk(1), None, True, 0.0, room=b"b")
+    first = Landing(0, _chunk(0), None, True, 0.0, notice=b"R0.0 a", after=ev)
+    second = Landing(1, _chunk(1), None, True, 0.0, notice=b"R0.1 b")
     t.unannounced.extend([first, second])
     t._announce()
     assert t.agent.sent == []

@@ -18,10 +18,12 @@ same chunk order; only the ctx rank moves bytes. ``transport.mode``:
   only the block ids the chunk lands in.
 
 Flow control, through NIXL notifications (the gen rank's agent receives them without a
-receive being posted): a gen rank that has room for chunk ``i`` (its slot free again, or
-its blocks allocated) sends ``R<request>.<seq>`` with where the bytes go; the ctx rank WRITEs
-once that has arrived, with the notification ``D<request>.<seq>`` that NIXL delivers after
-the bytes; the gen rank finishes the chunk when it sees it. Every wait polls with a
+receive being posted): staged, a gen rank whose slot for chunk ``i`` is free again sends
+``R<request>.<seq>`` with the slot's address; direct, a gen rank that has allocated a
+request's blocks sends each ctx rank feeding it ``T<request>`` with its block tables, once
+for all the request's chunks. The ctx rank WRITEs once that has arrived, with the
+notification ``D<request>.<seq>`` that NIXL delivers after the bytes; the gen rank finishes
+the chunk when it sees it: in direct mode one notification per chunk. Every wait polls with a
 deadline of ``transfer.timeout_s``; a peer that is gone fails the WRITE at once (UCX
 reports the disconnect).
 
@@ -119,7 +121,7 @@ class Landing:
     staged: bool
     posted: object
     reg: object = None  # a per-chunk buffer's registration (naive)
-    room: bytes = b""  # what the announcement says: where the bytes go
+    notice: bytes = b""  # the announcement to send (where the bytes go); empty: nothing to announce
     after: object = None  # GPUs: the event of the slot's last unpack, announced once it has completed
 
 
@@ -148,6 +150,8 @@ class Nixl(P2P):
         self.unannounced: deque[Landing] = deque()  # gen, GPUs: slots whose last unpack may still run
         self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
         self.xfers: dict[tuple, object] = {}  # ctx: prepared slot-to-slot WRITEs, posted again per chunk
+        self.told: set[tuple[int, int]] = set()  # gen, direct: (request, ctx rank) sent the block tables
+        self.tables: dict[tuple[int, int], dict] = {}  # ctx, direct: (request, gen rank) -> its block tables
         self.spin_s = SPIN_S if device.type == "cuda" else 0.0
         self.shut = False  # close() has run
         self.per_chunk = False  # naive: a buffer per chunk, registered for that chunk only
@@ -327,28 +331,43 @@ class Nixl(P2P):
         table = self.executor.cache.tables[c.request][c.rect.pool]
         return self._rank_runs(store.pool, store.num_blocks, c, torch.tensor(table.host), table.base)
 
-    def _landing_blocks(self, c: Chunk) -> bytes:
-        """The gen rank's physical blocks under the chunk's tokens: all the ctx rank needs to address it."""
-        store = self.executor.cache.pools[c.rect.pool]
-        table = self.executor.cache.tables[c.request][c.rect.pool]
-        tpb = store.pool.tokens_per_block
-        ids = table.host[c.rect.t0 // tpb - table.base:(c.rect.t1 - 1) // tpb - table.base + 1]
-        return np.asarray(ids, dtype=np.int64).tobytes()
+    def _block_tables(self, request: int) -> bytes:
+        """The gen rank's block tables of a request, every pool: all a ctx rank needs to address its chunks."""
+        return json.dumps({name: [t.base, *t.host] for name, t in self.executor.cache.tables[request].items()}
+                          ).encode()
+
+    def _landing(self, c: Chunk, peer: Peer) -> dict | None:
+        """Ctx, direct: the gen rank's block tables of the chunk's request, once they have arrived."""
+        key = (c.request, c.dst)
+        if key not in self.tables:
+            got = self._take(b"T%d" % c.request, peer.agent)
+            if got is None:
+                return None
+            self.tables[key] = {name: (v[0], torch.tensor(v[1:], dtype=torch.int64))
+                                for name, v in json.loads(got).items()}
+        return self.tables[key]
 
     def start(self, i: int, c: Chunk, rec):
         clock, faults = self.executor.clock, self.executor.faults
         if not self.sending:
             if self.mode == "direct":
-                buf, staged, room = None, False, self._landing_blocks(c)
-            else:
-                buf, staged = self._buffer(i, c)
-                room = struct.pack("<QQ", buf.data_ptr(), buf.numel())
-            h = Landing(i, c, buf, staged, clock.mark(), room=room)
+                # the request's blocks are allocated at its first chunk here and stay until it is verified:
+                # one notice per (request, ctx rank) with its block tables lets the ctx rank address every chunk
+                h = Landing(i, c, None, False, clock.mark())
+                if (c.request, c.src) not in self.told:
+                    self.told.add((c.request, c.src))
+                    h.notice = b"T%d " % c.request + self._block_tables(c.request)
+                self.unannounced.append(h)
+                self._announce()
+                return h
+            buf, staged = self._buffer(i, c)
+            h = Landing(i, c, buf, staged, clock.mark(),
+                        notice=self._key(b"R", c) + b" " + struct.pack("<QQ", buf.data_ptr(), buf.numel()))
             if staged and self.per_chunk:
                 # the naive baseline's buffer is new memory: registered now, and its partial metadata
                 # (the key the ctx agent needs to write into it) travels with the announcement
                 h.reg = self.agent.register_memory(buf)
-                h.room += self.agent.get_partial_agent_metadata(h.reg, False)
+                h.notice += self.agent.get_partial_agent_metadata(h.reg, False)
             elif staged:
                 h.after = self.after_unpack.pop(i % self.window, None)  # the slot is free once that has run
             self.unannounced.append(h)
@@ -385,7 +404,8 @@ class Nixl(P2P):
         while self.unannounced and (self.unannounced[0].after is None or self.unannounced[0].after.query()):
             h = self.unannounced.popleft()
             h.after = None
-            self._send(self.peers[h.chunk.src].agent, self._key(b"R", h.chunk) + b" " + h.room, h.chunk)
+            if h.notice:
+                self._send(self.peers[h.chunk.src].agent, h.notice, h.chunk)
 
     def _send(self, agent: str, msg: bytes, c: Chunk) -> None:
         try:
@@ -401,16 +421,21 @@ class Nixl(P2P):
         still = []
         for w in self.waiting:
             peer = self.peers[w.chunk.dst]
-            # (GPUs) still packing: the host does not wait for the device; the room's notice waits in the inbox
-            room = None if w.event is not None and not w.event.query() else self._take(self._key(b"R", w.chunk),
-                                                                                      peer.agent)
+            if w.event is not None and not w.event.query():
+                room = None  # (GPUs) still packing: the host does not wait for the device
+            elif self.mode == "direct":
+                room = self._landing(w.chunk, peer)
+            else:
+                room = self._take(self._key(b"R", w.chunk), peer.agent)
             if room is None:
                 still.append(w)
             else:
                 self._write(w, peer, room)
         self.waiting = still
 
-    def _write(self, w: Write, peer: Peer, room: bytes) -> None:
+    def _write(self, w: Write, peer: Peer, room) -> None:
+        """WRITE a chunk to where ``room`` says: staged, the gen slot's (address, bytes[, key]); direct, the gen
+        rank's block tables of the request."""
         c = w.chunk
         storage = self.executor.cache.pools[c.rect.pool].storage
         dev, mem = nixl.device_id(storage), nixl.mem_type(storage)
@@ -423,10 +448,9 @@ class Nixl(P2P):
             src, dst, length = (np.array([w.buf.data_ptr()], dtype=np.int64), np.array([addr], dtype=np.int64),
                                 np.array([n], dtype=np.int64))
         else:
-            ids = torch.from_numpy(np.frombuffer(room, dtype=np.int64).copy())
-            pool = peer.state.pool(c.rect.pool)
+            base, ids = room[c.rect.pool]
             base_addr, blocks = peer.pools[c.rect.pool]
-            dmem, dwire, length = self._rank_runs(pool, blocks, c, ids, c.rect.t0 // pool.tokens_per_block)
+            dmem, dwire, length = self._rank_runs(peer.state.pool(c.rect.pool), blocks, c, ids, base)
             if w.buf is not None:  # corrupted on its way out: from the staging copy, in wire order
                 src = w.buf.data_ptr() + dwire
             else:
@@ -490,6 +514,11 @@ class Nixl(P2P):
         if h.staged:
             self._release(h)
         return not h.staged
+
+    def closed(self, request: int) -> None:
+        """The request's block tables are no longer needed on either side (direct)."""
+        self.told = {k for k in self.told if k[0] != request}
+        self.tables = {k: v for k, v in self.tables.items() if k[0] != request}
 
     def _release(self, h) -> None:
         if h.reg is not None:
