@@ -54,8 +54,9 @@ def export(t: torch.Tensor) -> tuple[str, int]:
     return ctypes.string_at(handle.getPtr(), HANDLE_BYTES).hex(), ptr - int(base)
 
 
-def open_handle(handle_hex: str, offset: int, nbytes: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """(uint8 view of the exported pool, base pointer to ``close``), opened with ``device`` current."""
+def open_handle(handle_hex: str, device: torch.device) -> int:
+    """Base pointer of another process's exported allocation, opened with ``device`` current (once per
+    process and handle: a second open of the same handle fails); ``close`` it after the run."""
     from cuda.bindings import driver
 
     torch.cuda.set_device(device)
@@ -64,9 +65,12 @@ def open_handle(handle_hex: str, offset: int, nbytes: int, device: torch.device)
     raw = bytes.fromhex(handle_hex)
     ctypes.memmove(h.getPtr(), raw, HANDLE_BYTES)
     flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-    base = _ok(driver.cuIpcOpenMemHandle(h, int(getattr(flags, "value", flags))), "cuIpcOpenMemHandle")
-    view = torch.as_tensor(_Mapped(int(base) + offset, nbytes), device=device)
-    return view, int(base)
+    return int(_ok(driver.cuIpcOpenMemHandle(h, int(getattr(flags, "value", flags))), "cuIpcOpenMemHandle"))
+
+
+def view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of mapped device memory at ``ptr``, not owning it."""
+    return torch.as_tensor(_Mapped(ptr, nbytes), device=device)
 
 
 def close(base: int) -> None:

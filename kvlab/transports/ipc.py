@@ -8,8 +8,8 @@ unlinks the files as soon as every gen rank has mapped them, so no file outlives
 handshake even when a rank dies later: the pages live as long as some rank maps them, and
 the operating system frees them when the last one exits. On GPUs every ctx pool is a plain
 device allocation exported with CUDA IPC (``cuMemGetAddressRange`` for the allocation's
-base, ``cuIpcGetMemHandle``), opened once per (gen rank, ctx rank, pool) with the gen
-rank's GPU current, and closed in ``close``; a dead ctx process's memory stays valid for
+base, ``cuIpcGetMemHandle``), opened once per (gen rank, exported allocation: small pools can
+share one) with the gen rank's GPU current, and closed in ``close``; a dead ctx process's memory stays valid for
 the gen ranks that opened it until they close it.
 
 Control plane: the default group's store (small keys, no tensors):
@@ -83,7 +83,9 @@ class Ipc(Transport):
         super().__init__(setup, side, rank, world_rank, device)
         self.files: list[str] = []  # shared-memory files this ctx rank created and has not unlinked yet
         self.peers: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}  # ctx rank -> pool -> (bytes, blocks)
-        self.opened_handles: list[int] = []  # CUDA IPC mappings this gen rank opened
+        # CUDA IPC mappings this gen rank opened, by handle: tensors that share an allocation (small pools and
+        # the counter slots in one cached segment) share its handle, which a process may open only once
+        self.opened_handles: dict[str, int] = {}
         self.tables: dict[tuple[int, int], dict[str, tuple[int, torch.Tensor]]] = {}  # (request, ctx) -> pool -> table
         self.store = None
         self.gpu = device.type == "cuda"
@@ -146,8 +148,7 @@ class Ipc(Transport):
             if self.gpu:
                 from kvlab.transports import cuda_ipc
                 if cuda_ipc.stream_ops_error(self.device) is None:
-                    # 2 MiB: an allocation of its own, whose handle no other tensor's export shares
-                    self.flags = torch.zeros(2**18, dtype=torch.int64, device=self.device)
+                    self.flags = torch.zeros(self.setup.gen.size, dtype=torch.int64, device=self.device)
                     flags["handle"], flags["offset"] = cuda_ipc.export(self.flags)
             self.store.set(f"ipc/flags/{self.rank}", json.dumps(flags))
             pools = {}
@@ -190,9 +191,9 @@ class Ipc(Transport):
         if not self.gpu:
             return torch.from_file(p["path"], shared=True, size=p["bytes"], dtype=torch.uint8)
         from kvlab.transports import cuda_ipc
-        tensor, base = cuda_ipc.open_handle(p["handle"], p["offset"], p["bytes"], self.device)
-        self.opened_handles.append(base)
-        return tensor
+        if p["handle"] not in self.opened_handles:
+            self.opened_handles[p["handle"]] = cuda_ipc.open_handle(p["handle"], self.device)
+        return cuda_ipc.view(self.opened_handles[p["handle"]] + p["offset"], p["bytes"], self.device)
 
     def _unlink(self) -> None:
         for path in self.files:
@@ -219,7 +220,7 @@ class Ipc(Transport):
             self._release()
             from kvlab.transports import cuda_ipc
             torch.cuda.synchronize(self.device)  # no copy may still read a mapping being closed
-            for base in self.opened_handles:
+            for base in self.opened_handles.values():
                 cuda_ipc.close(base)
             self.opened_handles.clear()
         self.peers.clear()
