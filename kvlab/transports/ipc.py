@@ -74,6 +74,7 @@ from kvlab.state import CacheState
 from kvlab.transports import ChunkFailed, Transport
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 class Ipc(Transport):
@@ -128,7 +129,10 @@ class Ipc(Transport):
             return super().pool_storage(pool, nbytes)
         path = os.path.join(SHM_DIR, f"kvlab-ipc-{uuid.uuid4().hex}-ctx{self.rank}-{pool}")
         self.files.append(path)
-        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # a new file: zeroed
+        storage = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # a new file: zeroed
+        # its pages are allocated now, before the clock (as torch.zeros does for a pool in private memory),
+        # not by the prefill's first writes
+        return storage.zero_()
 
     def _wait(self, key: str, what: str, c: Chunk | None = None) -> None:
         timeout = self.setup.transfer.timeout_s
@@ -189,7 +193,11 @@ class Ipc(Transport):
 
     def _map(self, p: dict) -> torch.Tensor:
         if not self.gpu:
-            return torch.from_file(p["path"], shared=True, size=p["bytes"], dtype=torch.uint8)
+            mapped = torch.from_file(p["path"], shared=True, size=p["bytes"], dtype=torch.uint8)
+            # one read per page maps the ctx rank's pages into this process now, not one fault per page
+            # inside the timed copies
+            int(mapped[::PAGE_BYTES].sum())
+            return mapped
         from kvlab.transports import cuda_ipc
         if p["handle"] not in self.opened_handles:
             self.opened_handles[p["handle"]] = cuda_ipc.open_handle(p["handle"], self.device)
