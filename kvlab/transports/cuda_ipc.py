@@ -107,6 +107,7 @@ def stream_ops_error(device: torch.device) -> str | None:
     wait: the capability attribute can read 0 where they work."""
     try:
         flag = torch.zeros(1, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)  # the zeroing is on another stream: it must not land after the write
         s = torch.cuda.Stream(device)
         write_value(s.cuda_stream, flag.data_ptr(), 1)
         wait_value(s.cuda_stream, flag.data_ptr(), 1)

@@ -153,6 +153,7 @@ class Ipc(Transport):
                 from kvlab.transports import cuda_ipc
                 if cuda_ipc.stream_ops_error(self.device) is None:
                     self.flags = torch.zeros(self.setup.gen.size, dtype=torch.int64, device=self.device)
+                    torch.cuda.synchronize(self.device)  # zeroed before any stream writes a count into it
                     flags["handle"], flags["offset"] = cuda_ipc.export(self.flags)
             self.store.set(f"ipc/flags/{self.rank}", json.dumps(flags))
             pools = {}
