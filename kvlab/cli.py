@@ -182,7 +182,6 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as e:
             _fail(str(e))
     sys.argv = [f"kvlab {command}"] + rest
-    print(f'TRACE C {__import__("time").time():.3f} checked', file=sys.stderr)
     if command == "plan":
         from kvlab.plan_cmd import hydra_main
     else:

@@ -82,7 +82,6 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                 from kvlab.rundir import CONFIG_ENV
 
                 env[CONFIG_ENV] = config_yaml
-            print(f'TRACE L {time.time():.3f} popen', file=sys.stderr)
             procs.append(subprocess.Popen([sys.executable, "-m", "kvlab.worker", str(run_dir)], env=env,
                                           preexec_fn=functools.partial(die_with_parent, os.getpid())))
         first, deadline, stopped, died, told, nudge_at = None, None, [], [], None, None
@@ -97,7 +96,6 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                     records.mark_dead(run_dir, r)  # rank 0 stops waiting for its part
                     nudge_at = now + death_grace_s
             if all(c is not None for c in codes):
-                print(f'TRACE L {time.time():.3f} all exited', file=sys.stderr)
                 break
             if first is not None and codes[0] in (0, 1):
                 deadline = min(deadline, now + 5.0)

@@ -58,13 +58,7 @@ def _parent_merges() -> bool:
     return parent is not None and os.getppid() == int(parent)
 
 
-def _t(x):
-    import time as _tm
-    print(f'TRACE {os.environ.get("RANK")} {_tm.time():.3f} {x}', file=sys.stderr, flush=True)
-
-
 def worker_main(cfg: DictConfig, run_dir: Path) -> int:
-    _t('main')
     """One rank; returns its exit code (0: every request verified; 1: failures; 2: bad config).
 
     SIGTERM or SIGINT (Ctrl-C, the local launcher stopping the run, or torchrun's agent after another
@@ -75,14 +69,12 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     try:
         try:
             setup = build(cfg)
-            _t('built')
             world_rank, device = transport.init(setup, setup.transfer.timeout_s)
         except ConfigError as e:
             if world_rank == 0:
                 print(f"kvlab: error: {e}", file=sys.stderr)
             return 2
         try:
-            _t('init')
             return _worker(setup, run_dir, world_rank, device)
         except ConfigError as e:
             if world_rank == 0:
@@ -91,7 +83,6 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-            _t('destroyed')
     except (Stopped, dist.DistError) as e:  # stopped, or a peer gone while joining: an empty part says so
         if read_part(run_dir, world_rank) is None:
             why = e if isinstance(e, Stopped) else f"lost the others ({type(e).__name__})"
@@ -130,12 +121,10 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
             raise ConfigError(*next(p for p in problems if p))
     mine = chunks_of(order, setup, world_rank)
 
-    _t('planned')
     ops = get_ops(setup.kernels, device.type)
     cache = PagedCache(state, needed, setup.cache.spare_blocks, setup.cache.fragmentation,
                        setup.workload.seed + 17 * world_rank, device, mover.pool_storage)
     gpu_prefill, alone = None, {}
-    _t('cache')
     if side == "ctx" and setup.prefill.kind == "gpu":
         from kvlab.prefill_gpu import GpuPrefill
 
@@ -157,7 +146,6 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat)
     executor.connect()  # after the baseline: what the transport allocates (slots, NCCL's buffers) is extra
-    _t('connected')
     link = linkrate.measure(setup, mover, world_rank, order) if setup.transfer.baseline else None
     if device.type == "cuda":
         # the baseline's own buffers are freed by now: keep them out of the transfer's peak, which still
@@ -166,13 +154,11 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         torch.cuda.reset_peak_memory_stats(device)
     executor.prefill = prefill.times_for(setup, requests)  # pure: the same timeline on every rank
     executor.gpu_prefill, executor.prefill_alone = gpu_prefill, alone
-    _t('baseline')
     dist.barrier()
     clock = executor.clock = Clock(device)  # started right after the barrier: one epoch for every rank
     board.watch()
 
     records = executor.run(order, {r.id: r for r in requests}, segments)
-    _t('run')
     failures = dict(executor.failures)
     errors = [executor.error] if executor.error else []
     progress.close()
@@ -186,7 +172,6 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         torch.cuda.empty_cache()  # cached blocks of fill/verify are not the transfer's
         peak.free_drop = free0 - torch.cuda.mem_get_info(device)[0]
     errors += cache.check_canaries()  # after the peak: its temporaries are not the transfer's
-    _t('canaries')
     for rec in records:
         if rec.end is None:
             rec.end = clock.mark()
@@ -235,7 +220,6 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         verdict = board.await_verdict()
         # without rank 0's verdict this rank can only vouch for itself
         verified = verdict["verified"] if verdict else not (failures or errors or any(p.errors for p in parts))
-    _t('verdict')
     board.stop()
     sink = WandbSink.create(setup, run_dir, world_rank)
     for p in parts:
