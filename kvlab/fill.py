@@ -140,7 +140,7 @@ def expected(request: int, pool: RankPool, rect: Rect, device="cpu", out: torch.
         for c, row in enumerate(rows):
             rt = _row_table(row, str(dev))
             s = seeds[c][:, :, ts - rect.t0:ts - rect.t0 + ntiles * ntok].reshape(nl, nh, ntiles, ntok)
-            s = s.permute(2, 0, 1, 3)  # [tile, l, h, tok], as on the wire
+            s = s.permute(2, 0, 1, 3).contiguous()  # [tile, l, h, tok], as on the wire
             hi = (s >> 24).to(torch.uint8)
             k = rt.carries((s & 0xFFFFFF).to(torch.int32))
             dst = group[:, :, off:off + nh * ntok * row].view(ntiles, nl, nh, ntok, row)
