@@ -12,7 +12,9 @@ are and when each may go is the strategy's (kvlab.schedule); the executor owns r
   group is free, and writes each layer's cache when that layer is computed; strategy
   ready=layer: the chunk's layer; ready=request: every layer) -> start. A chunk started
   before its layer was written would carry stale bytes, and the gen side's check says so.
-  After the request's last chunk is finished: free its blocks.
+  With prefill=sim the ctx ranks of one tensor-parallel group end a request's prefill
+  together, as their collectives make a real prefill end. After the request's last chunk is
+  finished: free its blocks.
 - gen: open a request at its first chunk (allocate) -> start. After its last chunk is
   finished (its clock stops there): verify it bit-exactly, then free its blocks.
 
@@ -27,6 +29,7 @@ stops there, since every later chunk would wait on the lost peer too.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -88,6 +91,7 @@ class Executor:
         self.held_layers = frozenset(held)  # global layers whose cache this (ctx) rank writes
         self.gpu_prefill = None  # kvlab.prefill_gpu.GpuPrefill with prefill=gpu (set by the runner)
         self.prefill_alone: dict[int, float] = {}  # prompt tokens -> seconds of that prefill alone (prefill=gpu)
+        self.store = None  # the default group's store: tensor-parallel ctx peers end a prefill in step
 
     def connect(self) -> None:
         """The transport's start-up (pair groups, staging, mapped pools); before the clock starts."""
@@ -175,9 +179,42 @@ class Executor:
             rec.layer_ready[layer] = time.time()
             rec.next_layer += 1
         if rec.prefill_end is None and rec.next_layer > max(self.held_layers):
+            self._in_step(c)
             # the timeline's end, or later if writing this rank's layers took longer (other pipeline
             # stages may still be computing: the prefill ends with the last layer)
             rec.prefill_end = max(time.time(), epoch + t.end)
+
+    def _in_step(self, c: Chunk) -> None:
+        """Tensor-parallel peers end a prefill together (a real one all-reduces every layer): wait until every
+        ctx rank of this rank's (dp, pp) group has written its share of the request. Without it, a peer that
+        took longer to write its emulated output would put that delay inside the transfer's clock."""
+        side = self.setup.ctx
+        if side.tp == 1:
+            return
+        if self.device.type == "cuda":
+            self.stream.synchronize()  # the writes were queued: the share is written once they ran
+        me = side.coord(self.rank)
+        peers = [r for r in self.senders[c.request] if r != self.rank and side.coord(r).dp == me.dp
+                 and side.coord(r).pp == me.pp]  # only ranks that send some of it prefill it (MLA: maybe one)
+        if not peers:
+            return
+        key = f"prefill/{c.request}/{me.dp}/{me.pp}"
+        store = self._store()
+        if store.add(key, 1) == len(peers) + 1:
+            store.set(key + "/all", "1")
+            return
+        timeout = self.setup.transfer.timeout_s
+        try:
+            store.wait([key + "/all"], datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:  # the deadline passed, or the store's host is gone
+            raise ChunkFailed(f"request {c.request} chunk {c.seq} with {'/'.join(f'ctx{r}' for r in peers)}: "
+                              f"tensor-parallel peers' prefill not done within {timeout:g} s", c.request) from e
+
+    def _store(self):
+        if self.store is None:
+            import torch.distributed as dist
+            self.store = dist.distributed_c10d._get_default_store()
+        return self.store
 
     def _prefill_gpu(self, rec: RequestRecord, c: Chunk, need: int) -> None:
         """prefill=gpu: queue this rank's layers up to ``need`` on the compute stream once the request has
@@ -233,6 +270,9 @@ class Executor:
             ) -> list[RequestRecord]:
         mine = chunks_of(order, self.setup, self.world_rank)
         self.chunks = mine
+        self.senders: dict[int, set[int]] = {}  # request -> the ctx ranks that send some of it
+        for c in order:
+            self.senders.setdefault(c.request, set()).add(c.src)
         self.requests = requests
         counts: dict[int, int] = {}
         for c in mine:
@@ -260,9 +300,21 @@ class Executor:
         if self.stream is not None and self.error is None:
             self.stream.synchronize()
         if not self.stopped:  # requests finished before a failure are still checked
-            with ctx:
-                self.verify_finished()
+            try:
+                with ctx:
+                    self.verify_finished()
+            except Stopped as e:  # a signal that came while the loop's last wait blocked lands here
+                self.stopped = True
+                self.error = self.error or f"{self.side}{self.rank}: {e}"
+                self._unverified_failed(e)
         return list(self.records.values())
+
+    def _unverified_failed(self, e: Stopped) -> None:
+        """Told to stop: nobody will wait for the finished requests' verification."""
+        while self.unverified:
+            req, _ = self.unverified.popleft()
+            self.failures[req.id] = f"{self.side}{self.rank}: {e} before verification"
+            self.cache.release(req.id)
 
     def _abort(self, e: ChunkFailed | Stopped, inflight: deque[InFlight]) -> None:
         """Fail every request this rank has open and free their blocks and slots. The loop stops here:
@@ -271,11 +323,8 @@ class Executor:
         self.error_at = time.time()
         self.stopped = isinstance(e, Stopped)
         failed = getattr(e, "request", None)
-        if self.stopped:  # nobody will wait for their verification
-            while self.unverified:
-                req, _ = self.unverified.popleft()
-                self.failures[req.id] = f"{self.side}{self.rank}: {e} before verification"
-                self.cache.release(req.id)
+        if self.stopped:
+            self._unverified_failed(e)
         for rid, rec in self.records.items():
             if rec.end is None or rid == failed:  # failed: also one whose end was marked (a pull not done in time)
                 direct = rid == failed or self.stopped

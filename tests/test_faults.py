@@ -82,10 +82,15 @@ def test_killed_rank_under_torchrun_is_still_reported(tmp_path, kvlab_cli):
     assert p.returncode != 0 and "exitcode  : 3" in p.stderr  # the agent names the dead rank's code
     (run_dir,) = (tmp_path / "outputs").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["silent_ranks"] == [1] and summary["failed_requests"] == [2, 3, 4, 5]
+    assert summary["silent_ranks"] == [1] and {2, 3, 4, 5} <= set(summary["failed_requests"])
     assert summary["errors"][0].startswith("ctx1 (rank 1) sent no report")
     rows = _rows(run_dir)
-    assert rows[0]["verified"] and rows[1]["verified"]
+    # delivered before the kill: checked, or named as stopped before its check (the agent's SIGTERM is handled
+    # once the gen rank's blocked wait returns, which may be during the check)
+    for rid in (0, 1):
+        assert rows[rid]["verified"] or "before verification" in rows[rid]["error"], rows[rid]["error"]
+    gen = json.loads((run_dir / "parts" / "rank2.json").read_text())
+    assert gen["side"] == "gen" and {p["request"] for p in gen["parts"]} >= {0, 1}  # the gen rank's records kept
     _gave_up_in_time(run_dir, [0, 2])
 
 

@@ -96,13 +96,14 @@ def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path, kvlab_cli):
     assert {4, 5} <= set(failed) <= {2, 3, 4, 5}
     rows = _rows(run_dir)
     assert rows[0]["verified"] and rows[1]["verified"]
+    # gen0 may give up on ctx0 too: ctx0 waits for its tensor-parallel peer ctx1 to end each prefill
     for rid in failed:  # named with the rank that gave up on them and why, or as never delivered
-        assert re.match(r"(gen0|ctx0): (aborted after )?request \d+ chunk \d+ with (ctx1|gen0): "
+        assert re.match(r"(gen0|ctx0): (aborted after )?request \d+ chunk \d+ with (ctx0|ctx1|gen0): "
                         r"|gen0 received \d+ of 14 chunks", rows[rid]["error"]), rows[rid]["error"]
     gen = json.loads((run_dir / "parts" / "rank2.json").read_text())
     # the gen rank gave up on ctx1 waiting for its next request's block table or its data
     assert re.search(r"(ready on the ctx rank|the block table from the ctx rank) not within 4 s", gen["errors"][0])
-    assert "with ctx1" in gen["errors"][0]
+    assert re.search(r"with ctx[01]", gen["errors"][0])  # ctx1, or ctx0 held up waiting for its peer ctx1
     assert gen["held_blocks"] == 0
     assert _ours() <= before  # unlinked at the handshake: a dead ctx rank leaves no file behind
 
@@ -202,5 +203,6 @@ def test_cuda_ctx_rank_lost_ends_the_run(fault, tmp_path, kvlab_cli):
     assert rows[0]["verified"] and rows[1]["verified"]
     assert {4, 5} <= set(summary["failed_requests"]) <= {2, 3, 4, 5}
     gen = json.loads((tmp_path / "parts" / "rank2.json").read_text())
-    assert gen["errors"] and "ctx1" in gen["errors"][0], gen["errors"]
+    # ctx1, or ctx0 held up waiting for its tensor-parallel peer ctx1 to end a prefill
+    assert gen["errors"] and re.search(r"ctx[01]", gen["errors"][0]), gen["errors"]
     assert gen["held_blocks"] == 0
