@@ -35,6 +35,8 @@ CONF_DIR = paths.CONF_DIR
 KERNELS = ("auto", "torch", "cuda")
 DEVICES = ("auto", "cpu", "cuda")
 
+MAX_TIMEOUT_S = 1e6
+
 
 @dataclass(frozen=True)
 class TransferSpec:
@@ -54,6 +56,9 @@ class TransferSpec:
         require(self.slot_bytes >= 1, "transfer.slot_mib", self.slot_mib, "a slot must hold at least one byte")
         positive("transfer.slots", self.slots)
         require(self.timeout_s > 0, "transfer.timeout_s", self.timeout_s, "must be > 0 seconds")
+        # the backends hold it as a timedelta and in milliseconds: 1e300 s overflowed deep in gloo's setup
+        require(self.timeout_s <= MAX_TIMEOUT_S, "transfer.timeout_s", self.timeout_s,
+                f"must be at most {MAX_TIMEOUT_S:g} seconds (about 11 days)")
         require(self.layer_compute_ms >= 0, "transfer.layer_compute_ms", self.layer_compute_ms, "must be >= 0")
         positive("transfer.pack_ctas", self.pack_ctas)
 

@@ -65,6 +65,7 @@ CATALOGUE = [
     # timeouts and ranges
     ("timeout-negative", ["transfer.timeout_s=-5"], ["transfer.timeout_s=-5", "> 0 seconds"]),
     ("timeout-zero", ["transfer.timeout_s=0"], ["transfer.timeout_s=0", "> 0 seconds"]),
+    ("timeout-huge", ["transfer.timeout_s=1e300"], ["transfer.timeout_s=1e+300", "at most 1e+06 seconds"]),
     ("layer-compute-negative", ["transfer.layer_compute_ms=-1"], ["transfer.layer_compute_ms=-1", ">= 0"]),
     ("fragmentation-above-one", ["cache.fragmentation=1.5"], ["cache.fragmentation=1.5", "[0, 1]"]),
     ("fragmentation-negative", ["cache.fragmentation=-0.1"], ["cache.fragmentation=-0.1", "[0, 1]"]),
