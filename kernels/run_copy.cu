@@ -46,7 +46,7 @@ __device__ __forceinline__ void warp_copy(const V* __restrict__ s, V* __restrict
   ((P##ids64 ? ((const i64*)P##ids)[(ts) / P##tpb - P##base]                                           \
              : (i64)((const int*)P##ids)[(ts) / P##tpb - P##base]) * P##bs +                           \
    (i64)((l) + P##loff) * P##ls + ((c) ? P##coff1 : P##coff0) + (i64)((h) + P##hoff) * P##tpb * (row) + \
-   ((ts) % P##tpb) * (row))
+   (i64)((ts) % P##tpb) * (row))
 
 // The two sides' parameters come flat (cuda.core passes scalars and pointers, not structs).
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MIN_BLOCKS)
