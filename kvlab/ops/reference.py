@@ -68,9 +68,9 @@ def copy_runs(src_bytes: torch.Tensor, src: Runs, dst_bytes: torch.Tensor, dst: 
 
 
 def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool, dst_num_blocks, dst_ids,
-              dst_base, rect, *, copy_runs=copy_runs) -> None:
+              dst_base, rect) -> None:
     """``rect`` straight from one pool into another (``transport=ipc``): the runs of both sides, then
-    ``copy_runs`` (this module's, or a faster one with its signature)."""
+    ``copy_runs``."""
     check_rect_pair(src_bytes, src_pool, src_num_blocks, dst_bytes, dst_pool, dst_num_blocks, rect)
     copy_runs(src_bytes, runs(src_pool, src_num_blocks, rect, src_ids, src_base),
               dst_bytes, runs(dst_pool, dst_num_blocks, rect, dst_ids, dst_base))

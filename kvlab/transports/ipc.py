@@ -71,7 +71,7 @@ from kvlab.errors import ConfigError
 from kvlab.layout import Rect, runs
 from kvlab.schedule import Chunk
 from kvlab.state import CacheState
-from kvlab.transports import ChunkFailed, Transport
+from kvlab.transports import ChunkFailed, Transport, cuda_ipc
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -99,7 +99,7 @@ class Ipc(Transport):
         # device-side readiness (GPUs with stream memory operations): each ctx rank's stream writes its
         # publishing counter into one int64 slot per gen rank; a gen rank's stream waits for the value
         self.flags: torch.Tensor | None = None  # ctx: the slots
-        self.seqs: dict[tuple[int, int], int] | None = None  # ctx: (request, ready layer) -> counter value
+        self.seqs: dict[int, dict[int, int]] | None = None  # ctx: request -> ready layer -> counter value
         self.peer_flags: dict[int, int] = {}  # gen: ctx rank -> address of this gen rank's slot there
         self.unit_seq: dict[tuple[int, int], dict[int, int]] = {}  # gen: (request, ctx) -> ready layer -> value
         self.unconfirmed: tuple[str, Chunk] | None = None  # gen: a queued device wait whose key is not seen yet
@@ -113,7 +113,6 @@ class Ipc(Transport):
                               "memory within one node: use transport=p2p across nodes")
         if devices.uses_cuda(setup):
             try:
-                from kvlab.transports import cuda_ipc
                 cuda_ipc.check_supported()
             except Exception as e:  # noqa: BLE001 - any reason ipc cannot work here is the config's to change
                 raise ConfigError("transport", "ipc", f"CUDA IPC is unavailable here ({e}); use transport=p2p, "
@@ -150,7 +149,6 @@ class Ipc(Transport):
         if self.sending:
             flags = {}
             if self.gpu:
-                from kvlab.transports import cuda_ipc
                 if cuda_ipc.stream_ops_error(self.device) is None:
                     self.flags = torch.zeros(self.setup.gen.size, dtype=torch.int64, device=self.device)
                     torch.cuda.synchronize(self.device)  # zeroed before any stream writes a count into it
@@ -160,7 +158,6 @@ class Ipc(Transport):
             for name, st in cache.pools.items():
                 pools[name] = {"bytes": st.storage.numel(), "blocks": st.num_blocks}
                 if self.gpu:
-                    from kvlab.transports import cuda_ipc
                     pools[name]["handle"], pools[name]["offset"] = cuda_ipc.export(st.storage)
                 else:
                     pools[name]["path"] = next(p for p in self.files if p.endswith(f"-ctx{self.rank}-{name}"))
@@ -199,7 +196,6 @@ class Ipc(Transport):
             # inside the timed copies
             int(mapped[::PAGE_BYTES].sum())
             return mapped
-        from kvlab.transports import cuda_ipc
         if p["handle"] not in self.opened_handles:
             self.opened_handles[p["handle"]] = cuda_ipc.open_handle(p["handle"], self.device)
         return cuda_ipc.view(self.opened_handles[p["handle"]] + p["offset"], p["bytes"], self.device)
@@ -217,7 +213,6 @@ class Ipc(Transport):
         dead ctx rank never writes its counter): the copies behind them read stale bytes, which no one
         checks any more."""
         if self.peer_flags:
-            from kvlab.transports import cuda_ipc
             side = torch.cuda.Stream(self.device)
             for ptr in self.peer_flags.values():
                 cuda_ipc.write_value(side.cuda_stream, ptr, cuda_ipc.RELEASE)
@@ -227,7 +222,6 @@ class Ipc(Transport):
         self._unlink()
         if self.opened_handles:
             self._release()
-            from kvlab.transports import cuda_ipc
             torch.cuda.synchronize(self.device)  # no copy may still read a mapping being closed
             for base in self.opened_handles.values():
                 cuda_ipc.close(base)
@@ -237,11 +231,14 @@ class Ipc(Transport):
     # -- requests and chunks --------------------------------------------------------------
     def opened(self, req) -> None:
         if self.seqs is None:  # the counter's value for each unit: units are published in this rank's order
-            self.seqs = {}
+            self.seqs, units = {}, 0
             for c in self.executor.chunks:
-                self.seqs.setdefault((c.request, c.ready_layer), len(self.seqs) + 1)
+                layers = self.seqs.setdefault(c.request, {})
+                if c.ready_layer not in layers:
+                    units += 1
+                    layers[c.ready_layer] = units
         tables = self.executor.cache.tables[req.id]
-        seq = {layer: v for (r, layer), v in self.seqs.items() if r == req.id}
+        seq = self.seqs[req.id]
         self.store.set(f"ipc/t/{req.id}/{self.rank}", json.dumps(
             {"tables": {name: [t.base, list(t.host)] for name, t in tables.items()}, "seq": seq}))
 
@@ -273,8 +270,7 @@ class Ipc(Transport):
             if c.ready_layer not in done:
                 # another process reads these bytes: the prefill's writes queued on our stream come first
                 if self.flags is not None:  # ordered on the device: the host does not wait
-                    from kvlab.transports import cuda_ipc
-                    value = self.seqs[(c.request, c.ready_layer)]
+                    value = self.seqs[c.request][c.ready_layer]
                     for g in range(self.setup.gen.size):
                         cuda_ipc.write_value(self.executor.stream.cuda_stream, self.flags.data_ptr() + 8 * g, value)
                 elif self.gpu:
@@ -304,7 +300,6 @@ class Ipc(Transport):
                     if self.unconfirmed is not None:
                         before, at = self.unconfirmed
                         self._wait(before, "ready on the ctx rank", at)
-                    from kvlab.transports import cuda_ipc
                     value = self.unit_seq[(c.request, c.src)][c.ready_layer]
                     cuda_ipc.wait_value(self.executor.stream.cuda_stream, self.peer_flags[c.src], value)
                     self.unconfirmed = (key, c)
