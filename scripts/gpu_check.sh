@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, in one call: carried wheels, GPU tests, benchmarks, tables. On one GPU the tests that
 # need two skip and only the ipc benchmark runs (ctx and gen on the same GPU); on two, bench.py too.
-#   bash scripts/gpu_check.sh [--no-tests] [--no-bench] [--quick]     (from the repository root)
+#   bash scripts/gpu_check.sh [--no-tests] [--no-bench] [--jobs N] [--quick]     (from the repository root)
+# --jobs N: the GPU tests in N pytest-xdist workers (the image has it), then the failed ones again alone
 # A GPU machine without a package index gets the pure-Python wheels its image lacks from .whl/, made
 # beforehand on a machine with one:  pip wheel --no-deps -w .whl hydra-core omegaconf "antlr4-python3-runtime==4.9.*"
 set -uo pipefail
@@ -14,7 +15,14 @@ nvidia-smi -L; nvidia-smi topo -m | head -4
 python3 -c 'import torch, cuda.core; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "cuda.core", cuda.core.__version__)'
 tests=1; [ "${1:-}" = "--no-tests" ] && { tests=0; shift; }
 bench=1; [ "${1:-}" = "--no-bench" ] && { bench=0; shift; }
-[ $tests = 1 ] && python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" tests/ 2>&1 | tee "$out/gpu_tests.log" | tail -25
+jobs=(); [ "${1:-}" = "--jobs" ] && { jobs=(-n "$2"); shift 2; }
+if [ $tests = 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider -rf "${jobs[@]}" -m "gpu or gpu2" tests/ 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  failed=$(grep -o '^FAILED [^ ]*' "$out/gpu_tests.log" | cut -d' ' -f2 | sort -u)
+  # workers share one GPU and 16 cores: a failure under that load is run again alone before it counts
+  [ ${#jobs[@]} -gt 0 ] && [ -n "$failed" ] && python3 -m pytest -q -p no:cacheprovider $failed 2>&1 \
+    | tee "$out/gpu_tests_again.log" | tail -25
+fi
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 [ $bench = 1 ] && [ "$gpus" -ge 2 ] && python3 scripts/bench.py --out "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
 [ $bench = 1 ] && python3 scripts/ipc_bench.py --out "$out/ipc.json" "$@" 2>&1 | tee "$out/ipc.log"
