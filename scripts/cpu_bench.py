@@ -74,6 +74,51 @@ def run_case(name: str, overrides: list[str], work: Path) -> dict:
     }
 
 
+def copy_rates(slot_mib: int = 16, isl: int = 16384, passes: int = 3) -> dict:
+    """The Llama case's own copies alone, in this process: pack of every ctx0 -> gen0 chunk into 4 rotating
+    slots, unpack of them into the gen pool, and ``copy_`` of the same sizes from the same pool; GB/s,
+    median of ``passes`` over the request's chunks. What a staged transfer adds to the link per byte."""
+    sys.path.insert(0, str(ROOT))
+    from kvlab.ops import cpu
+    from kvlab.parallel import SideSpec
+    from kvlab.plan import Request, plan
+    from kvlab.schedule import cut_rect
+    from kvlab.spec import ModelSpec
+    from kvlab.state import CacheState
+
+    torch.set_num_threads(1)  # as every rank runs (kvlab.launch: OMP_NUM_THREADS=1)
+    model = ModelSpec("llama3_8b", 32, kv_heads=8, head_dim=128)
+    ctx, gen = SideSpec("ctx", tp=2), SideSpec("gen", tp=1)
+    seg = plan(model, ctx, gen, Request(0, isl))[0]
+    sp, dp = CacheState(model, ctx, seg.src).pool(seg.rect.pool), CacheState(model, gen, seg.dst).pool(seg.rect.pool)
+    rects = cut_rect(seg, sp.rows, slot_mib * MiB, False, False)
+    nb = -(-isl // 32)
+    src = torch.full((sp.pool_bytes(nb),), 7, dtype=torch.uint8)  # written: no page faults inside the timing
+    dst = torch.zeros(dp.pool_bytes(nb), dtype=torch.uint8)
+    ids = torch.arange(nb)
+    slots = torch.zeros(4, slot_mib * MiB, dtype=torch.uint8)
+    sizes = [r.nbytes(sp.rows) for r in rects]
+
+    def rate(step) -> float:
+        t0 = time.perf_counter()
+        for i, r in enumerate(rects):
+            step(i, r, slots[i % 4, :sizes[i]])
+        return sum(sizes) / (time.perf_counter() - t0) / 1e9
+
+    def plain(i, r, slot):
+        at = i * sizes[i] % (src.numel() - sizes[i])
+        slot.copy_(src[at:at + sizes[i]])
+
+    out = {}
+    for name, step in (("pack", lambda i, r, slot: cpu.pack(src, sp, nb, r, ids, 0, slot)),
+                       ("unpack", lambda i, r, slot: cpu.unpack(slot, dp, nb, r, ids, 0, dst)),
+                       ("copy", plain)):
+        got = sorted(rate(step) for _ in range(passes))
+        out[f"{name}_gbps"] = got[len(got) // 2]
+    out.update(chunk_mib=slot_mib, chunks=len(rects))
+    return out
+
+
 def table(path: Path) -> str:
     """The README's rows for the runs of a JSON this script wrote."""
     runs = json.loads(path.read_text())["runs"]
@@ -108,10 +153,14 @@ def main() -> None:
                 print(f"{name}: {row['gbps']:.2f} GB/s, raw gloo {row['link_gbps']:.2f} GB/s, "
                       f"ratio {row['link_ratio']:.3f}, wall {row['wall_s']:.1f} s, peak RSS / (cache + staging) "
                       f"{row['max_rss_over_cache_staging']:.2f}, load {row['loadavg_before'][0]:.1f}", flush=True)
+    ops = copy_rates()
+    print(f"one chunk's copies alone: pack {ops['pack_gbps']:.2f}, unpack {ops['unpack_gbps']:.2f}, "
+          f"copy_ {ops['copy_gbps']:.2f} GB/s", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "python": platform.python_version(), "commit": commit.stdout.strip(),
-           "cpus": os.cpu_count(), "machine": platform.machine(), "targets": TARGETS, "runs": rows}
+           "cpus": os.cpu_count(), "machine": platform.machine(), "targets": TARGETS, "runs": rows,
+           "copies_alone": ops}
     if args.note:
         out["note"] = args.note
     args.out.write_text(json.dumps(out, indent=2) + "\n")
