@@ -4,8 +4,9 @@ Each case is one ``kvlab run`` (ctx TP2 -> gen TP1 over gloo, one request, verif
 measures, after warm-up, raw gloo messages of its own chunk size between its own ranks
 (``link_gbps``, kvlab.linkrate) before it transfers. Recorded per case: delivered GB/s,
 raw gloo GB/s, their ratio, the wall time of the whole command (start-up, fill and
-verification included), and each rank's peak resident memory against its cache + staging.
-The machine's load average is recorded before and after each case: on a shared machine a
+verification included), each rank's peak resident memory against its cache + staging, how
+busy the cores were during the transfer (``/proc/stat``), and once, the Llama case's copies
+alone (pack, unpack and ``copy_`` of its chunks in one process). The machine's load average is recorded before and after each case: on a shared machine a
 figure is only worth as much as the quiet it was measured in.
 
 How to measure (the README's CPU table comes from the JSON this writes):
@@ -25,6 +26,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,12 +48,53 @@ CASES = {
 TARGETS = {"link_ratio": 0.5, "llama_wall_s": 30.0, "rss_over_cache_staging": 2.0}
 
 
+def request_window(run_dir: Path) -> tuple[float, float]:
+    """(start, end) wall times of the run's transfer: its first request's start to its last one's end."""
+    rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
+    return min(r["start"] for r in rows), max(r["end"] for r in rows)
+
+
+class CpuTimes:
+    """The machine's CPU time split (``/proc/stat``: user, system, idle, ...) sampled every 20 ms in a thread,
+    to say how busy the cores were during a window of wall time (the transfer's)."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, list[int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with open("/proc/stat") as f:
+                self.samples.append((time.time(), [int(x) for x in f.readline().split()[1:]]))
+            self._stop.wait(0.02)
+
+    def __enter__(self):
+        if os.path.exists("/proc/stat"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+    def shares(self, start: float, end: float) -> dict | None:
+        """Shares of user, system (with interrupts) and idle (with I/O wait) time between two wall times."""
+        inside = [x for x in self.samples if start <= x[0] <= end]
+        if len(inside) < 2:
+            return None
+        d = [b - a for a, b in zip(inside[0][1], inside[-1][1])]
+        total = sum(d[:8]) or 1  # user nice system idle iowait irq softirq steal
+        return {"user": (d[0] + d[1]) / total, "system": (d[2] + d[5] + d[6]) / total,
+                "idle": (d[3] + d[4]) / total, "seconds": inside[-1][0] - inside[0][0]}
+
+
 def run_case(name: str, overrides: list[str], work: Path) -> dict:
     run_dir = work / name.replace(" ", "_")
     load0 = os.getloadavg()
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "kvlab", "run", f"hydra.run.dir={run_dir}", "logger=quiet",
-                        *overrides], capture_output=True, text=True, cwd=ROOT)
+    with CpuTimes() as cpu:
+        p = subprocess.run([sys.executable, "-m", "kvlab", "run", f"hydra.run.dir={run_dir}", "logger=quiet",
+                            *overrides], capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise SystemExit(f"{name}: kvlab run failed ({p.returncode}):\n{p.stderr[-2000:]}")
@@ -69,6 +112,8 @@ def run_case(name: str, overrides: list[str], work: Path) -> dict:
         "link_ratio": summary["link_ratio"], "link": summary["link"], "transfer_s": summary["seconds"],
         "wall_s": wall, "fill_s": summary["fill_s"], "verify_s": summary["verify_s"],
         "in_loop_requests": summary["in_loop_requests"], "ranks": ranks,
+        # how busy the 2 cores were while the request moved: a transfer that leaves them idle is waiting
+        "cpu_during_transfer": cpu.shares(*request_window(run_dir)),
         "max_rss_over_cache_staging": max(r["rss_over_cache_staging"] for r in ranks),
         "loadavg_before": load0, "loadavg_after": os.getloadavg(),
     }
@@ -119,15 +164,23 @@ def copy_rates(slot_mib: int = 16, isl: int = 16384, passes: int = 3) -> dict:
     return out
 
 
+def busy(shares: dict | None) -> str:
+    if not shares:
+        return ""
+    return f"{1 - shares['idle']:.0%} ({shares['user']:.0%} / {shares['system']:.0%})"
+
+
 def table(path: Path) -> str:
     """The README's rows for the runs of a JSON this script wrote."""
     runs = json.loads(path.read_text())["runs"]
-    lines = ["| case | GiB | GB/s | raw gloo GB/s | link_ratio | wall s | peak RSS / (cache + staging), worst rank |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| case | GiB | GB/s | raw gloo GB/s | link_ratio | CPU busy in the transfer (user / system) | wall s "
+             "| peak RSS / (cache + staging), worst rank |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for r in runs:
         name = r["case"].replace(" chunked", "").replace(" 4x16MiB", "")
         lines.append(f"| {name} (load {r['loadavg_before'][0]:.1f}) | {r['bytes'] / 2**30:.2f} | {r['gbps']:.2f} | "
-                     f"{r['link_gbps']:.2f} | {r['link_ratio']:.3f} | {r['wall_s']:.1f} | "
+                     f"{r['link_gbps']:.2f} | {r['link_ratio']:.3f} | {busy(r.get('cpu_during_transfer'))} | "
+                     f"{r['wall_s']:.1f} | "
                      f"{r['max_rss_over_cache_staging']:.2f} |")
     return "\n".join(lines)
 
