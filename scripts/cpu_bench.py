@@ -6,8 +6,9 @@ measures, after warm-up, raw gloo messages of its own chunk size between its own
 raw gloo GB/s, their ratio, the wall time of the whole command (start-up, fill and
 verification included), each rank's peak resident memory against its cache + staging, how
 busy the cores were during the transfer (``/proc/stat``), and once, the Llama case's copies
-alone (pack, unpack and ``copy_`` of its chunks in one process). The machine's load average is recorded before and after each case: on a shared machine a
-figure is only worth as much as the quiet it was measured in.
+alone (pack, unpack and ``copy_`` of its chunks in one process). The machine's load average
+is recorded before and after each case: on a shared machine a figure is only worth as much
+as the quiet it was measured in.
 
 How to measure (the README's CPU table comes from the JSON this writes):
   1. nothing else running on the machine: `uptime` shows a load average well under 1;

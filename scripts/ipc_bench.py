@@ -5,9 +5,12 @@ For each case (Llama-3.1-8B at 32k and 128k prompt tokens, DeepSeek-V3.2 at 128k
 TP1 with equal layouts, TP1 -> TP2, TP2 -> TP1, block_major tpb 32 -> layer_major tpb 64) one
 ``kvlab run transport=ipc`` of one verified request: GB/s delivered (kvlab's own clock: ctx's
 first chunk to the gen rank's last) / GB/s of one ``copy_`` of the same number of bytes between
-two buffers of this GPU (median of 3). Then the copy of one whole reshard (block_major tpb 32 ->
-layer_major tpb 64) by the run-copy kernel against the copy engine (``cudaMemcpyBatchAsync`` over
-the same runs), both checked byte for byte.
+two buffers of this GPU (median of 3), and the same bytes over the gen rank's copy kernels alone
+(their events; one gen rank only) with the rest of each request's time outside them. First, the
+copy of one whole reshard (block_major tpb 32 -> layer_major tpb 64) by the run-copy kernel
+against the copy engine (``cudaMemcpyBatchAsync`` over the same runs), both checked byte for
+byte; last, ``scripts/ipc_handoff.py`` in its own process: the hand-off between two processes'
+streams on this GPU, which every one-GPU request pays.
 
     python scripts/ipc_bench.py --out ipc.json            # every case
     python scripts/ipc_bench.py --out ipc.json --quick    # Llama-3.1-8B 32k only
