@@ -89,7 +89,9 @@ class PagedCache:
         self.tick = lambda: None  # called per fill/verify piece: long requests still show progress
         self.pools: dict[str, PoolStore] = {}
         self.tables: dict[int, dict[str, BlockTable]] = {}
-        self._scratch: torch.Tensor | None = None  # [2, VERIFY_PIECE_BYTES]: expected and packed bytes
+        # fill's and verification's two scratch pieces (expected and packed bytes), allocated with the pools:
+        # made at the first fill they stayed allocated and counted as the transfer's extra device memory
+        self._scratch = torch.empty(2, VERIFY_PIECE_BYTES, dtype=torch.uint8, device=device)
         for i, pool in enumerate(state.pools()):
             n = blocks_needed.get(pool.name, 0) + spare_blocks
             # canaries at both ends of the pool: stray writes past a request's first or last block land
@@ -134,8 +136,6 @@ class PagedCache:
 
     def _buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two views of ``nbytes`` into scratch allocated once: fill and verify allocate nothing per piece."""
-        if self._scratch is None:
-            self._scratch = torch.empty(2, VERIFY_PIECE_BYTES, dtype=torch.uint8, device=self.device)
         return self._scratch[0, :nbytes], self._scratch[1, :nbytes]
 
     def fill(self, req: Request, ops, layer: int | None = None) -> None:
