@@ -83,6 +83,7 @@ class Executor:
         self.error_at: float | None = None
         self.stopped = False  # told to stop from outside: nobody is left to report to
         self.transfer_peak = 0  # allocator peak of the transfer alone (fill and verify excluded)
+        self.untracked_kept = 0  # device bytes fill and verify allocated and kept (their caches): not the transfer's
         self.unverified: deque[tuple[Request, list[Segment]]] = deque()  # finished, blocks still held
         self.looping = False
         self.prefill: dict = {}  # request -> kvlab.prefill.PrefillTimes: the run's timeline (set by the runner)
@@ -104,11 +105,18 @@ class Executor:
         if self.device.type != "cuda":
             yield
             return
-        self.transfer_peak = max(self.transfer_peak, torch.cuda.max_memory_allocated(self.device))
+        self.transfer_peak = max(self.transfer_peak, self.tracked_peak())
+        before = torch.cuda.memory_allocated(self.device)
         try:
             yield
         finally:
+            # what they keep (cached tables, scratch) stays allocated under every later peak
+            self.untracked_kept += torch.cuda.memory_allocated(self.device) - before
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def tracked_peak(self) -> int:
+        """The allocator's peak since the last reset, less what fill and verify keep allocated."""
+        return torch.cuda.max_memory_allocated(self.device) - self.untracked_kept
 
     @property
     def sending(self) -> bool:

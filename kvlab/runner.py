@@ -168,7 +168,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         # staging is allocated after the baseline, so the allocator's peak growth includes it
-        peak.extra = max(executor.transfer_peak, torch.cuda.max_memory_allocated(device)) - base_alloc
+        peak.extra = max(0, max(executor.transfer_peak, executor.tracked_peak()) - base_alloc)
         torch.cuda.empty_cache()  # cached blocks of fill/verify are not the transfer's
         peak.free_drop = free0 - torch.cuda.mem_get_info(device)[0]
     errors += cache.check_canaries()  # after the peak: its temporaries are not the transfer's
