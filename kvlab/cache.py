@@ -89,8 +89,8 @@ class PagedCache:
         self.tick = lambda: None  # called per fill/verify piece: long requests still show progress
         self.pools: dict[str, PoolStore] = {}
         self.tables: dict[int, dict[str, BlockTable]] = {}
-        # fill's and verification's two scratch pieces (expected and packed bytes), allocated with the pools:
-        # made at the first fill they stayed allocated and counted as the transfer's extra device memory
+        # fill's and verification's two scratch pieces (expected and packed bytes), allocated with the pools,
+        # before the transfer's baseline: they are the emulated prefill's and decode's memory, not the transfer's
         self._scratch = torch.empty(2, VERIFY_PIECE_BYTES, dtype=torch.uint8, device=device)
         for i, pool in enumerate(state.pools()):
             n = blocks_needed.get(pool.name, 0) + spare_blocks
