@@ -87,14 +87,20 @@ def pool_specs(draw):
     return draw(st.sampled_from(model.pools(dtype)))
 
 
+def layer_head_ranges(draw, spec) -> tuple[int, int, int, int]:
+    """Non-empty layers [l0, l1) and heads [h0, h1) of a pool spec, drawn with ``draw``."""
+    n = len(spec.layers)
+    l0 = draw(st.integers(0, n - 1))
+    l1 = draw(st.integers(l0 + 1, n))
+    h0 = draw(st.integers(0, spec.heads - 1))
+    h1 = draw(st.integers(h0 + 1, spec.heads))
+    return l0, l1, h0, h1
+
+
 @st.composite
 def cases(draw, layouts=(Layout.block_major, Layout.layer_major)):
     spec = draw(pool_specs())
-    n = len(spec.layers)
-    la = draw(st.integers(0, n - 1))
-    lb = draw(st.integers(la + 1, n))
-    ha = draw(st.integers(0, spec.heads - 1))
-    hb = draw(st.integers(ha + 1, spec.heads))
+    la, lb, ha, hb = layer_head_ranges(draw, spec)
     tpb = draw(st.sampled_from([4, 8, 12, 16, 32]))
     tile = math.gcd(tpb, draw(st.sampled_from([4, 6, 8, 16, 32, 64])))
     rp = RankPool(spec, range(la, lb), range(ha, hb), tpb, draw(st.sampled_from(layouts)))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_layout import cases, oracle_pool_bytes, pool_specs, rect_nbytes
+from test_layout import cases, layer_head_ranges, oracle_pool_bytes, pool_specs, rect_nbytes
 
 from kvlab.layout import Rect
 from kvlab.ops import cpu, get_ops, reference
@@ -88,10 +88,7 @@ def rect_pairs(draw):
     layers around it, tokens per block, layout, block ids, and storage alignment."""
     spec = draw(pool_specs())
     n = len(spec.layers)
-    l0 = draw(st.integers(0, n - 1))
-    l1 = draw(st.integers(l0 + 1, n))
-    h0 = draw(st.integers(0, spec.heads - 1))
-    h1 = draw(st.integers(h0 + 1, spec.heads))
+    l0, l1, h0, h1 = layer_head_ranges(draw, spec)
     tpbs = [draw(st.sampled_from([1, 4, 8, 12, 16, 32, 64])) for _ in range(2)]
     tile = math.gcd(*tpbs, draw(st.sampled_from([4, 6, 8, 16, 32, 64])))
     t0 = draw(st.integers(0, 3 * max(tpbs)))
