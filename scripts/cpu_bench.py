@@ -120,48 +120,48 @@ def run_case(name: str, overrides: list[str], work: Path) -> dict:
     }
 
 
-def copy_rates(slot_mib: int = 16, isl: int = 16384, passes: int = 3) -> dict:
-    """The Llama case's own copies alone, in this process: pack of every ctx0 -> gen0 chunk into 4 rotating
-    slots, unpack of them into the gen pool, and ``copy_`` of the same sizes from the same pool; GB/s,
-    median of ``passes`` over the request's chunks. What a staged transfer adds to the link per byte."""
+def copy_rates(case: str = "llama3_8b 16k chunked 4x16MiB", passes: int = 3) -> dict:
+    """One case's own copies alone, in this process: pack of each of its ctx0 -> gen0 chunks into its
+    rotating slots, unpack of them into the gen pool, and ``copy_`` of the same sizes from the same pool;
+    GB/s, median of ``passes`` over the request's chunks. What a staged transfer adds to the link per byte."""
     sys.path.insert(0, str(ROOT))
+    from kvlab.config import build, compose
     from kvlab.ops import cpu
-    from kvlab.parallel import SideSpec
-    from kvlab.plan import Request, plan
-    from kvlab.schedule import cut_rect
-    from kvlab.spec import ModelSpec
     from kvlab.state import CacheState
+    from kvlab.workload import plan_run
 
     torch.set_num_threads(1)  # as every rank runs (kvlab.launch: OMP_NUM_THREADS=1)
-    model = ModelSpec("llama3_8b", 32, kv_heads=8, head_dim=128)
-    ctx, gen = SideSpec("ctx", tp=2), SideSpec("gen", tp=1)
-    seg = plan(model, ctx, gen, Request(0, isl))[0]
-    sp, dp = CacheState(model, ctx, seg.src).pool(seg.rect.pool), CacheState(model, gen, seg.dst).pool(seg.rect.pool)
-    rects = cut_rect(seg, sp.rows, slot_mib * MiB, False, False)
-    nb = -(-isl // 32)
-    src = torch.full((sp.pool_bytes(nb),), 7, dtype=torch.uint8)  # written: no page faults inside the timing
-    dst = torch.zeros(dp.pool_bytes(nb), dtype=torch.uint8)
-    ids = torch.arange(nb)
-    slots = torch.zeros(4, slot_mib * MiB, dtype=torch.uint8)
-    sizes = [r.nbytes(sp.rows) for r in rects]
+    setup = build(compose(CASES[case]))
+    _, _, order = plan_run(setup)
+    chunks = [c for c in order if c.src == 0 and c.dst == 0]
+    t = setup.transfer
+    sides = []
+    for spec in (setup.ctx, setup.gen):
+        pool = CacheState(setup.model, spec, 0).pool(chunks[0].rect.pool)
+        nb = -(-setup.workload.isl // pool.tokens_per_block)
+        sides.append((pool, nb, torch.arange(nb)))
+    (sp, snb, sids), (dp, dnb, dids) = sides
+    src = torch.full((sp.pool_bytes(snb),), 7, dtype=torch.uint8)  # written: no page faults inside the timing
+    dst = torch.zeros(dp.pool_bytes(dnb), dtype=torch.uint8)
+    slots = torch.zeros(t.slots, t.slot_bytes, dtype=torch.uint8)
 
     def rate(step) -> float:
         t0 = time.perf_counter()
-        for i, r in enumerate(rects):
-            step(i, r, slots[i % 4, :sizes[i]])
-        return sum(sizes) / (time.perf_counter() - t0) / 1e9
+        for i, c in enumerate(chunks):
+            step(i, c, slots[i % t.slots, :c.nbytes])
+        return sum(c.nbytes for c in chunks) / (time.perf_counter() - t0) / 1e9
 
-    def plain(i, r, slot):
-        at = i * sizes[i] % (src.numel() - sizes[i])
-        slot.copy_(src[at:at + sizes[i]])
+    def plain(i, c, slot):
+        at = i * c.nbytes % (src.numel() - c.nbytes)
+        slot.copy_(src[at:at + c.nbytes])
 
     out = {}
-    for name, step in (("pack", lambda i, r, slot: cpu.pack(src, sp, nb, r, ids, 0, slot)),
-                       ("unpack", lambda i, r, slot: cpu.unpack(slot, dp, nb, r, ids, 0, dst)),
+    for name, step in (("pack", lambda i, c, slot: cpu.pack(src, sp, snb, c.rect, sids, 0, slot)),
+                       ("unpack", lambda i, c, slot: cpu.unpack(slot, dp, dnb, c.rect, dids, 0, dst)),
                        ("copy", plain)):
         got = sorted(rate(step) for _ in range(passes))
         out[f"{name}_gbps"] = got[len(got) // 2]
-    out.update(chunk_mib=slot_mib, chunks=len(rects))
+    out.update(case=case, chunk_mib=t.slot_bytes / MiB, chunks=len(chunks))
     return out
 
 
