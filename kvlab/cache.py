@@ -113,7 +113,12 @@ class PagedCache:
     def allocate(self, req: Request) -> dict[str, BlockTable]:
         tables = {}
         for name, store in self.pools.items():
-            ids = store.allocator.allocate(blocks_for(store.pool, req.isl))
+            try:
+                ids = store.allocator.allocate(blocks_for(store.pool, req.isl))
+            except MemoryError:  # all pools or none: a request waiting for blocks must not hold some
+                for done, table in tables.items():
+                    self.pools[done].allocator.release(list(table.host))
+                raise
             base = store.pool.held_start(req.isl) // store.pool.tokens_per_block
             tables[name] = BlockTable(torch.tensor(ids, dtype=torch.int64, device=self.device), base, tuple(ids))
         self.tables[req.id] = tables

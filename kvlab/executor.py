@@ -29,28 +29,27 @@ stops there, since every later chunk would wait on the lost peer too.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
+from kvlab import prefill
 from kvlab.cache import PagedCache
 from kvlab.clock import Clock
 from kvlab.config import Setup
 from kvlab.faults import RankFaults
 from kvlab.metrics import RequestRecord
 from kvlab.plan import Request, Segment
+from kvlab.prefiller import Prefiller, running
 from kvlab.schedule import Chunk, Ready
 from kvlab.transports import ChunkFailed, Transport
 from kvlab.workload import chunks_of
 
 
-def _sleep_until(t: float) -> None:
-    delay = t - time.time()
-    if delay > 0:
-        time.sleep(delay)
+POLL_S = 0.0005  # between looks at the chunks in flight, when a transport can say which are done
+WAIT_S = 0.05  # the longest wait for the prefill with nothing in flight (signals and beats in between)
 
 
 class Stopped(Exception):
@@ -86,7 +85,7 @@ class Executor:
         self.untracked_kept = 0  # device bytes fill and verify allocated and kept (their caches): not the transfer's
         self.unverified: deque[tuple[Request, list[Segment]]] = deque()  # finished, blocks still held
         self.looping = False
-        self.prefill: dict = {}  # request -> kvlab.prefill.PrefillTimes: the run's timeline (set by the runner)
+        self.prefiller: Prefiller | None = None  # a ctx rank's prefill thread (kvlab.prefiller), made by run
         self.requests: dict[int, Request] = {}
         held = [p.spec.layers[i] for p in cache.state.pools() for i in p.layers] if side == "ctx" else []
         self.held_layers = frozenset(held)  # global layers whose cache this (ctx) rank writes
@@ -99,7 +98,7 @@ class Executor:
         self.transport.connect(self)
 
     @contextlib.contextmanager
-    def _untracked(self):
+    def untracked(self):
         """Fill (the prefill's output) and verification are not the transfer: keep their temporaries
         out of the peak extra device memory."""
         if self.device.type != "cuda":
@@ -124,21 +123,20 @@ class Executor:
 
     # -- requests ---------------------------------------------------------------------------
     def _open(self, req: Request, n_chunks: int) -> RequestRecord:
-        while True:
-            try:
-                self.cache.allocate(req)
-                break
-            except MemoryError:
-                if not self.unverified:
-                    raise
-                self._verify(*self.unverified.popleft())  # the cache needs its blocks now
-        rec = RequestRecord(req.id, req.isl, self.side, self.rank, n_chunks)
-        if self.sending:
-            t = self.prefill[req.id]
-            rec.arrival, rec.prefill_start = self.clock.epoch + t.arrival, self.clock.epoch + t.start
-            rec.prefill_alone_s = self.prefill_alone.get(req.isl)
+        if self.sending:  # the prefill thread allocated its blocks when its prefill began
             self.transport.opened(req)
-        rec.start = self.clock.mark()
+        else:
+            while True:
+                try:
+                    self.cache.allocate(req)
+                    break
+                except MemoryError:
+                    if not self.unverified:
+                        raise
+                    self._verify(*self.unverified.popleft())  # the cache needs its blocks now
+        rec = RequestRecord(req.id, req.isl, self.side, self.rank, n_chunks)
+        if not self.sending:
+            rec.start = self.clock.mark()
         self.records[req.id] = rec
         return rec
 
@@ -147,14 +145,20 @@ class Executor:
         rec.end = self.clock.mark()
         self.transport.closed(req.id)
         if self.sending:
-            self.cache.release(req.id)
+            self._release(req.id)
         else:
             self.unverified.append((req, [s for s in segments if s.dst == self.rank]))
+
+    def _release(self, rid: int) -> None:
+        with self.prefiller.cond if self.prefiller is not None else contextlib.nullcontext():
+            self.cache.release(rid)
+        if self.prefiller is not None:
+            self.prefiller.released()
 
     def _verify(self, req: Request, mine: list[Segment]) -> None:
         rec = self.records[req.id]
         t0 = time.perf_counter()
-        with self._untracked():
+        with self.untracked():
             rec.errors += self.cache.verify(req, mine, self.ops)
         rec.verify_s = time.perf_counter() - t0
         if self.looping:
@@ -166,96 +170,37 @@ class Executor:
         while self.unverified:
             self._verify(*self.unverified.popleft())
 
-    def _prefill(self, rec: RequestRecord, c: Chunk) -> None:
-        """Run the request's prefill up to the layer chunk ``c`` needs: layer l is computed between the
-        timeline's end of layer l-1 and its own end, and this rank writes its cache of layer l then."""
-        t = self.prefill[c.request]
-        need = c.ready_layer if self.strategy.ready == Ready.layer else self.setup.model.num_layers - 1
-        epoch = self.clock.epoch
-        if self.gpu_prefill is not None:
-            self._prefill_gpu(rec, c, need)
-            return
-        while rec.next_layer <= need:
-            layer = rec.next_layer
-            _sleep_until(epoch + (t.layer_end[layer - 1] if layer else t.start))
-            if layer in self.held_layers and layer != self.faults.unwritten_layer:
-                t0 = time.perf_counter()
-                with self._untracked():
-                    self.cache.fill(self.requests[c.request], self.ops, layer)
-                rec.fill_s += time.perf_counter() - t0
-            _sleep_until(epoch + t.layer_end[layer])
-            rec.layer_ready[layer] = time.time()
-            rec.next_layer += 1
-        if rec.prefill_end is None and rec.next_layer > max(self.held_layers):
-            self._in_step(c)
-            # the timeline's end, or later if writing this rank's layers took longer (other pipeline
-            # stages may still be computing: the prefill ends with the last layer)
-            rec.prefill_end = max(time.time(), epoch + t.end)
+    def layer_seconds(self, isl: int) -> list[float]:
+        """The configured time of each layer of an ``isl``-token prefill on this rank's DP group."""
+        return prefill.layer_seconds(self.setup.model, self.setup.prefill, self.setup.ctx.tp, isl)
 
-    def _in_step(self, c: Chunk) -> None:
-        """Tensor-parallel peers end a prefill together (a real one all-reduces every layer): wait until every
-        ctx rank of this rank's (dp, pp) group has written its share of the request. Without it, a peer that
-        took longer to write its emulated output would put that delay inside the transfer's clock."""
-        side = self.setup.ctx
-        if side.tp == 1:
-            return
-        if self.device.type == "cuda":
-            self.stream.synchronize()  # the writes were queued: the share is written once they ran
-        me = side.coord(self.rank)
-        peers = [r for r in self.senders[c.request] if r != self.rank and side.coord(r).dp == me.dp
-                 and side.coord(r).pp == me.pp]  # only ranks that send some of it prefill it (MLA: maybe one)
-        if not peers:
-            return
-        key = f"prefill/{c.request}/{me.dp}/{me.pp}"
-        store = self._store()
-        if store.add(key, 1) == len(peers) + 1:
-            store.set(key + "/all", "1")
-            return
-        timeout = self.setup.transfer.timeout_s
-        try:
-            store.wait([key + "/all"], datetime.timedelta(seconds=timeout))
-        except RuntimeError as e:  # the deadline passed, or the store's host is gone
-            raise ChunkFailed(f"request {c.request} chunk {c.seq} with {'/'.join(f'ctx{r}' for r in peers)}: "
-                              f"tensor-parallel peers' prefill not done within {timeout:g} s", c.request) from e
-
-    def _store(self):
+    def store_(self):
+        """The default group's store (tensor-parallel ctx peers end a prefill in step through it)."""
         if self.store is None:
             import torch.distributed as dist
             self.store = dist.distributed_c10d._get_default_store()
         return self.store
 
-    def _prefill_gpu(self, rec: RequestRecord, c: Chunk, need: int) -> None:
-        """prefill=gpu: queue this rank's layers up to ``need`` on the compute stream once the request has
-        arrived (the stream serves requests in the order they are queued: FIFO), each layer's cache written
-        after its kernels and an event recorded; the transfer stream waits for the event, the host does not."""
-        g, req = self.gpu_prefill, self.requests[c.request]
-        last = max(self.held_layers)
-        if rec.next_layer == 0:
-            _sleep_until(self.clock.epoch + self.prefill[c.request].arrival)
-        with torch.cuda.stream(g.stream), self._untracked():
-            while rec.next_layer <= min(need, last):
-                layer = rec.next_layer
-                if layer in self.held_layers:
-                    if layer == min(self.held_layers):
-                        rec.prefill_start = self.clock.mark()
-                    g.layer(layer, req.isl)
-                    if layer != self.faults.unwritten_layer:
-                        self.cache.fill(req, self.ops, layer)
-                    rec.layer_ready[layer] = self.clock.mark()
-                rec.next_layer += 1
-        ready = [rec.layer_ready[x] for x in rec.layer_ready if x <= need]
-        if ready:
-            self.stream.wait_event(ready[-1])  # layers are queued in order: the last one covers the rest
-        if rec.prefill_end is None and rec.next_layer > last:
-            rec.prefill_end = rec.layer_ready[last]
+    def _allocated(self, c: Chunk) -> bool:
+        return c.request in self.prefiller.progress
+
+    def _ready(self, c: Chunk):
+        """The request's prefill progress once chunk ``c``'s layers are written (ctx), else None; a gen rank's
+        chunk may always be posted."""
+        if not self.sending:
+            return True
+        need = c.ready_layer if self.strategy.ready == Ready.layer else self.setup.model.num_layers - 1
+        return self.prefiller.ready(c.request, need)
 
     # -- chunks -----------------------------------------------------------------------------
-    def _start(self, i: int, c: Chunk) -> InFlight:
+    def _start(self, i: int, c: Chunk, ready) -> InFlight:
         rec = self.records[c.request]
         if self.sending:
-            self._prefill(rec, c)
+            free = ready.go(c.ready_layer) if self.strategy.ready == Ready.layer else ready.end
             if rec.first_post is None:
-                rec.start = self.clock.mark()  # its transfer starts with the first chunk free to go
+                rec.start = free  # its transfer starts with its first chunk free to go
+            if self.device.type == "cuda":  # after the layer's writes, queued on the compute stream
+                self.stream.wait_event(free)
         if rec.first_post is None:
             rec.first_post = self.clock.mark()
         return InFlight(i, c, self.transport.start(i, c, rec))
@@ -266,16 +211,38 @@ class Executor:
         rec.bytes += c.nbytes
         rec.chunks += 1
         rec.in_place += int(in_place)
-        if self.sending:
+        if self.sending and rec.wire:
             rec.layer_done[c.ready_layer] = rec.wire[-1][1]
         if rec.chunks == rec.chunks_total:
+            if self.sending:
+                self._prefill_marks(rec)
             self._close(requests[c.request], segments[c.request])
         if self.progress is not None:
             self.progress(c.nbytes)
         self.beat()
 
+    def _prefill_marks(self, rec: RequestRecord) -> None:
+        """The request's prefill as the prefill thread measured it, into its record."""
+        p = self.prefiller.progress[rec.request]
+        rec.arrival, rec.prefill_start, rec.prefill_end = p.arrival, p.start, p.end
+        rec.layer_ready = dict(p.ready)
+        rec.fill_s = p.fill_s
+        rec.prefill_alone_s = self.prefill_alone.get(rec.isl)
+
+    def _reap(self, inflight: deque[InFlight], segments, requests) -> None:
+        """Finish, in order, the chunks in flight that are done (their completion was marked when it was
+        seen: kvlab.transports, ``poll``)."""
+        if not self.transport.polls:
+            return
+        for f in inflight:
+            self.transport.poll(f.handle)
+        while inflight and self.transport.poll(inflight[0].handle):
+            self._finish(inflight.popleft(), segments, requests)
+
     def run(self, order: list[Chunk], requests: dict[int, Request], segments: dict[int, list[Segment]]
             ) -> list[RequestRecord]:
+        """The transfer loop: post each chunk as soon as it is ready and the window has room, finish chunks
+        as they complete. A ctx rank's prefill runs meanwhile on its own thread (kvlab.prefiller)."""
         mine = chunks_of(order, self.setup, self.world_rank)
         self.chunks = mine
         self.senders: dict[int, set[int]] = {}  # request -> the ctx ranks that send some of it
@@ -285,22 +252,38 @@ class Executor:
         counts: dict[int, int] = {}
         for c in mine:
             counts[c.request] = counts.get(c.request, 0) + 1
+        if self.sending:
+            self.prefiller = Prefiller(self, [requests[r] for r in counts], self.senders)
         inflight: deque[InFlight] = deque()
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        polls = self.transport.polls
         self.looping = True
+        i = 0
         try:
-            with ctx:
-                for i, c in enumerate(mine):
-                    if c.request not in self.records:
-                        self._open(requests[c.request], counts[c.request])
-                    if len(inflight) >= self.window:
+            with ctx, running(self.prefiller):
+                while i < len(mine) or inflight:
+                    self._reap(inflight, segments, requests)
+                    if i == len(mine) and not inflight:
+                        break
+                    c = mine[i] if i < len(mine) else None
+                    ready = self._ready(c) if c is not None else None
+                    if c is not None and c.request not in self.records and (ready or self._allocated(c)):
+                        self._open(requests[c.request], counts[c.request])  # its block table may be published
+                    if ready and len(inflight) < self.window:
+                        self.faults.before_post(i)
+                        inflight.append(self._start(i, c, ready))
+                        i += 1
+                        continue
+                    if inflight and (ready or c is None or not polls):
+                        # the head must finish first: a ready chunk waits for a free slot meanwhile
                         t0 = time.time()
-                        self._finish(inflight.popleft(), segments, requests)
-                        self.records[c.request].slot_wait += time.time() - t0
-                    self.faults.before_post(i)
-                    inflight.append(self._start(i, c))
-                while inflight:
-                    self._finish(inflight.popleft(), segments, requests)
+                        self._drain_head(inflight, segments, requests, polls)
+                        if ready and self.sending:
+                            self.records[c.request].slot_wait += time.time() - t0
+                        continue
+                    # the next chunk's layers are not written yet: wait for the prefill, seeing completions
+                    self.prefiller.wait(POLL_S if inflight else WAIT_S)
+                    self.beat()
         except (ChunkFailed, Stopped) as e:
             self._abort(e, inflight)
         finally:
@@ -316,6 +299,18 @@ class Executor:
                 self.error = self.error or f"{self.side}{self.rank}: {e}"
                 self._unverified_failed(e)
         return list(self.records.values())
+
+    def _drain_head(self, inflight: deque[InFlight], segments, requests, polls: bool) -> None:
+        """Finish the oldest chunk in flight. A transport that can say when a chunk is done is polled
+        (every chunk's completion is marked when it happens, the head's included); one that cannot is
+        finished at once, blocking until the head is done."""
+        if polls:
+            deadline = time.time() + self.setup.transfer.timeout_s
+            while not self.transport.poll(inflight[0].handle) and time.time() < deadline:
+                for f in inflight:
+                    self.transport.poll(f.handle)
+                time.sleep(POLL_S)
+        self._finish(inflight.popleft(), segments, requests)
 
     def _unverified_failed(self, e: Stopped) -> None:
         """Told to stop: nobody will wait for the finished requests' verification."""
@@ -338,7 +333,7 @@ class Executor:
                 direct = rid == failed or self.stopped
                 self.failures[rid] = self.error if direct else f"{self.side}{self.rank}: aborted after {e}"
                 if rid in self.cache.tables:
-                    self.cache.release(rid)
+                    self._release(rid)
         for f in inflight:
             self.transport.abandon(f.handle)
         inflight.clear()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from kvlab import budget, faults, linkrate, metrics, prefill, report, transport, transports
+from kvlab import budget, faults, linkrate, metrics, report, transport, transports
 from kvlab.cache import PagedCache
 from kvlab.clock import Clock
 from kvlab.config import build
@@ -152,7 +152,6 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         # starts from everything connect allocated (slots, the transport's buffers)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    executor.prefill = prefill.times_for(setup, requests)  # pure: the same timeline on every rank
     executor.gpu_prefill, executor.prefill_alone = gpu_prefill, alone
     dist.barrier()
     clock = executor.clock = Clock(device)  # started right after the barrier: one epoch for every rank

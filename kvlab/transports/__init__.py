@@ -51,6 +51,12 @@ Protocol. Every rank of both sides makes these calls, in this order:
 8. ``closed(request)``: after the request's last chunk on this rank is finished and its end is
    marked (a gen rank's end is the transfer's end): what may follow the transfer without being
    timed, such as a pull transport's report that the reader is done.
+   ``poll(handle) -> bool`` (only where ``polls`` is true): whether the chunk is done, without
+   waiting; the first time it says so, the transport marks the chunk's completion then, and
+   ``finish`` uses that mark. The executor polls every chunk in flight while it waits (for the
+   prefill, for a free slot), so completions are marked when they happen, not when the loop
+   gets round to finishing them. A transport without it is finished only when the executor
+   must (the window is full, or nothing else is left to start).
 9. ``abandon(handle)``: a started chunk that will never be finished (the run is failing).
 10. ``close()``: once at the end, also after a failure, on every rank: unmap, unlink and
    free what ``connect`` and ``pool_storage`` made. Idempotent.
@@ -64,7 +70,14 @@ default; ``None``: no in-run reference, no link figures).
 (0 for a transport that moves chunks without buffers). ``pulls`` (class attribute): the gen
 rank copies each chunk straight from the ctx pool, with no staging, pack, message or unpack;
 the cost model (kvlab.cost) charges such a chunk one copy on the gen device and one
-control round trip.
+control round trip. It also says whose ``rec.wire`` marks bracket a chunk in flight
+(kvlab.figures: ``busy_s``, delivered GB/s): the gen rank's for a pulling transport, else the
+ctx rank's.
+
+``has`` (class attribute): what the transport's runs have that the figures of some transports
+need (kvlab.figures, ``Figure.needs``): ``"slots"`` when a ctx rank's chunks wait for a free
+staging slot (``slot_wait_s``). A figure whose need is not declared is absent from the run's
+rows, summary, terminal and wandb, not zero.
 """
 from __future__ import annotations
 
@@ -107,6 +120,10 @@ class Transport:
 
     pulls = False
 
+    polls = False  # has ``poll``: completions are seen (and marked) without waiting
+
+    has: frozenset[str] = frozenset()
+
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device):
         self.setup, self.side, self.rank, self.world_rank, self.device = setup, side, rank, world_rank, device
         self.executor = None
@@ -136,6 +153,10 @@ class Transport:
         raise NotImplementedError
 
     def finish(self, handle, rec) -> bool:
+        raise NotImplementedError
+
+    def poll(self, handle) -> bool:
+        """Whether the chunk is done, without waiting (only called where ``polls`` is true)."""
         raise NotImplementedError
 
     def closed(self, request: int) -> None:

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import datetime
 import functools
+import queue
+import threading
+import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -74,6 +77,55 @@ def narrow(ops, ctas: int):
 
 
 @dataclass
+class Watch:
+    """One posted op as a completion thread sees it."""
+
+    work: object
+    seen: threading.Event = field(default_factory=threading.Event)
+    done: float | None = None  # host time the wait returned: the op's completion
+    error: BaseException | None = None
+
+
+class Completions:
+    """gloo's ops say they are complete only once waited for (``is_completed`` stays false until
+    ``wait``), so a thread per peer waits for them in the order they were posted (one pair's ops
+    complete in that order) and marks each completion when it happens, while the executor's loop
+    goes on posting and polling. Every wait has the run's deadline."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.queues: dict[int, queue.SimpleQueue] = {}
+        self.threads: list[threading.Thread] = []
+
+    def watch(self, peer: int, work) -> Watch:
+        if peer not in self.queues:
+            self.queues[peer] = q = queue.SimpleQueue()
+            t = threading.Thread(target=self._main, args=(q,), name=f"p2p-completions-{peer}", daemon=True)
+            t.start()
+            self.threads.append(t)
+        w = Watch(work)
+        self.queues[peer].put(w)
+        return w
+
+    def _main(self, q: queue.SimpleQueue) -> None:
+        while (w := q.get()) is not None:
+            try:
+                w.work.wait(timeout=self.timeout)
+            except BaseException as e:  # noqa: BLE001 -- finish raises it on the loop's thread
+                w.error = e
+            w.done = time.time()
+            w.seen.set()
+
+    def close(self) -> None:
+        for q in self.queues.values():
+            q.put(None)
+        for t in self.threads:  # each ends within its current wait's deadline
+            t.join(timeout=self.timeout.total_seconds() + 1.0)
+        self.queues.clear()
+        self.threads.clear()
+
+
+@dataclass
 class Posted:
     index: int
     chunk: Chunk
@@ -81,15 +133,19 @@ class Posted:
     buf: torch.Tensor
     staged: bool
     posted: object
+    watch: Watch | None = None  # CPUs: its completion as the completion thread saw it
 
 
 class P2P(Transport):
     link_reference = "p2p"  # kvlab.linkrate: raw messages over the same pair groups
+    has = frozenset({"slots"})  # kvlab.figures: a ctx rank's chunks wait for a free staging slot
+    polls = True
 
     def __init__(self, setup, side, rank, world_rank, device):
         super().__init__(setup, side, rank, world_rank, device)
         self.groups: dict = {}
         self.staging = None
+        self.completions = Completions(max(setup.transfer.timeout_s, 1.0))
 
     @property
     def peak_staging_bytes(self) -> int:
@@ -155,18 +211,26 @@ class P2P(Transport):
             work = post(buf, self._peer(c), self._group(c), send=self.sending)
         except RuntimeError as e:  # gloo refuses to post to a peer whose connection is gone
             raise self.failed(c, "posting failed", e) from e
-        return Posted(i, c, work, buf, staged, posted)
+        watch = None if self.device.type == "cuda" else self.completions.watch(self._peer(c), work)
+        return Posted(i, c, work, buf, staged, posted, watch)
+
+    def poll(self, f: Posted) -> bool:
+        # GPUs: finishing only queues a stream wait, and the completion mark is a device event anyway
+        return f.watch is None or f.watch.seen.is_set()
 
     def finish(self, f: Posted, rec) -> bool:
         c, timeout = f.chunk, self.setup.transfer.timeout_s
         try:
-            if self.device.type == "cuda":
+            if f.watch is None:
                 f.work.wait()  # a timeout here would block the host; NCCL's watchdog enforces transfer.timeout_s
             else:
-                f.work.wait(timeout=datetime.timedelta(seconds=timeout))
+                if not f.watch.seen.wait(timeout + 1.0):  # the completion thread's wait has the deadline
+                    raise RuntimeError("no completion seen")
+                if f.watch.error is not None:
+                    raise f.watch.error
         except RuntimeError as e:
             raise self.failed(c, f"not done within {timeout:g} s or peer gone", e) from e
-        rec.wire.append((f.posted, self.executor.clock.mark()))
+        rec.wire.append((f.posted, f.watch.done if f.watch is not None else self.executor.clock.mark()))
         if not self.sending:
             self.executor.faults.flip(f.index, f.buf)
             if f.staged:
@@ -178,3 +242,6 @@ class P2P(Transport):
     def abandon(self, f: Posted) -> None:
         if f.staged:
             self.staging.put(f.buf)
+
+    def close(self) -> None:
+        self.completions.close()
