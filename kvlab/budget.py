@@ -218,12 +218,9 @@ def check(setup: Setup, b: Budget) -> None:
 def measure(setup: Setup) -> Budget:
     """The budget of a run whose ranks all run on this host, with what the host can give. With GPUs the
     device part is left to the ranks themselves (they hold the CUDA contexts that can read it)."""
-    gpus = 0
-    if setup.device != "cpu":
-        import torch
+    from kvlab.devices import gpu_count
 
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    b = estimate(setup, gpus)
+    b = estimate(setup, gpu_count(setup))
     b.available["host"] = usable(host_available())
     return b
 

@@ -34,6 +34,9 @@ from kvlab.spec import CacheSpec, FaultSpec, LoggerSpec, ModelSpec, WorkloadSpec
 CONF_DIR = paths.CONF_DIR
 KERNELS = ("auto", "torch", "cuda")
 DEVICES = ("auto", "cpu", "cuda")
+AUTO_TRANSPORT = "auto"  # the transport group's default, resolved on this machine by auto_transport
+AUTO_DEFAULT, AUTO_FALLBACK = "p2p", "ipc"
+P2P_CLASS = "kvlab.transports.p2p.P2P"
 
 MAX_TIMEOUT_S = 1e6
 
@@ -69,21 +72,34 @@ class TransferSpec:
 
 @dataclass(frozen=True)
 class TransportSpec:
-    """The ``transport`` group: the class that moves chunks (``_target_``) and its options."""
+    """The ``transport`` group: the class that moves chunks (``_target_``) and its options.
+
+    ``name: auto`` (conf/transport/auto.yaml, the default, and a Setup built without a transport) names no
+    class: ``Setup`` resolves it on this machine (``auto_transport``) and ``auto`` then says why it became
+    what it is; it stays empty for a transport the user named."""
 
     name: str = "p2p"
     target: str = "kvlab.transports.p2p.P2P"
     options: dict = field(default_factory=dict)
+    auto: str = ""
 
     @classmethod
     def of(cls, node) -> TransportSpec:
-        if node is None or isinstance(node, TransportSpec):
-            return node or cls()
+        if node is None:
+            return cls(AUTO_TRANSPORT, "")
+        if isinstance(node, TransportSpec):
+            return node
         if not isinstance(node, dict):
             raise ConfigError("transport", node, "choose the group, e.g. transport=p2p or transport=ipc "
                               "(conf/transport/<name>.yaml)")
         d = dict(node)
         target, name = d.pop("_target_", None), d.pop("name", None)
+        if name == AUTO_TRANSPORT and not target:
+            if d:  # the options belong to a transport; auto has not picked one yet
+                key = next(iter(d))
+                raise ConfigError(f"transport.{key}", d[key], "transport=auto takes no options; name the transport "
+                                  f"they belong to, e.g. transport=nixl transport.{key}=...")
+            return cls(AUTO_TRANSPORT, "")
         if not target or not name:
             raise ConfigError("transport", d, "a transport file needs _target_ (the class) and name")
         return cls(str(name), str(target), d)
@@ -124,7 +140,7 @@ class Setup:
     fault: FaultSpec = field(default_factory=FaultSpec)
     logger: LoggerSpec = field(default_factory=LoggerSpec)
     cost: CostSpec = field(default_factory=CostSpec)
-    transport: Any = None  # the group's node (conf/transport/); a TransportSpec once built
+    transport: Any = None  # the group's node (conf/transport/; None: auto); a TransportSpec once built
     kernels: str = "auto"  # auto | torch | cuda
     device: str = "auto"  # auto | cpu | cuda
     extra: Any = None  # free-form room for experiments
@@ -168,12 +184,50 @@ class Setup:
         check_gpu(self.prefill)
         require(self.prefill.kind != "gpu" or self.device != "cpu", "device", self.device,
                 "prefill=gpu computes on the ctx ranks' GPUs; use device=cuda (or auto), or prefill=sim")
-        object.__setattr__(self, "transport", TransportSpec.of(self.transport))
+        transport = TransportSpec.of(self.transport)
+        if transport.name == AUTO_TRANSPORT:
+            transport = auto_transport(self)
+        object.__setattr__(self, "transport", transport)
         self.transport.cls().check(self)  # what only the chosen transport knows it cannot serve
 
     @property
     def world_size(self) -> int:
         return self.ctx.size + self.gen.size
+
+    def gpu_index(self, world_rank: int, local_rank: int, local_world: int, n_gpus: int) -> int:
+        """The GPU of a rank. With a GPU per local rank: its own. With fewer GPUs than ranks on one host:
+        ctx ranks share the first half of the GPUs and gen ranks the second, so that every ctx/gen pair
+        group spans two GPUs (NCCL refuses a communicator with two ranks on one GPU)."""
+        if n_gpus >= local_world or n_gpus < 2 or local_world != self.world_size:
+            return local_rank % n_gpus
+        side, rank = self.side_of(world_rank)
+        half = n_gpus // 2
+        return rank % half if side.name == "ctx" else half + rank % (n_gpus - half)
+
+    def shared_gpu(self, gpus: int, local_world: int) -> tuple[int, int, int] | None:
+        """(ctx rank, gen rank, GPU) of the first ctx/gen pair that ``gpu_index`` puts on one GPU of one
+        host, or None. Hosts hold consecutive world ranks, ``local_world`` each, as torchrun numbers them."""
+        if gpus <= 0:
+            return None
+        where = [(w // local_world, self.gpu_index(w, w % local_world, local_world, gpus))
+                 for w in range(self.world_size)]
+        for c in range(self.ctx.size):
+            for g in range(self.gen.size):
+                if where[c] == where[self.ctx.size + g]:
+                    return c, g, where[c][1]
+        return None
+
+    def p2p_problem(self, gpus: int, local_world: int) -> str | None:
+        """Why p2p's NCCL pair groups cannot be placed on ``gpus`` GPUs per host, or None."""
+        clash = self.shared_gpu(gpus, local_world)
+        if clash is None:
+            return None
+        c, g, gpu = clash
+        # a GPU per local rank always places them
+        need = next(n for n in range(gpus + 1, local_world + 1) if self.shared_gpu(n, local_world) is None)
+        return (f"{gpus} GPU{'s' if gpus != 1 else ''} visible for {local_world} ranks on this host, and NCCL "
+                f"refuses two ranks of one pair group on one GPU: ctx{c} and gen{g} would share cuda:{gpu} (p2p "
+                f"needs at least {need} GPUs here)")
 
     def side_of(self, world_rank: int) -> tuple[SideSpec, int]:
         """(side, side-local rank) of a world rank: ctx ranks first, then gen ranks."""
@@ -221,6 +275,41 @@ def _check_device(kernels: str, device: str) -> None:
         raise ConfigError("device", device, "no CUDA device is visible here; use device=cpu (or auto)")
     require(not (kernels == "cuda" and device == "cpu"), "kernels", kernels,
             "the CUDA kernels need the cache on the GPU; use device=cuda (or auto), or kernels=torch")
+
+
+def visible_gpus(device: str) -> int:
+    """GPUs the ranks of this host share under ``device``; 0 when they run on CPUs."""
+    if device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_world_size(setup: Setup) -> int:
+    """Ranks on this host: torchrun's LOCAL_WORLD_SIZE, else all of them (the local launcher)."""
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", setup.world_size))
+
+
+def auto_transport(setup: Setup) -> TransportSpec:
+    """What ``transport=auto`` is on this machine: p2p, or ipc on one node whose GPUs cannot hold p2p's
+    pair groups (one GPU: ipc maps pools instead, with any number of ranks on a GPU). The spec's ``auto``
+    says why, in one line."""
+    def load(name: str, why: str) -> TransportSpec:
+        node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "transport" / f"{name}.yaml"))
+        return dataclasses.replace(TransportSpec.of(node), auto=f"transport=auto is {name}{why}")
+
+    gpus, local_world = visible_gpus(setup.device), local_world_size(setup)
+    if not gpus:
+        return load(AUTO_DEFAULT, ": the ranks run on CPUs (gloo)")
+    problem = setup.p2p_problem(gpus, local_world)
+    if problem is None:
+        return load(AUTO_DEFAULT, f": every ctx/gen pair has its two ranks on different GPUs ({gpus} visible)")
+    if local_world != setup.world_size:  # ipc maps memory within one node; kvlab.devices refuses p2p here
+        return load(AUTO_DEFAULT, ": the ranks span several nodes")
+    return load(AUTO_FALLBACK, f", not {AUTO_DEFAULT}: {problem}")
 
 
 # ---------------------------------------------------------------- Hydra's schema, derived from the specs

@@ -3,7 +3,9 @@
 Plans one request of ``workload.isl`` tokens for every gen attention-DP group, prints a
 table of bytes, segments and chunks per pair with totals, and writes ``plan.json``
 (``pairs``: src, dst, bytes, ...; ``total_bytes``) into the run directory, with the cost
-model's estimate for those requests under ``predicted`` (seconds, gbps, extra_bytes, ...).
+model's estimate for those requests under ``predicted`` (seconds, gbps, extra_bytes, ...), the
+transport the run would use (``transport``; ``transport_why``: why ``transport=auto`` chose it) and
+why this host could not place it (``transport_problem``, else null).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from kvlab import budget
+from kvlab import budget, devices
 from kvlab.config import CONF_DIR, Setup, build
 from kvlab.cost import predict
 from kvlab.errors import ConfigError
@@ -51,6 +53,9 @@ def summarize(setup: Setup) -> dict:
         "requests": len(reqs),
         "strategy": setup.transfer.strategy.name,
         "slot_bytes": setup.transfer.slot_bytes,
+        "transport": setup.transport.name,
+        # why transport=auto picked it (empty when named); whether this host can place it: hydra_main
+        "transport_why": setup.transport.auto,
         "ctx": {"tp": setup.ctx.tp, "pp": setup.ctx.pp, "dp": setup.ctx.dp},
         "gen": {"tp": setup.gen.tp, "pp": setup.gen.pp, "dp": setup.gen.dp},
         "pairs": rows,
@@ -86,6 +91,9 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     t.add_row("total", "", _mib(summary["total_bytes"]), str(sum(r["segments"] for r in summary["pairs"])),
               str(summary["total_chunks"]), "")
     console.print(t)
+    if "transport" in summary:
+        console.print(f"transport: {summary['transport']} ({summary.get('transport_why') or 'as named'})",
+                      soft_wrap=True, markup=False)  # one line, for whoever greps it
     p = summary.get("predicted")
     if p:
         console.print(f"predicted ({p['profile']} rates): {_duration(p['seconds'])}, {p['gbps']:,.2f} GB/s, "
@@ -114,10 +122,17 @@ def hydra_main(cfg: DictConfig) -> None:
     setup = build(cfg)
     summary = summarize(setup)
     summary["predicted"] = predicted(setup)
+    try:
+        devices.check_placement(setup)
+        summary["transport_problem"] = None
+    except ConfigError as e:  # as with memory below: a plan may be for another machine
+        summary["transport_problem"] = str(e)
     memory = budget.measure(setup)
     summary["memory"] = dict(memory.to_dict(), fits=True)
     print_summary(summary)
     print_budget(summary["memory"])
+    if summary["transport_problem"]:
+        print(f"kvlab run would stop here: {summary['transport_problem']}")
     try:
         budget.check(setup, memory)
     except ConfigError as e:  # a plan is for looking at setups larger than this machine, too

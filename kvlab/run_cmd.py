@@ -14,10 +14,10 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kvlab import budget, interrupt, records, report, rundir
-from kvlab.config import CONF_DIR, build
+from kvlab import budget, devices, interrupt, records, report, rundir
+from kvlab.config import AUTO_DEFAULT, AUTO_TRANSPORT, CONF_DIR, build
 from kvlab.cost import predict_run
 from kvlab.errors import ConfigError
 from kvlab.launch import launch_local, under_torchrun
@@ -32,9 +32,17 @@ def grace_s(setup) -> float:
     return setup.transfer.timeout_s + report.stale_s(setup) + 10.0
 
 
+def announce(setup) -> None:
+    """One line when ``transport=auto`` chose other than its default: the run is not what the user expects."""
+    if setup.transport.auto and setup.transport.name != AUTO_DEFAULT:
+        print(f"kvlab: {setup.transport.auto}", flush=True)
+
+
 def launch(setup, run_dir: Path, config_yaml: str | None = None) -> int:
     """Start the ranks and wait for them; returns the run's exit code. After an interruption (SIGINT,
-    SIGTERM) the part files are merged here into a summary that says so, and one line on stderr."""
+    SIGTERM) the part files are merged here into a summary that says so, and one line on stderr.
+    A transport that cannot be placed on this host's GPUs raises ConfigError before any rank starts."""
+    devices.check_placement(setup)
     names = [report.rank_name(setup, w) for w in range(setup.world_size)]
     # after a death, a rank gets its own transfer timeout to notice and report, but not a minute
     out = launch_local(run_dir, setup.world_size, grace_s=grace_s(setup), names=names, config_yaml=config_yaml,
@@ -51,8 +59,14 @@ def launch(setup, run_dir: Path, config_yaml: str | None = None) -> int:
     return out.code
 
 
-def prepare(cfg: DictConfig, run_dir: Path) -> str:
-    """Write the run's resolved config for the record; returns it (the launcher hands it to the ranks)."""
+def prepare(cfg: DictConfig, run_dir: Path, setup=None, resolve: bool = True) -> str:
+    """Write the run's resolved config for the record; returns it (the launcher hands it to the ranks).
+    ``transport=auto`` is written as the transport it resolved to here (``setup``'s, else built), so that
+    the ranks, and whoever rebuilds the run later on another machine, get that one."""
+    if resolve and OmegaConf.select(cfg, "transport.name") == AUTO_TRANSPORT:
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.transport = (setup or build(cfg)).to_dict()["transport"]
     text = OmegaConf.to_yaml(cfg, resolve=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(text)
@@ -71,16 +85,23 @@ def hydra_main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if under_torchrun():
         if int(os.environ["RANK"]) == 0:
-            prepare(cfg, run_dir)
+            try:
+                setup = build(cfg)
+                announce(setup)
+                prepare(cfg, run_dir, setup)
+            except ConfigError:  # every rank reports it (kvlab.runner); the record keeps the config as given
+                prepare(cfg, run_dir, resolve=False)
         rc = worker_main(cfg, run_dir)
     else:
         try:  # multirun skips the CLI's checks of each job's config; Hydra would print a traceback
             setup = build(cfg)
+            devices.check_placement(setup)
+            announce(setup)
             budget.check_host(setup)
             if setup.needs_preflight:
                 preflight(setup)
             with rundir.hold(run_dir):  # the CLI holds it already, except for a multirun's jobs
-                rc = launch(setup, run_dir, prepare(cfg, run_dir))
+                rc = launch(setup, run_dir, prepare(cfg, run_dir, setup))
         except ConfigError as e:
             print(f"kvlab: error: {e}", file=sys.stderr)
             rc = 2
