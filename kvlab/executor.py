@@ -1,30 +1,38 @@
 """The executor: one rank's chunks, pipelined, whatever moves them.
 
-Protocol (both sides, every rank): walk the global chunk order (``workload.interleave``)
+Protocol (both sides, every rank): walk the global chunk order (``workload.serve_order``)
 restricted to the chunks this rank takes part in. Keep at most ``slots`` chunks in flight:
-before chunk ``i`` is started, chunk ``i - slots`` is finished, so whatever chunk ``i``
+chunk ``i`` is started only once chunk ``i - slots`` is finished, so whatever chunk ``i``
 reuses (a staging slot, a readiness flag) is free again. How a chunk moves is the
 transport's (kvlab.transports: the protocol of that seam is at its top); what the chunks
-are and when each may go is the strategy's (kvlab.schedule); the executor owns requests:
+are and when each may go is the strategy's (kvlab.schedule); the executor owns requests.
 
-- ctx: open a request at its first chunk (allocate; tell the transport), run its prefill as
-  far as the chunk needs (kvlab.prefill: it starts when the request has arrived and its DP
-  group is free, and writes each layer's cache when that layer is computed; strategy
-  ready=layer: the chunk's layer; ready=request: every layer) -> start. A chunk started
-  before its layer was written would carry stale bytes, and the gen side's check says so.
-  With prefill=sim the ctx ranks of one tensor-parallel group end a request's prefill
-  together, as their collectives make a real prefill end. After the request's last chunk is
-  finished: free its blocks.
+The loop is driven by events, not by its own pace: each turn it finishes the chunks in flight
+that are done (a transport that ``polls`` has marked each completion when it happened), posts
+the next chunk if it is ready and the window has room, and otherwise waits: for a free slot
+(the oldest chunk must finish; a ctx rank's ready chunk counts that as the request's
+``slot_wait``) or for the prefill.
+
+- ctx: the prefill runs on its own thread (kvlab.prefiller: first come first served per ctx DP
+  group, on its own clock, every mark measured when it happens); a chunk is ready once the
+  layers it needs are written (strategy ready=layer: its layer; ready=request: every layer). A
+  request is opened (the transport told: ``opened``) once the prefill has allocated its blocks;
+  its transfer starts when its first chunk became free to go. After its last chunk is finished:
+  its prefill marks go into its record, and its blocks are freed (which may let the prefill
+  take the next request).
 - gen: open a request at its first chunk (allocate) -> start. After its last chunk is
   finished (its clock stops there): verify it bit-exactly, then free its blocks.
+
+Nothing the prefill waits for depends on a later chunk (kvlab.prefiller says why), and every
+rank follows one global order, so no wait cycle can form between ranks, whatever the window.
 
 Verification (standing in for decode) stays off the measured path: the gen side verifies a
 finished request after the loop, or inside it only when the cache needs its blocks for a
 request opening later (``RequestRecord.in_loop`` says so), so it never stalls the chunks of
 the requests in flight.
 
-A chunk that fails (timeout, lost peer) fails every request this rank has open; the loop
-stops there, since every later chunk would wait on the lost peer too.
+A chunk that fails (timeout, lost peer), or a prefill that does, fails every request this rank
+has open; the loop stops there, since every later chunk would wait on the lost peer too.
 """
 from __future__ import annotations
 
@@ -334,6 +342,10 @@ class Executor:
                 self.failures[rid] = self.error if direct else f"{self.side}{self.rank}: aborted after {e}"
                 if rid in self.cache.tables:
                     self._release(rid)
+        if self.sending:  # the prefill (stopped by now) may have taken requests the loop never opened
+            for rid in list(self.cache.tables):
+                self.failures.setdefault(rid, f"{self.side}{self.rank}: aborted after {e}")
+                self._release(rid)
         for f in inflight:
             self.transport.abandon(f.handle)
         inflight.clear()

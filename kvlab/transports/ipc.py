@@ -78,6 +78,7 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 class Ipc(Transport):
+    polls = True  # ctx: a request's last chunk is done once every reader's ack is in the store
     pulls = True
 
     def __init__(self, setup, side, rank, world_rank, device):
@@ -278,6 +279,15 @@ class Ipc(Transport):
                 self.store.set(f"ipc/r/{c.request}/{self.rank}/{c.ready_layer}", "1")
                 done.add(c.ready_layer)
         return i, c, posted
+
+    def poll(self, handle) -> bool:
+        """ctx: done, except a request's last chunk, which is done once every gen rank reading the request
+        has said it pulled it; gen: always (finishing pulls the chunk once it is published)."""
+        i, c, _ = handle
+        if not self.sending or self._last_chunks()[(c.request, c.src)] != i:
+            return True
+        return all(self.store.check([f"ipc/d/{c.request}/{self.rank}/{g}"])
+                   for g in self.readers.get(c.request, ()))
 
     def finish(self, handle, rec) -> bool:
         i, c, posted = handle
