@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check, in one call: carried wheels, GPU tests, benchmarks, tables. On one GPU the tests that
 # need two skip and only the ipc benchmark runs (ctx and gen on the same GPU); on two, bench.py too.
-#   bash scripts/gpu_check.sh [--no-tests] [--no-bench] [--jobs N] [--quick]     (from the repository root)
+#   bash scripts/gpu_check.sh [--serving] [--no-tests] [--no-bench] [--jobs N] [--quick]   (from the repository root)
+# --serving: also scripts/serving_bench.py, alone and under a CUDA MPS daemon
 # --jobs N: the GPU tests in N pytest-xdist workers (the image has it), then the failed ones again alone
 # A GPU machine without a package index gets the pure-Python wheels its image lacks from .whl/, made
 # beforehand on a machine with one:  pip wheel --no-deps -w .whl hydra-core omegaconf "antlr4-python3-runtime==4.9.*"
 # and, for the nixl tests and scripts/nixl_bench.py, NIXL's wheel for the GPU machine's Python (without it they skip):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
+serving=0; rest=(); for a in "$@"; do if [ "$a" = "--serving" ]; then serving=1; else rest+=("$a"); fi; done
+set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
 mkdir -p "$out"
 site=$(mktemp -d)
@@ -28,4 +31,18 @@ fi
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 [ $bench = 1 ] && [ "$gpus" -ge 2 ] && python3 scripts/bench.py --out "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
 [ $bench = 1 ] && python3 scripts/ipc_bench.py --out "$out/ipc.json" "$@" 2>&1 | tee "$out/ipc.log"
+true
+# the serving timeline (scripts/serving_bench.py), then its Mooncake cases again with ctx and gen as clients
+# of a CUDA MPS daemon of this script's own (quit before the script ends, whatever happens)
+if [ $serving = 1 ]; then
+  python3 scripts/serving_bench.py --out "$out/serving.json" 2>&1 | tee "$out/serving.log"
+  mps=/usr/local/nvidia/bin/nvidia-cuda-mps-control
+  if [ -x $mps ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+    trap 'echo quit | $mps' EXIT
+    $mps -d && python3 scripts/serving_bench.py --out "$out/serving_mps.json" --tag mps \
+      --only mooncake-layerwise mooncake-chunked 2>&1 | tee "$out/serving_mps.log"
+    echo quit | $mps; trap - EXIT
+  fi
+fi
 true
