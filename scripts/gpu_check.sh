@@ -36,6 +36,10 @@ true
 # of a CUDA MPS daemon of this script's own (quit before the script ends, whatever happens)
 if [ $serving = 1 ]; then
   python3 scripts/serving_bench.py --out "$out/serving.json" 2>&1 | tee "$out/serving.log"
+  # an earlier checkout unpacked in build/before (git archive REV kvlab conf kernels traces): the same Mooncake
+  # cases before a change, on the same GPU in the same call
+  [ -d build/before ] && python3 scripts/serving_bench.py --out "$out/serving_before.json" --tag before \
+    --root build/before --only mooncake-layerwise mooncake-chunked 2>&1 | tee "$out/serving_before.log"
   mps=/usr/local/nvidia/bin/nvidia-cuda-mps-control
   if [ -x $mps ]; then
     export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
