@@ -329,7 +329,9 @@ class Ipc(Transport):
                 self.unacked.append((event, c.request, c.src))
                 self.tables.pop((c.request, c.src), None)
                 self.seen = {u for u in self.seen if u[:2] != (c.request, c.src)}
-            rec.wire.append((posted, done))
+            # in flight from the copy's start (after the wait for the ctx rank's publish), not from the post:
+            # a gen rank posts ahead of the data, and that wait is the prefill's, not the transfer's
+            rec.wire.append((rec.pack[-1][0], done))
             return True
         rec.wire.append((posted, self._mark()))
         return True
