@@ -13,7 +13,14 @@ A run directory holds ``summary.json``, ``results.jsonl`` (one line per request)
 - ``add_predictions(df)``: the cost model's estimate for each run from its own config and
   requests, for runs whose summary has no ``predicted_s`` yet;
 - ``run_sweep(grid, base, root)``: a small sweep from Python (a notebook), laid out as
-  Hydra's multirun lays it out, so that ``load_sweep`` reads both alike.
+  Hydra's multirun lays it out, so that ``load_sweep`` reads both alike;
+- ``figures()``: the table of every figure (kvlab.figures): name, unit, meaning, how it is
+  computed per request and for the run, where it is shown.
+
+Every file is read through kvlab.records, so runs written by older versions have the current
+column names (``makespan_s`` for the old summaries' ``seconds``, ``busy_s`` for the old rows'
+``wire_s``); ``schema`` says what their values meant (kvlab.figures, each figure's ``before``:
+before schema 2, ``gbps`` and ``link_ratio`` were over the run's span, not its time in flight).
 
 Plots return a ``matplotlib.figure.Figure`` (no pyplot state: safe in tests, shown once in
 notebooks): ``plot_bandwidth``, ``plot_memory``, ``plot_timeline``, ``plot_parallel_heatmap``,
@@ -33,6 +40,7 @@ import yaml
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from kvlab import figures as _figures
 from kvlab import records
 from kvlab.cost import Prediction, predict
 from kvlab.metrics import flatten
@@ -191,6 +199,18 @@ def _override_value(v: Any) -> str:
     if isinstance(v, bool):
         return str(v).lower()
     return str(v)
+
+
+def figures() -> pd.DataFrame:
+    """Every figure a run reports, one row each (kvlab.figures.TABLE): its row field (``request``: per
+    request) and summary field (``run``), unit, meaning, how it is computed, where it is shown."""
+    rows = []
+    for f in _figures.TABLE:
+        run = f.run if isinstance(f.run, str) or f.run is None else "see how"
+        rows.append({"name": f.name, "request": f.request is not None, "run": f.summary_name, "reduction": run,
+                     "unit": f.unit, "meaning": f.meaning, "how": f.how, "column": f.column,
+                     "percentiles": bool(f.line), "needs": f.needs, "was": f.was, "before": f.before})
+    return pd.DataFrame(rows).set_index("name")
 
 
 # ---------------------------------------------------------------- predictions
@@ -427,9 +447,11 @@ def plot_plan(plan: Any, ax=None) -> Figure:
     return fig
 
 
-def plot_prediction(df: pd.DataFrame, measured: str = "seconds", predicted: str = "predicted_s",
+def plot_prediction(df: pd.DataFrame, measured: str = "makespan_s", predicted: str = "predicted_s",
                     ax=None) -> Figure:
-    """Predicted against measured seconds per run (log-log), one colour per strategy; on the diagonal is exact."""
+    """Predicted against measured seconds per run (log-log), one colour per strategy; on the diagonal is exact.
+    The cost model predicts the whole workload, first request opened to last byte unpacked: the run's
+    ``makespan_s``."""
     if predicted not in df or df[predicted].isna().any():
         df = add_predictions(df)
     fig, ax = _fig_ax(ax, figsize=(5, 5))
@@ -457,11 +479,15 @@ def plot_prediction(df: pd.DataFrame, measured: str = "seconds", predicted: str 
 
 def plot_load(df: pd.DataFrame, y: str = "serving.ttft_s", x: str = "workload.rate", by: str = "transfer.slots",
               q: str = "p90", ax=None) -> Figure:
-    """A serving figure (``y``: a field of kvlab.serving, its ``q`` percentile, in ms) against load
-    (``x``: requests per second), one line per strategy and value of ``by`` (e.g. the staging budget)."""
+    """A serving figure (``y``: ``serving.<figure>``, one with percentiles in kvlab.figures, its ``q``
+    percentile, in the unit the terminal shows it in) against load (``x``: requests per second), one line
+    per strategy and value of ``by`` (e.g. the staging budget)."""
     col = f"{y}.{q}"
     if col not in df:
-        raise KeyError(f"{col}: no such column; runs need the serving timeline (kvlab.serving)")
+        raise KeyError(f"{col}: no such column; runs need the serving timeline (kvlab.figures)")
+    shown = _figures.BY_NAME[y.split(".")[-1]]
+    scale, _, unit = _figures.DISPLAY[shown.unit]
+    name = shown.line or shown.name
     fig, ax = _fig_ax(ax)
     groups = [None] if by not in df else sorted(df[by].dropna().unique())
     for s in _strategies(df):
@@ -471,10 +497,10 @@ def plot_load(df: pd.DataFrame, y: str = "serving.ttft_s", x: str = "workload.ra
             if len(groups) > 1 and g != groups[-1]:
                 style["linestyle"] = ":"
             label = s if g is None else f"{s}, {by.split('.')[-1]}={g}"
-            ax.plot(d[x], d[col] * 1e3, label=label, **style)
+            ax.plot(d[x], d[col] * scale, label=label, **style)
     ax.set_xlabel("arrival rate (requests/s)" if x == "workload.rate" else x)
-    ax.set_ylabel(f"{y.split('.')[-1].removesuffix('_s')} {q} (ms)")
-    ax.set_title(f"{y.split('.')[-1].removesuffix('_s')} {q} against load")
+    ax.set_ylabel(f"{name} {q} ({unit})")
+    ax.set_title(f"{name} {q} against load")
     ax.grid(True, alpha=0.3)
     ax.legend()
     return fig

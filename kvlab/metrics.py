@@ -1,11 +1,10 @@
-"""Per-request figures and the run summary, from every rank's parts (kvlab.records types), and the table.
+"""Per-request figures and the run summary, from every rank's parts (kvlab.records types), the terminal's
+table, and the identities they obey.
 
-Times are absolute wall seconds on a shared epoch (kvlab.clock). A request's ``seconds``
-runs from its first chunk free to go on a ctx rank (the prefill wrote its layer) to the last
-of its ranks finishing; ``wire_s`` is the time at least one of its chunks was on the wire
-(union of post->done intervals on the ctx side); ``pack_s``/``unpack_s`` the copy time spent
-on ctx/gen ranks; the serving timeline (arrival, queue, prefill, first and last chunk,
-exposed transfer, TTFT) and its percentiles come from kvlab.serving.
+Times are absolute wall seconds on a shared epoch (kvlab.clock). What each figure means and how
+it is computed is kvlab.figures.TABLE: ``merge`` makes one row per request from its parts with it,
+``summarize`` the run's figures, ``print_table`` shows the figures it gives a column, and
+``violations`` checks the identities the figures obey (kvlab.figures says which).
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvlab import serving
+from kvlab import figures, serving
 from kvlab.clock import Clock
 from kvlab.records import Env, Link, Peak, RankPart, RequestRow, Summary, TimelineRow
 
@@ -65,15 +64,6 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(tuple(i) for i in intervals):  # parts read back from JSON hold lists
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
 def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
     """Plain values of one rank's record (GPU events turned into seconds)."""
     s = clock.seconds
@@ -92,40 +82,49 @@ def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
         fill_s=rec.fill_s, verify_s=rec.verify_s, in_loop=list(rec.in_loop))
 
 
-def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int], gen_dp: dict[int, int],
-          layerwise: bool = True) -> tuple[list[RequestRow], list[TimelineRow]]:
-    """(results rows, timeline rows: per layer, for layer-wise runs) from every rank's parts."""
-    by_req: dict[int, list[RankPart]] = {}
+_union = figures.union  # the name tests/test_robust.py imports
+
+
+def _by_request(parts: list[RankPart]) -> dict[int, list[RankPart]]:
+    out: dict[int, list[RankPart]] = {}
     for p in parts:
-        by_req.setdefault(p.request, []).append(p)
+        out.setdefault(p.request, []).append(p)
+    return out
+
+
+def _pairs(order) -> dict[int, list[tuple[int, int]]] | None:
+    if order is None:
+        return None
+    out: dict[int, list[tuple[int, int]]] = {}
+    for c in order:
+        out.setdefault(c.request, []).append((c.src, c.dst))
+    return out
+
+
+def _parts(rid: int, ps: list[RankPart], traits: figures.Traits, pairs) -> figures.Parts:
+    return figures.Parts([p for p in ps if p.side == "ctx"], [p for p in ps if p.side == "gen"], traits,
+                         None if pairs is None else pairs.get(rid, []))
+
+
+def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int], gen_dp: dict[int, int],
+          layerwise: bool = True, traits: figures.Traits = figures.PLAIN, order=None
+          ) -> tuple[list[RequestRow], list[TimelineRow]]:
+    """(results rows, timeline rows: per layer, for layer-wise runs) from every rank's parts. ``traits``: the
+    run's transport's (kvlab.figures.Traits.of): which figures it has; ``order``: the global chunk order
+    (kvlab.workload), which pairs each chunk's marks on its two sides (kvlab.figures: in flight)."""
+    by_req, pairs = _by_request(parts), _pairs(order)
     rows, timeline = [], []
     for rid in sorted(set(by_req) | set(failures)):
         ps = by_req.get(rid, [])
-        ctx = [p for p in ps if p.side == "ctx"]
-        gen = [p for p in ps if p.side == "gen"]
-        # the transfer starts when ctx has the request (gen ranks open it earlier to post receives)
-        start = min((p.start for p in (ctx or ps)), default=None)
-        # it ends when the last gen rank holds the bytes (a pull transport's ctx rank finishes later, once the
-        # readers have said so; on a shared GPU its end mark may also queue behind the gen rank's verification)
-        end = max((p.end for p in (gen or ps) if p.end is not None), default=None)
-        nbytes = sum(p.bytes for p in gen)
-        seconds = (end - start) if start is not None and end is not None else None
-        errors = [e for p in gen for e in p.errors]
+        request = _parts(rid, ps, traits, pairs)
+        errors = [e for p in request.gen for e in p.errors]
         if rid in failures:
             errors.append(failures[rid])
         rows.append(RequestRow(
             request=rid, isl=ps[0].isl if ps else None, ctx_dp=ctx_dp.get(rid), gen_dp=gen_dp.get(rid),
-            bytes=nbytes, chunks=sum(p.chunks for p in gen), in_place_chunks=sum(p.in_place for p in gen),
-            ctx_in_place_chunks=sum(p.in_place for p in ctx), descriptors=sum(p.descriptors for p in ctx),
-            seconds=seconds, start=start, end=end,
-            gbps=nbytes / seconds / 1e9 if seconds else None,
-            pack_s=sum(p.copy_s for p in ctx), wire_s=_union([w for p in ctx for w in p.wire]),
-            unpack_s=sum(p.copy_s for p in gen),
-            verified=bool(gen) and not errors and rid not in failures, error="; ".join(errors) or None,
-            fill_s=sum(p.fill_s for p in ctx), verify_s=sum(p.verify_s for p in gen),
-            in_loop=sorted({w for p in ps for w in p.in_loop}),
-            **serving.request_timeline(ctx, gen)))
-        for p in ctx:
+            verified=bool(request.gen) and not errors and rid not in failures, error="; ".join(errors) or None,
+            in_loop=sorted({w for p in ps for w in p.in_loop}), **figures.request_values(request)))
+        for p in request.ctx:
             if p.prefill_end is None or not layerwise:
                 continue
             for layer, done in p.layer_done.items():
@@ -136,27 +135,16 @@ def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int
 
 
 def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[Peak], env: Env,
-              errors: list[str], predicted_s: float | None, silent: list[int], link: Link | None = None
-              ) -> Summary:
-    starts = [p.start for p in parts if p.side == "ctx"] or [p.start for p in parts]
-    ends = ([p.end for p in parts if p.side == "gen" and p.end is not None]
-            or [p.end for p in parts if p.end is not None])
-    seconds = (max(ends) - min(starts)) if starts and ends else 0.0
-    total = sum(r.bytes for r in rows)
-    gbps = total / seconds / 1e9 if seconds else 0.0
+              errors: list[str], predicted_s: float | None, silent: list[int], link: Link | None = None,
+              traits: figures.Traits = figures.PLAIN, order=None) -> Summary:
+    """The run's figures (kvlab.figures) and what it was; ``traits`` and ``order`` as for ``merge``."""
+    pairs = _pairs(order)
+    run = figures.Run(rows, [_parts(rid, ps, traits, pairs) for rid, ps in _by_request(parts).items()], peaks, link)
     isl = [r.isl for r in rows if r.isl]
     side = lambda s: {"tp": s.tp, "pp": s.pp, "dp": s.dp, "tokens_per_block": s.tokens_per_block,  # noqa: E731
                       "layout": s.layout.value}
     return Summary(
-        total_bytes=total,
         verified=bool(rows) and all(r.verified for r in rows) and not errors,
-        gbps=gbps,
-        seconds=seconds,
-        peak_staging_bytes=max((p.staging for p in peaks), default=0),
-        peak_extra_device_bytes=max((p.extra for p in peaks), default=0),
-        device_free_drop_bytes=max((p.free_drop for p in peaks), default=0),
-        cache_bytes=max((p.cache for p in peaks), default=0),
-        exposed_s=max((r.exposed_s for r in rows if r.exposed_s is not None), default=None),
         requests=len(rows),
         failed_requests=[r.request for r in rows if not r.verified],
         errors=list(errors),
@@ -176,13 +164,67 @@ def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[
         silent_ranks=list(silent),
         arrival=setup.workload.arrival, prefill=setup.prefill.kind,
         serving=serving.percentiles(rows),
-        link_gbps=link.gbps if link else None,
-        link_ratio=gbps / link.gbps if link and link.gbps and gbps else None,
         link=link,
-        fill_s=sum(r.fill_s for r in rows),
-        verify_s=sum(r.verify_s for r in rows),
         in_loop_requests={"verify": sum("verify" in r.in_loop for r in rows)},
+        **figures.run_values(run, traits),
     )
+
+
+def violations(rows: list[RequestRow], summary: Summary | None = None, parts: list[RankPart] | None = None,
+               plan=None, tol: float = 1e-5) -> list[str]:
+    """The identities of kvlab.figures that the rows, the summary and the parts break, one line each (none: []).
+
+    ``plan``: what the run was to move, as segments by request (``kvlab.workload.plan_run``'s) or any
+    iterable of segments or chunks (``request``, ``src``, ``dst``, ``nbytes``). ``tol``: seconds of slack in
+    the time identities, for marks of absolute wall time (about 0.2 us resolution each) subtracted and added.
+    """
+    out = []
+    for r in rows:
+        q = f"request {r.request}"
+        parts_of_ttft = (r.queue_s, r.prefill_s, r.exposed_s)
+        if r.ttft_s is not None and None not in parts_of_ttft and abs(r.ttft_s - sum(parts_of_ttft)) > tol:
+            out.append(f"{q}: ttft_s {r.ttft_s:.6f} != queue_s + prefill_s + exposed_s {sum(parts_of_ttft):.6f}")
+        if r.exposed_s is not None and r.exposed_s < 0:
+            out.append(f"{q}: exposed_s {r.exposed_s:.6f} < 0")
+        if r.exposed_s is not None and r.seconds is not None and r.exposed_s > r.seconds + tol:
+            out.append(f"{q}: exposed_s {r.exposed_s:.6f} > its transfer span (seconds) {r.seconds:.6f}")
+        if r.busy_s is not None and r.seconds is not None and r.busy_s > r.seconds + tol:
+            out.append(f"{q}: busy_s {r.busy_s:.6f} > its transfer span (seconds) {r.seconds:.6f}")
+    if summary is not None and summary.busy_s is not None and summary.makespan_s is not None \
+            and summary.busy_s > summary.makespan_s + tol:
+        out.append(f"run: busy_s {summary.busy_s:.6f} > makespan_s {summary.makespan_s:.6f}")
+    if plan is not None:
+        out += _bytes_violations(rows, parts or [], plan)
+    return out
+
+
+def _bytes_violations(rows: list[RequestRow], parts: list[RankPart], plan) -> list[str]:
+    """Bytes each rank moved for each request, and each verified request's, against the plan's."""
+    pieces = [s for v in plan.values() for s in v] if isinstance(plan, dict) else list(plan)
+    side: dict[tuple, int] = {}
+    pair: dict[tuple, int] = {}
+    total: dict[int, int] = {}
+    for s in pieces:
+        side[(s.request, "ctx", s.src)] = side.get((s.request, "ctx", s.src), 0) + s.nbytes
+        side[(s.request, "gen", s.dst)] = side.get((s.request, "gen", s.dst), 0) + s.nbytes
+        pair[(s.request, s.src, s.dst)] = pair.get((s.request, s.src, s.dst), 0) + s.nbytes
+        total[s.request] = total.get(s.request, 0) + s.nbytes
+    out = []
+    for p in parts:
+        if p.chunks != p.chunks_total:  # stopped part way: it moved less, and says so elsewhere
+            continue
+        want = side.get((p.request, p.side, p.rank), 0)
+        if p.bytes != want:
+            out.append(f"request {p.request} {p.side}{p.rank}: {p.bytes} bytes moved, the plan's {want}")
+        for peer, got in p.peer_bytes.items():
+            key = (p.request, p.rank, peer) if p.side == "ctx" else (p.request, peer, p.rank)
+            if got != pair.get(key, 0):
+                out.append(f"request {p.request} ctx{key[1]} -> gen{key[2]}: {got} bytes moved "
+                           f"({p.side} side), the plan's {pair.get(key, 0)}")
+    for r in rows:
+        if r.verified and r.bytes != total.get(r.request, 0):
+            out.append(f"request {r.request}: {r.bytes} bytes delivered, the plan's {total.get(r.request, 0)}")
+    return out
 
 
 def print_table(rows: list[RequestRow], summary: Summary, console: Console | None = None, limit: int = 12) -> None:
@@ -193,20 +235,24 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
     c, g = summary.ctx, summary.gen
     t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx tp{c['tp']} pp{c['pp']} dp{c['dp']} -> "
                     f"gen tp{g['tp']} pp{g['pp']} dp{g['dp']}, {summary.device}")
-    for col in ("request", "tokens", "MiB", "ms", "GB/s", "arrival ms", "TTFT ms", "exposed ms", "verified"):
+    cols = figures.columns()
+    for col in ("request", "tokens", *(f.column for f in cols), "verified"):
         t.add_column(col, justify="right")
     shown = rows if len(rows) <= limit else rows[: limit - 1]
     for r in shown:
-        t.add_row(str(r.request), str(r.isl), f"{r.bytes / 2**20:,.2f}",
-                  f"{(r.seconds or 0) * 1e3:,.1f}", f"{r.gbps or 0:,.2f}",
-                  *("" if v is None else f"{v * 1e3:,.1f}" for v in (r.arrival_s, r.ttft_s, r.exposed_s)),
+        t.add_row(str(r.request), str(r.isl), *(f.show(getattr(r, f.name)) for f in cols),
                   "yes" if r.verified else "[red]NO[/red]")
     if len(shown) < len(rows):
-        t.add_row("...", f"{len(rows) - len(shown)} more", "", "", "", "", "", "", "")
+        t.add_row("...", f"{len(rows) - len(shown)} more", *[""] * len(cols), "")
     t.add_section()
-    t.add_row("all", "", f"{summary.total_bytes / 2**20:,.2f}", f"{summary.seconds * 1e3:,.1f}",
-              f"{summary.gbps:,.2f}", "", "", "", "yes" if summary.verified else "[red]NO[/red]")
+    # the run's own value of a column (a total, a union, a rate), not one request's (the largest)
+    t.add_row("all", "", *(f.show(getattr(summary, f.summary_name)) if f.run not in (None, "max") else ""
+                           for f in cols), "yes" if summary.verified else "[red]NO[/red]")
     console.print(t)
+    busy, span = figures.BY_NAME["busy_s"], figures.BY_NAME["makespan_s"]
+    if summary.busy_s:
+        console.print(f"delivered {summary.gbps or 0:,.2f} GB/s over {busy.show(summary.busy_s)} ms with chunks in "
+                      f"flight, of the run's {span.show(summary.makespan_s)} ms")
     link = summary.link
     if summary.link_gbps:
         # requests share the link with each other: only the run as a whole has a ratio
@@ -214,7 +260,7 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
         what = {"p2p": f"raw messages of {mib} between the same ranks",
                 "nixl": f"raw NIXL WRITEs of {mib} between the same ranks"}.get(
             link.reference, f"a local copy_ of the same {mib} pieces")
-        console.print(f"link_ratio {summary.link_ratio or 0:.3f}: delivered {summary.gbps:,.2f} GB/s against "
+        console.print(f"link_ratio {summary.link_ratio or 0:.3f}: delivered {summary.gbps or 0:,.2f} GB/s against "
                       f"{summary.link_gbps:,.2f} GB/s of {what}, in the same run")
     line = serving.summary_line(summary.serving)
     if line:

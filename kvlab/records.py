@@ -6,10 +6,16 @@
 - ``TimelineRow``: one (request, layer) of a layer-wise run, a line of ``timeline.jsonl``;
 - ``Summary``: the run, ``summary.json``.
 
+The figure fields of ``RequestRow`` and ``Summary`` (what moved, when, how fast, the serving
+timeline, memory peaks) are not listed here: each is an entry of kvlab.figures.TABLE, which says
+what it means and how it is computed, and ``_with_figures`` adds its field.
+
 Every record is written and read here and nowhere else. Each carries ``schema``, the version
 it was written under; files written before versions existed read as version 0, with the fields
 they lack left at their defaults, so that old results (``results/*.json``) stay readable.
-Fields a newer writer added and this reader does not know are dropped on reading.
+Fields a newer writer added and this reader does not know are dropped on reading. A field renamed
+since (a figure's ``was``) reads under its new name; what changed meaning is each figure's
+``before`` in kvlab.figures, and the record's ``schema`` says which meaning its values have.
 """
 from __future__ import annotations
 
@@ -21,7 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-SCHEMA = 1  # bump when a field changes meaning or is removed (adding one with a default needs no bump)
+from kvlab import figures
+
+# bump when a field changes meaning or is removed (adding one with a default needs no bump); 2: delivered GB/s
+# and link_ratio over the time in flight (busy_s), the run's span named makespan_s, rows' wire_s named busy_s,
+# slot wait on ctx ranks only
+SCHEMA = 2
 
 R = TypeVar("R")
 
@@ -46,8 +57,12 @@ def _decode(tp: Any, v: Any) -> Any:
 
 
 def from_dict(cls: type[R], d: dict) -> R:
-    """A record from its JSON object (any schema version; unknown keys dropped, missing ones defaulted)."""
+    """A record from its JSON object (any schema version; unknown keys dropped, missing ones defaulted,
+    renamed ones read under their new name)."""
     hints = typing.get_type_hints(cls)
+    if d.get("schema", 0) < 2:
+        old = {f.was: f.name for f in figures.TABLE if f.was}
+        d = {old.get(k, k) if old.get(k) in hints and k not in hints else k: v for k, v in d.items()}
     values = {f.name: _decode(hints[f.name], d[f.name]) for f in dataclasses.fields(cls) if f.name in d}
     if "schema" not in d and "schema" in hints:
         values["schema"] = 0
@@ -56,6 +71,29 @@ def from_dict(cls: type[R], d: dict) -> R:
 
 def to_dict(record) -> dict:
     return dataclasses.asdict(record)
+
+
+def _with_figures(level: str):
+    """A dataclass decorator: the class's own fields, then one field per figure of kvlab.figures.TABLE at
+    ``level`` (``request``: the row of a request figure; ``run``: the Summary field of a run figure), then
+    ``schema``."""
+
+    def wrap(cls):
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        schema = own.pop("schema")
+        if level == "request":
+            figs = [(f.name, f.default) for f in figures.request_figures()]
+        else:
+            figs = [(f.summary_name, f.run_default) for f in figures.run_figures()]
+        for name, default in figs:
+            if name in own:
+                raise TypeError(f"{cls.__name__}.{name}: a figure of kvlab.figures.TABLE, not a field of its own")
+            own[name] = figures.field_type(default)
+            setattr(cls, name, default)
+        cls.__annotations__ = {**own, "schema": schema}
+        return dataclass(cls)
+
+    return wrap
 
 
 @dataclass
@@ -88,6 +126,8 @@ class RankPart:
     fill_s: float = 0.0  # host seconds writing the request's cache (ctx): part of the prefill
     verify_s: float = 0.0  # host seconds checking it (gen): the decode's stand-in
     in_loop: list[str] = field(default_factory=list)  # ["verify"] when the check ran inside the transfer loop
+    # peer's side-local rank -> bytes this rank moved with it (empty in parts that do not record it)
+    peer_bytes: dict[int, int] = field(default_factory=dict)
     schema: int = SCHEMA
 
     @property
@@ -96,8 +136,8 @@ class RankPart:
 
     @property
     def gbps(self) -> float | None:
-        s = self.seconds
-        return self.bytes / s / 1e9 if s else None
+        """This rank's own: its bytes over the union of its own wire intervals (kvlab.figures.rate)."""
+        return figures.rate(self.bytes, figures.union(self.wire))
 
 
 @dataclass
@@ -148,42 +188,16 @@ class PartFile:
     schema: int = SCHEMA
 
 
-@dataclass
+@_with_figures("request")
 class RequestRow:
+    """One request: who served it and whether it arrived whole; its figures are kvlab.figures.TABLE's."""
+
     request: int
     isl: int | None = None
     ctx_dp: int | None = None
     gen_dp: int | None = None
-    bytes: int = 0
-    chunks: int = 0
-    in_place_chunks: int = 0  # in place on the gen side
-    ctx_in_place_chunks: int = 0
-    descriptors: int = 0  # memory descriptors posted for the request (transport=nixl)
-    seconds: float | None = None
-    start: float | None = None  # absolute (kvlab.clock): order and overlap of requests
-    end: float | None = None
-    gbps: float | None = None
-    pack_s: float = 0.0
-    wire_s: float = 0.0
-    unpack_s: float = 0.0
-    exposed_s: float | None = None  # transfer time left after the prefill's last layer
     verified: bool = False
     error: str | None = None
-    # the serving timeline, seconds from the run's start or durations (kvlab.serving says which is what)
-    arrival_s: float | None = None
-    queue_s: float | None = None
-    prefill_start_s: float | None = None
-    prefill_end_s: float | None = None
-    prefill_s: float | None = None
-    prefill_alone_s: float | None = None
-    prefill_slowdown: float | None = None
-    first_chunk_s: float | None = None
-    last_chunk_s: float | None = None
-    slot_wait_s: float | None = None
-    transfer_s: float | None = None
-    ttft_s: float | None = None
-    fill_s: float = 0.0  # writing the cache, inside the prefill (ctx ranks together)
-    verify_s: float = 0.0  # checking it after the transfer (gen ranks together)
     in_loop: list[str] = field(default_factory=list)  # ["verify"]: checked inside the transfer loop
     schema: int = SCHEMA
 
@@ -198,17 +212,12 @@ class TimelineRow:
     schema: int = SCHEMA
 
 
-@dataclass
+@_with_figures("run")
 class Summary:
-    total_bytes: int = 0
+    """The run: what it was and whether it verified; its figures are kvlab.figures.TABLE's run figures, and
+    ``serving`` holds the percentiles of those with a summary line."""
+
     verified: bool = False
-    gbps: float = 0.0
-    seconds: float = 0.0
-    peak_staging_bytes: int = 0
-    peak_extra_device_bytes: int = 0
-    device_free_drop_bytes: int = 0
-    cache_bytes: int = 0
-    exposed_s: float | None = None
     requests: int = 0
     failed_requests: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -231,14 +240,10 @@ class Summary:
     silent_ranks: list[int] = field(default_factory=list)
     arrival: str | None = None  # burst | poisson | trace
     prefill: str | None = None  # sim | gpu
-    serving: dict[str, dict[str, float]] = field(default_factory=dict)  # field -> p50, p90, p99, mean, n
+    serving: dict[str, dict[str, float]] = field(default_factory=dict)  # figure -> p50, p90, p99, mean, n
     interrupted: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM), or None
     completed_requests: list[int] = field(default_factory=list)  # verified, in request order
-    link_gbps: float | None = None  # the link's own speed for this run's messages, same run (kvlab.linkrate)
-    link_ratio: float | None = None  # gbps / link_gbps
     link: Link | None = None
-    fill_s: float = 0.0
-    verify_s: float = 0.0
     in_loop_requests: dict[str, int] = field(default_factory=dict)  # requests verified inside the loop
     schema: int = SCHEMA
 

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvlab import metrics
+from kvlab import figures, metrics
 from kvlab.records import Env, PartFile, marked_dead, read_part, write_run
 from kvlab.schedule import Chunk, Ready
 
@@ -198,19 +198,26 @@ def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[
         elif got.get((rid, dst), 0) < n:
             why = f": {errors[0]}" if errors else ""
             failures[rid] = f"gen{dst} received {got.get((rid, dst), 0)} of {n} chunks (run stopped{why})"
+    traits = figures.Traits.of(setup.transport.cls())
     rows, timeline = metrics.merge(all_parts, failures, {r.id: r.ctx_dp for r in requests},
-                                   {r.id: r.gen_dp for r in requests}, setup.transfer.strategy.ready == Ready.layer)
+                                   {r.id: r.gen_dp for r in requests}, setup.transfer.strategy.ready == Ready.layer,
+                                   traits, order)
     isl = {r.id: r.isl for r in requests}
     for row in rows:
         row.isl = row.isl or isl.get(row.request)
     env = gathered[min(gathered)].env if gathered else None
     link = next((g.link for _, g in sorted(gathered.items()) if g.link), None)
     summary = metrics.summarize(rows, all_parts, setup, [g.peak for g in gathered.values()],
-                                env or Env(), errors, predicted_s, silent, link)
+                                env or Env(), errors, predicted_s, silent, link, traits, order)
     summary.interrupted = interrupted
     summary.completed_requests = [r.request for r in rows if r.verified]
     write_run(run_dir, rows, timeline, summary)
     metrics.print_table(rows, summary)
+    broken = metrics.violations(rows, summary, all_parts, order)
+    if broken:  # a measuring or merging bug, not the transfer's: the figures above are suspect
+        more = f" (and {len(broken) - 3} more)" if len(broken) > 3 else ""
+        print(f"kvlab: the figures break their identities (kvlab.figures): {'; '.join(broken[:3])}{more}",
+              file=sys.stderr)
     if not interrupted:  # an interrupted run's errors are its interruption: the launcher says it in one line
         for e in errors:
             print(f"kvlab: {e}", file=sys.stderr)

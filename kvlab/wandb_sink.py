@@ -28,9 +28,9 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvlab import figures
 from kvlab.metrics import flatten
 from kvlab.records import RankPart, RequestRow, Summary, read_rows, to_dict
-from kvlab.serving import FIELDS
 from kvlab.spec import WandbSpec
 
 if TYPE_CHECKING:
@@ -54,7 +54,8 @@ def _scalars(record: dict) -> dict:
 
 
 def _row(record: RankPart | RequestRow) -> dict:
-    """A record's values; a rank's own part of a request gets its seconds and GB/s, which a chart wants."""
+    """A record's values; a rank's own part of a request gets its span and its GB/s (over its own wire
+    intervals: kvlab.records.RankPart.gbps), which a chart wants."""
     row = {k: v for k, v in to_dict(record).items() if k != "schema"}
     if isinstance(record, RankPart) and record.seconds:
         row.update(seconds=record.seconds, gbps=record.gbps)
@@ -153,9 +154,10 @@ class _LiveSink(WandbSink):
             values = flatten({k: v for k, v in to_dict(summary).items() if k != "schema"})
             self.run.summary.update({k: v for k, v in values.items() if v is not None})
             if rows:
-                # the serving timeline's distributions (kvlab.serving): TTFT, exposed transfer, queue, ...
-                hists = {f"serving/{f}": self._wandb.Histogram(xs) for f in FIELDS
-                         if (xs := [r[f] for r in rows if r.get(f) is not None])}
+                # the distributions of the figures with percentiles (kvlab.figures: TTFT, exposed transfer,
+                # queue, ...); a figure absent from every row (no slots: no slot wait) gets none
+                hists = {f"serving/{f.name}": self._wandb.Histogram(xs) for f in figures.line_figures()
+                         if (xs := [r[f.name] for r in rows if r.get(f.name) is not None])}
                 self.run.log({"requests": self._table(rows), **hists})
 
         self._guard("log_summary", do)

@@ -69,3 +69,31 @@ class KvlabCLI:
 @pytest.fixture
 def kvlab_cli() -> KvlabCLI:
     return KvlabCLI()
+
+
+def check_figures(run_dir: Path | str, importable: Path | str | None = None) -> None:
+    """A finished run's files obey the identities of kvlab.figures (kvlab.metrics.violations: TTFT = queue +
+    prefill + exposed, exposed and time in flight within the transfer span, the run's time in flight within
+    its span), and every rank moved the bytes the plan its config makes says (kvlab.workload.plan_run).
+    ``importable``: a directory the run's config imports from (a user's strategy module)."""
+    from omegaconf import OmegaConf
+
+    from kvlab import metrics, records
+    from kvlab.config import Config, build
+    from kvlab.workload import plan_run
+
+    run_dir = Path(run_dir)
+    parts = [p for f in sorted((run_dir / "parts").glob("rank*.json"))
+             for p in records.read_part(run_dir, int(f.stem.removeprefix("rank"))).parts]
+    segments = None
+    if (run_dir / "config.yaml").exists():
+        schema = OmegaConf.structured(Config)
+        OmegaConf.set_struct(schema, False)  # keys appended with + survive, as in kvlab.analysis.predict_dir
+        sys.path[:0] = [str(importable)] if importable else []
+        try:
+            _, segments, _ = plan_run(build(OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml"))))
+        finally:
+            if importable:
+                sys.path.remove(str(importable))
+    broken = metrics.violations(records.read_rows(run_dir), records.read_summary(run_dir), parts, segments)
+    assert not broken, broken

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import check_figures
 
 from kvlab.api import run_transfer
 from kvlab.config import build, compose
@@ -29,6 +30,7 @@ STALL_S = 300
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
+    check_figures(run_dir)  # what did arrive obeys the figures' identities
     return {r["request"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
 
 

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import check_figures
 
 from kvlab.api import run_transfer
 from kvlab.config import build, compose
@@ -45,6 +46,7 @@ def _ours() -> set[str]:
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
+    check_figures(run_dir)
     return {r["request"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
 
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace as ns
 import numpy as np
 import pytest
 import torch
+from conftest import check_figures
 from test_faults import CORRUPTION, FAULTY, HANG_S, TIMEOUT_S
 from test_faults import _gave_up_in_time as gave_up_in_time
 from test_faults import test_flipped_bytes_are_caught_and_located as flips_caught
@@ -55,6 +56,7 @@ MODES = ["staged", "direct"]
 
 
 def _rows(run_dir: Path) -> list[dict]:
+    check_figures(run_dir)
     return [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
 
 

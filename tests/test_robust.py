@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import check_figures
 from omegaconf import OmegaConf
 
 from kvlab import budget, rundir
@@ -330,6 +331,7 @@ def _interrupted(run_dir: Path, sig: str) -> dict:
     assert summary["interrupted"] == sig and not summary["verified"]
     rows = {r["request"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
     assert len(rows) == summary["requests"] == 400
+    check_figures(run_dir)
     assert summary["completed_requests"] == [q for q, r in sorted(rows.items()) if r["verified"]]
     assert set(summary["failed_requests"]) == set(rows) - set(summary["completed_requests"])
     assert sorted(p.name for p in (run_dir / "parts").glob("rank*.json")) == ["rank0.json", "rank1.json",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import check_figures
 
 from kvlab.api import run_transfer
 from kvlab.config import build, compose
@@ -48,6 +49,7 @@ def test_end_to_end_verified(overrides, tmp_path):
     setup = build(compose(overrides + QUIET))
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == setup.workload.requests == summary["requests"]
+    check_figures(tmp_path)
     # every request moved exactly what its gen ranks must hold
     from kvlab.plan import plan
     from kvlab.workload import make_requests
@@ -70,6 +72,7 @@ def test_long_prompt_through_small_slots_stays_flat(tmp_path):
     assert summary["total_bytes"] == 131072 * 2 * 2 * 8 * 2
     assert summary["peak_staging_bytes"] == 2 * 65536  # the configured pool, not the request
     assert summary["peak_extra_device_bytes"] == 2 * 65536
+    check_figures(tmp_path)
 
 
 @pytest.mark.slow
@@ -79,6 +82,7 @@ def test_naive_staging_grows_with_the_prompt(tmp_path):
         s = run_transfer(LONG + QUIET + [f"workload.isl={isl}", "transfer=naive"], tmp_path / str(isl))
         assert s["verified"]
         peaks.append(s["peak_staging_bytes"])
+        check_figures(tmp_path / str(isl))
     assert peaks[0] == 8192 * 2 * 2 * 8 * 2 and peaks[1] == 4 * peaks[0]
 
 
@@ -108,6 +112,7 @@ def test_kvlab_run_default(tmp_path, kvlab_cli):
     for key in ("total_bytes", "verified", "gbps", "peak_staging_bytes", "peak_extra_device_bytes", "requests"):
         assert key in summary
     assert summary["verified"] and summary["requests"] == 4
+    check_figures(tmp_path)
 
 
 @pytest.mark.slow
@@ -118,4 +123,5 @@ def test_under_torchrun_ranks_share_one_run_dir(tmp_path, kvlab_cli):
     runs = list((tmp_path / "outputs").iterdir())
     assert len(runs) == 1, runs  # one directory for all three ranks
     assert json.loads((runs[0] / "summary.json").read_text())["verified"]
+    check_figures(runs[0])
     assert sorted(p.name for p in (runs[0] / ".hydra").iterdir()) == ["rank0", "rank1", "rank2"]

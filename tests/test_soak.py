@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+from conftest import check_figures
 
 from kvlab.api import run_transfer
 from kvlab.config import build, compose
@@ -31,6 +32,7 @@ def test_soak(tmp_path):
     assert summary["verified"] and summary["failed_requests"] == [] and summary["errors"] == []
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["request"] for r in rows] == list(range(240)) and all(r["verified"] for r in rows)
+    check_figures(tmp_path)
     assert summary["isl_max"] == 131072
     assert summary["total_bytes"] == sum(r.isl for r in requests) * 32
 

@@ -8,6 +8,7 @@ import os
 import textwrap
 
 import pytest
+from conftest import check_figures
 
 from kvlab.config import build, compose
 from kvlab.errors import ConfigError
@@ -109,5 +110,6 @@ def test_user_strategy_from_its_own_module_runs_end_to_end(tmp_path, kvlab_cli):
     assert summary["verified"] and summary["strategy"] == "layerwise_in_place"
     rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["verified"] for r in rows)
+    check_figures(run_dir, importable=tmp_path)
     assert sum(r["in_place_chunks"] for r in rows) > 0  # the in_place trait took effect on the gen side
     assert (run_dir / "timeline.jsonl").exists()  # the ready=layer trait: a per-layer timeline

@@ -8,6 +8,7 @@ import os
 import subprocess
 
 import pytest
+from conftest import check_figures
 
 from kvlab.launch import free_port
 
@@ -36,6 +37,7 @@ def test_ctx_node_and_gen_node_verified_in_one_run_dir(tmp_path, kvlab_cli):
     run = runs[0]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["verified"] and summary["world_size"] == 4 and summary["requests"] == 2
+    check_figures(run)
     assert sorted(p.name for p in (run / ".hydra").iterdir()) == ["rank0", "rank1", "rank2", "rank3"]
     parts = {r: json.loads((run / "parts" / f"rank{r}.json").read_text()) for r in range(4)}
     node = {r: p["node"] for r, p in parts.items()}  # GROUP_RANK: the agent that started the rank
