@@ -2,7 +2,7 @@
 
 Per world rank: the cache (every pool, as ``PagedCache`` sizes it: the blocks of the requests
 open at the worst moment plus the canaries, or ``cache.capacity_tokens``), the staging slots
-(or the naive baseline's per-chunk buffers), the block tables, the temporaries of fill and
+(or the naive baseline's per-chunk buffers; none for a pulling transport), the block tables, the temporaries of fill and
 verify, the plan (every rank holds the whole global chunk order) and the process itself. On
 a CPU all of it comes from host memory; on a GPU the first four come from its device (plus
 NCCL's own buffers) and the rest from the host. The figures are upper bounds computed without
@@ -104,14 +104,19 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
     samples = [plan(setup.model, setup.ctx, setup.gen, Request(i, tokens, i % setup.ctx.dp, i % setup.gen.dp))
                for i in range(dps)]
 
-    def chunks(segs) -> int:  # kvlab.schedule cuts a segment into slot-sized pieces (per layer for layerwise)
+    cap = setup.chunk_cap  # None: a pulling transport's chunks are not cut by size
+    pulls = setup.transport.cls().pulls
+
+    def chunks(segs) -> int:  # kvlab.schedule cuts a segment into cap-sized pieces (per layer for layerwise)
         if t.strategy.cut == Cut.segment:
             return len(segs)
-        return sum(math.ceil(s.nbytes / t.slot_bytes) + (s.rect.l1 - s.rect.l0) for s in segs)
+        if cap is None:
+            return sum(s.rect.l1 - s.rect.l0 if t.strategy.cut == Cut.layer else 1 for s in segs)
+        return sum(math.ceil(s.nbytes / cap) + (s.rect.l1 - s.rect.l0) for s in segs)
 
     per_request = max(chunks(s) for s in samples)
     plan_bytes = w.requests * (per_request * CHUNK_BYTES + REQUEST_BYTES)
-    cap = setup.cache.capacity_tokens
+    capacity = setup.cache.capacity_tokens
     ranks = []
     for wr in range(setup.world_size):
         side, r = setup.side_of(wr)
@@ -120,17 +125,19 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
         cache = tables = 0
         for pool in state.pools():
             per_req = math.ceil(tokens / pool.tokens_per_block) - pool.held_start(tokens) // pool.tokens_per_block
-            blocks = math.ceil(cap / pool.tokens_per_block) if cap else open_requests * per_req
+            blocks = math.ceil(capacity / pool.tokens_per_block) if capacity else open_requests * per_req
             cache += pool.pool_bytes(blocks + setup.cache.spare_blocks)
             tables += open_requests * per_req * 8 * 2  # int64 ids on the device, and their host copy
         biggest = max((s.nbytes for segs in mine for s in segs), default=0)
-        if t.strategy.cut != Cut.segment:
-            biggest = min(biggest, t.slot_bytes)
+        if t.strategy.cut != Cut.segment and cap is not None:
+            biggest = min(biggest, cap)
         held = max((sum(s.nbytes for s in segs) for segs in mine), default=0)
         # naive: a buffer per chunk in flight, at most the slots, and at most the segments of the open requests
         in_flight = min(t.slots, open_requests * max((len(segs) for segs in mine), default=0)) \
             if t.strategy.cut == Cut.segment else t.slots
         staging = in_flight * biggest if t.strategy.staging == Staging.per_chunk else t.slots * t.slot_bytes
+        if pulls:  # the gen rank copies straight out of the mapped ctx pool: no slot, no buffer
+            staging = 0
         temps = FILL_PIECE_FACTOR * min(FILL_PIECE_BYTES, max(held, cache // max(1, open_requests)))
         memory = _memory_of(setup, wr, gpus)
         ranks.append(RankNeed(wr, f"{side.name}{r}", memory, cache, staging, tables, temps, plan_bytes,
@@ -175,7 +182,7 @@ def _culprit(setup: Setup, b: Budget, part: str, fraction: float) -> tuple[str, 
         return name, value, f"the naive buffers grow with the prompt: prompts of at most {int(tokens * fraction)} " \
                             "tokens fit, or use transfer=chunked"
     if part == "staging":
-        slots, mib = t.slots, t.slot_mib
+        slots, mib = t.slots, t.slot_bytes / 2**20
         if slots / 4 >= mib / 16:  # the knob furthest above its default
             return "transfer.slots", slots, f"transfer.slots <= {max(0, int(slots * fraction))} fits"
         return "transfer.slot_mib", mib, f"transfer.slot_mib <= {mib * fraction:.4g} fits"

@@ -39,6 +39,7 @@ AUTO_DEFAULT, AUTO_FALLBACK = "p2p", "ipc"
 P2P_CLASS = "kvlab.transports.p2p.P2P"
 
 MAX_TIMEOUT_S = 1e6
+DEFAULT_SLOT_MIB = 16.0  # transfer.slot_mib when unset, for a transport that stages
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class TransferSpec:
     # a preset's name, or {_target_: a kvlab.schedule.Strategy (sub)class or factory, and its traits};
     # a Strategy once built
     strategy: Any = "chunked"
-    slot_mib: float = 16.0  # bytes of one staging slot, in MiB (fractions allowed)
+    # MiB of one staging slot (fractions allowed), and the most a chunk holds. Unset (null): 16 MiB slots for a
+    # transport that stages, and no cut by size for a pulling one, which has no slot (Setup.chunk_cap)
+    slot_mib: Optional[float] = None
     slots: int = 4  # staging slots per rank, allocated once at start
     timeout_s: float = 60.0  # a chunk that does not complete within this fails its request
     layer_compute_ms: float = 0.0  # the same as prefill.layer_ms (kept for existing configs)
@@ -55,8 +58,9 @@ class TransferSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", make_strategy(self.strategy))
-        require(self.slot_mib > 0, "transfer.slot_mib", self.slot_mib, "must be > 0 MiB")
-        require(self.slot_bytes >= 1, "transfer.slot_mib", self.slot_mib, "a slot must hold at least one byte")
+        if self.slot_mib is not None:
+            require(self.slot_mib > 0, "transfer.slot_mib", self.slot_mib, "must be > 0 MiB")
+            require(self.slot_bytes >= 1, "transfer.slot_mib", self.slot_mib, "a slot must hold at least one byte")
         positive("transfer.slots", self.slots)
         require(self.timeout_s > 0, "transfer.timeout_s", self.timeout_s, "must be > 0 seconds")
         # the backends hold it as a timedelta and in milliseconds: 1e300 s overflowed deep in gloo's setup
@@ -67,7 +71,8 @@ class TransferSpec:
 
     @property
     def slot_bytes(self) -> int:
-        return int(self.slot_mib * 2**20)
+        """Bytes of one staging slot."""
+        return int((DEFAULT_SLOT_MIB if self.slot_mib is None else self.slot_mib) * 2**20)
 
 
 @dataclass(frozen=True)
@@ -152,11 +157,16 @@ class Setup:
         if ctx.dtype != gen.dtype:
             raise ConfigError("gen.dtype", gen.dtype,
                               f"must equal ctx.dtype={ctx.dtype}: kvlab moves cache bytes as they are")
+        # the chunk cap follows from the transport
+        transport = TransportSpec.of(self.transport)
+        if transport.name == AUTO_TRANSPORT:
+            transport = auto_transport(self)
+        object.__setattr__(self, "transport", transport)
         # the smallest chunk is one token row: one token of one layer of a segment's heads
-        for pool in model.pools(ctx.dtype):
+        for pool in model.pools(ctx.dtype) if self.chunk_cap is not None else ():
             seg_heads = max(1, pool.heads // max(ctx.tp, gen.tp)) if not pool.replicated else 1
             row = pool.token_bytes(min(pool.heads, seg_heads))
-            require(self.transfer.slot_bytes >= row, "transfer.slot_mib", self.transfer.slot_mib,
+            require(self.chunk_cap >= row, "transfer.slot_mib", self.transfer.slot_mib,
                     f"a slot must hold one token row of pool {pool.name} ({row} B); use >= {row / 2**20:.6f}")
         cap = self.cache.capacity_tokens
         if self.workload.arrival == "trace":
@@ -184,15 +194,25 @@ class Setup:
         check_gpu(self.prefill)
         require(self.prefill.kind != "gpu" or self.device != "cpu", "device", self.device,
                 "prefill=gpu computes on the ctx ranks' GPUs; use device=cuda (or auto), or prefill=sim")
-        transport = TransportSpec.of(self.transport)
-        if transport.name == AUTO_TRANSPORT:
-            transport = auto_transport(self)
-        object.__setattr__(self, "transport", transport)
         self.transport.cls().check(self)  # what only the chosen transport knows it cannot serve
 
     @property
     def world_size(self) -> int:
         return self.ctx.size + self.gen.size
+
+    @property
+    def chunk_cap(self) -> int | None:
+        """The most bytes of one chunk for this run's transport (None: not cut by size); the plan, the
+        schedule, the cost model, the memory budget and ``kvlab plan`` all take it from here.
+
+        A transport that stages cuts chunks to its slot (``transfer.slot_bytes``). A pulling transport
+        (``Transport.pulls``: the gen rank copies straight out of the mapped ctx pool) has no slot: each
+        chunk costs it a readiness wait and a copy launch whatever its size, so by default a chunk is
+        what the strategy's readiness allows, one per (request, ctx rank, gen rank, pool) segment, or per
+        ready layer of it for a layer-wise cut. A ``transfer.slot_mib`` the user set caps it still."""
+        if self.transfer.slot_mib is None and self.transport.cls().pulls:
+            return None
+        return self.transfer.slot_bytes
 
     def gpu_index(self, world_rank: int, local_rank: int, local_world: int, n_gpus: int) -> int:
         """The GPU of a rank. With a GPU per local rank: its own. With fewer GPUs than ranks on one host:

@@ -25,7 +25,9 @@ on the clock one by one in the global order.
 
 Extra device memory per rank: ``slots * slot_bytes`` (allocated once at start), or for
 ``staging: per_chunk`` (naive) the largest sum of ``slots`` consecutive per-chunk buffers of any rank (a chunk
-is a whole segment there, so it grows with the prompt).
+is a whole segment there, so it grows with the prompt); none for a pulling transport. The chunks are
+cut to the run's ``Setup.chunk_cap``: for a pulling transport by default one per segment (per ready layer
+of it for a layer-wise cut), so its fixed cost per chunk is paid once per piece the readiness allows.
 
 Rates come from the ``cost`` group (kvlab.rates): a profile (``h200`` or ``cpu``, picked from
 the backend or the device by ``cost=auto``), any rate overridable on its own, e.g.
@@ -143,7 +145,7 @@ def device_map(setup: Setup, devices: int) -> tuple[list[int], list[int]]:
 
 def request_chunks(setup: Setup, req: Request) -> list[Chunk]:
     segs = plan(setup.model, setup.ctx, setup.gen, req)
-    return schedule(setup.model, setup.ctx, setup.gen, segs, setup.transfer.strategy, setup.transfer.slot_bytes)
+    return schedule(setup.model, setup.ctx, setup.gen, segs, setup.transfer.strategy, setup.chunk_cap)
 
 
 def _order(setup: Setup, reqs: list[Request], concurrency: int) -> list[Chunk]:

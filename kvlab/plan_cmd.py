@@ -4,8 +4,10 @@ Plans one request of ``workload.isl`` tokens for every gen attention-DP group, p
 table of bytes, segments and chunks per pair with totals, and writes ``plan.json``
 (``pairs``: src, dst, bytes, ...; ``total_bytes``) into the run directory, with the cost
 model's estimate for those requests under ``predicted`` (seconds, gbps, extra_bytes, ...), the
-transport the run would use (``transport``; ``transport_why``: why ``transport=auto`` chose it) and
-why this host could not place it (``transport_problem``, else null).
+transport the run would use (``transport``; ``transport_why``: why ``transport=auto`` chose it),
+why this host could not place it (``transport_problem``, else null), and the most a chunk holds
+for that transport (``chunk_cap_bytes``: null when a pulling transport's chunks are not cut by
+size; kvlab.config.Setup.chunk_cap).
 """
 from __future__ import annotations
 
@@ -34,8 +36,7 @@ def summarize(setup: Setup) -> dict:
     reqs = plan_requests(setup)
     for req in reqs:
         segs = plan(setup.model, setup.ctx, setup.gen, req)
-        chunks = schedule(setup.model, setup.ctx, setup.gen, segs, setup.transfer.strategy,
-                          setup.transfer.slot_bytes)
+        chunks = schedule(setup.model, setup.ctx, setup.gen, segs, setup.transfer.strategy, setup.chunk_cap)
         for s in segs:
             p = pairs[(s.src, s.dst)]
             p["bytes"] += s.nbytes
@@ -53,6 +54,7 @@ def summarize(setup: Setup) -> dict:
         "requests": len(reqs),
         "strategy": setup.transfer.strategy.name,
         "slot_bytes": setup.transfer.slot_bytes,
+        "chunk_cap_bytes": setup.chunk_cap,  # null: not cut by size (a pulling transport, transfer.slot_mib unset)
         "transport": setup.transport.name,
         # why transport=auto picked it (empty when named); whether this host can place it: hydra_main
         "transport_why": setup.transport.auto,
@@ -80,8 +82,11 @@ def _duration(s: float) -> str:
 
 def print_summary(summary: dict, console: Console | None = None) -> None:
     console = console or Console()
+    cap = summary.get("chunk_cap_bytes", summary["slot_bytes"])
+    cut = f"chunks of at most {_mib(cap)} MiB" if cap is not None else \
+        f"chunks not cut by size ({summary.get('transport', 'the transport')} pulls)"
     t = Table(title=f"kvlab plan: {summary['model']}, {summary['isl']} tokens x {summary['requests']} request(s), "
-                    f"{summary['strategy']}, slot {_mib(summary['slot_bytes'])} MiB")
+                    f"{summary['strategy']}, {cut}")
     for col in ("ctx rank", "gen rank", "MiB", "segments", "chunks", "largest chunk MiB"):
         t.add_column(col, justify="right")
     for r in summary["pairs"]:

@@ -13,14 +13,18 @@ strategy with its own cutting or ordering is a subclass in the user's own module
 ``_target_``. The traits:
 
 - ``cut``: ``segment`` (one chunk per segment, as large as the segment), ``slot`` (at
-  most one slot, spanning as many layers as fit) or ``layer`` (at most one slot, never
-  spanning layers);
+  most the run's chunk cap, spanning as many layers as fit) or ``layer`` (at most the cap,
+  never spanning layers). The cap is the run's, for its transport
+  (``kvlab.config.Setup.chunk_cap``): a staging slot, or none for a pulling transport
+  unless ``transfer.slot_mib`` is set, so that ``slot`` gives one chunk per segment and
+  ``layer`` one per ready layer of it;
 - ``order``: ``as_is`` (segment after segment), ``round_robin`` (over the segments, so
   that every pair of ranks is busy early) or ``ready_layer`` (round-robin within a layer,
   layers in the order the prefill finishes them);
 - ``ready``: a chunk may leave once its ``request`` is prefilled, or once its ``layer``
   (``Chunk.ready_layer``, the global layer that must be done first) is;
-- ``in_place``: cut the last partial tile off so that whole-block chunks can go in place;
+- ``in_place``: cut the last partial tile off so that whole-block chunks can go in place
+  (not when chunks are not cut by size: such a chunk is never staged);
   ``ctx_in_place`` / ``gen_in_place`` say, from both cache states alone, whether a chunk's
   shape is in wire order on that side when its blocks are consecutive;
 - ``staging``: ``slots`` (fixed slots allocated once) or ``per_chunk`` (a buffer per chunk,
@@ -78,23 +82,31 @@ class Chunk:
     gen_in_place: bool = False
 
 
-def cut_rect(seg: Segment, rows: tuple[int, ...], slot_bytes: int, per_layer: bool, split_tail: bool) -> list[Rect]:
+def cut_rect(seg: Segment, rows: tuple[int, ...], slot_bytes: int | None, per_layer: bool,
+             split_tail: bool) -> list[Rect]:
+    """``seg``'s rectangle cut into chunks of at most ``slot_bytes`` (None: no cut by size), of one
+    layer each with ``per_layer``, the partial last tile apart with ``split_tail``."""
     r = seg.rect
     T = r.tile
     bpl = r.n_heads * sum(rows)  # bytes per token per layer
     if per_layer:
         groups = [(layer, layer + 1) for layer in range(r.l0, r.l1)]
+    elif slot_bytes is None:
+        groups = [(r.l0, r.l1)]
     else:
         m = max(1, min(r.n_layers, slot_bytes // (T * bpl)))
         groups = [(a, min(a + m, r.l1)) for a in range(r.l0, r.l1, m)]
     out = []
     for a, b in groups:
         per_tok = (b - a) * bpl
-        if per_tok > slot_bytes:
-            raise ConfigError("transfer.slot_mib", slot_bytes / 2**20,
-                              f"a slot must hold one token row of pool {r.pool} ({per_tok} B)")
-        step = (slot_bytes // (T * per_tok)) * T or slot_bytes // per_tok
-        ends = list(range(r.t0 + step, r.t1, step)) + [r.t1]
+        if slot_bytes is None:
+            ends = [r.t1]
+        else:
+            if per_tok > slot_bytes:
+                raise ConfigError("transfer.slot_mib", slot_bytes / 2**20,
+                                  f"a slot must hold one token row of pool {r.pool} ({per_tok} B)")
+            step = (slot_bytes // (T * per_tok)) * T or slot_bytes // per_tok
+            ends = list(range(r.t0 + step, r.t1, step)) + [r.t1]
         if split_tail and (r.t1 - r.t0) > T and r.t1 % T:
             tail = r.t1 // T * T  # first token of the partial last tile
             # keep cuts inside the tail too: when a slot holds less than a tile they bound its size
@@ -144,10 +156,12 @@ class Strategy:
     def traits(self) -> dict:
         return {f.name: (v.value if isinstance(v := getattr(self, f.name), Enum) else v) for f in fields(self)}
 
-    def rects(self, seg: Segment, rows: tuple[int, ...], slot_bytes: int) -> list[Rect]:
+    def rects(self, seg: Segment, rows: tuple[int, ...], slot_bytes: int | None) -> list[Rect]:
+        """``seg`` cut into chunk rectangles of at most ``slot_bytes`` (None: the run's transport caps no
+        chunk, kvlab.config.Setup.chunk_cap)."""
         if self.cut == Cut.segment:
             return [seg.rect]
-        return cut_rect(seg, rows, slot_bytes, self.cut == Cut.layer, self.in_place)
+        return cut_rect(seg, rows, slot_bytes, self.cut == Cut.layer, self.in_place and slot_bytes is not None)
 
     def arrange(self, per_seg: list[list[Chunk]]) -> list[Chunk]:
         """One request's chunks in sending order, from its chunks per segment."""
@@ -160,7 +174,9 @@ class Strategy:
 
 
 def schedule(model: ModelSpec, ctx: SideSpec, gen: SideSpec, segments: list[Segment], strategy: Strategy,
-             slot_bytes: int) -> list[Chunk]:
+             slot_bytes: int | None) -> list[Chunk]:
+    """A request's chunks in sending order; ``slot_bytes``: the most one chunk holds, the run's
+    ``Setup.chunk_cap`` (None: not cut by size, for a pulling transport)."""
     per_seg: list[list[Chunk]] = []
     for seg in segments:
         spec = model.pools(ctx.dtype)

@@ -120,7 +120,7 @@ def plan_run(setup) -> tuple[list, dict, list[Chunk]]:
     requests = make_requests(setup)
     segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r) for r in requests}
     schedules = [schedule(setup.model, setup.ctx, setup.gen, segments[r.id], setup.transfer.strategy,
-                          setup.transfer.slot_bytes) for r in requests]
+                          setup.chunk_cap) for r in requests]
     times = prefill.times_for(setup, requests)
     per_layer = setup.transfer.strategy.ready == Ready.layer
     link = setup.cost.rates(pair_backend(setup))  # an estimate of each chunk's time on the link

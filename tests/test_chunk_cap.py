@@ -1,0 +1,123 @@
+"""What a chunk is capped at for the run's transport (``Setup.chunk_cap``), and what follows from it.
+
+A transport that stages cuts chunks to its slot (16 MiB unless ``transfer.slot_mib`` is set). A
+pulling transport (``ipc``) has no slot: unless the user sets ``transfer.slot_mib``, a chunk is one
+segment (per ready layer for a layer-wise cut). The schedule must still cover the plan's bytes
+exactly once (the oracle of test_plan_properties), and the plan, cost model, memory budget and
+``kvlab plan`` must agree with the schedule.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from test_plan_properties import SCALE, SETTINGS, STRATEGY, Case, cases, check_plan, check_schedule
+
+from kvlab import budget, cli
+from kvlab.config import DEFAULT_SLOT_MIB, build, compose
+from kvlab.cost import predict
+from kvlab.plan import plan
+from kvlab.plan_cmd import summarize
+from kvlab.schedule import Cut, schedule
+from kvlab.workload import plan_run
+
+QUIET = ["logger=quiet"]
+UNCAPPED = 1 << 62  # what check_schedule compares chunk sizes with when nothing caps them
+
+
+def check_uncut(case: Case, segs, chunks) -> None:
+    """One chunk per segment, or per (segment, layer) for a layer-wise cut, each over the segment's tokens."""
+    per_seg = Counter((c.src, c.dst, c.rect.pool) for c in chunks)
+    for s in segs:
+        n = s.rect.l1 - s.rect.l0 if case.strategy.cut == Cut.layer else 1
+        assert per_seg[(s.src, s.dst, s.rect.pool)] == n, (s, n)
+    for c in chunks:
+        seg = next(s for s in segs if (s.src, s.dst, s.rect.pool) == (c.src, c.dst, c.rect.pool))
+        assert (c.rect.t0, c.rect.t1) == (seg.rect.t0, seg.rect.t1)
+    assert sum(c.nbytes for c in chunks) == sum(s.nbytes for s in segs)
+
+
+@settings(max_examples=int(400 * SCALE), **SETTINGS)
+@given(cases(strategies=(STRATEGY["naive"], STRATEGY["chunked"], STRATEGY["layerwise"], STRATEGY["zerocopy"])))
+def test_uncut_chunks_cover_the_plan_exactly_once(case):
+    segs = plan(case.model, case.ctx, case.gen, case.req)
+    check_plan(case, segs)
+    chunks = schedule(case.model, case.ctx, case.gen, segs, case.strategy, None)
+    check_schedule(Case(case.model, case.ctx, case.gen, case.req, case.strategy, UNCAPPED), segs, chunks)
+    check_uncut(case, segs, chunks)
+
+
+@settings(max_examples=int(300 * SCALE), **SETTINGS)
+@given(cases(strategies=(STRATEGY["chunked"], STRATEGY["layerwise"], STRATEGY["zerocopy"])))
+def test_a_cap_never_gives_fewer_chunks_than_none(case):
+    segs = plan(case.model, case.ctx, case.gen, case.req)
+    capped = schedule(case.model, case.ctx, case.gen, segs, case.strategy, case.slot_bytes)
+    uncut = schedule(case.model, case.ctx, case.gen, segs, case.strategy, None)
+    assert len(uncut) <= len(capped)
+    assert sum(c.nbytes for c in uncut) == sum(c.nbytes for c in capped)
+
+
+@pytest.mark.parametrize("transport, slot_mib, cap", [
+    ("p2p", None, int(DEFAULT_SLOT_MIB * 2**20)), ("p2p", 1, 2**20), ("ipc", None, None), ("ipc", 1, 2**20),
+    ("ipc", DEFAULT_SLOT_MIB, int(DEFAULT_SLOT_MIB * 2**20)), ("nixl", None, int(DEFAULT_SLOT_MIB * 2**20))])
+def test_the_cap_follows_the_transport_and_an_explicit_slot(transport, slot_mib, cap):
+    extra = [] if slot_mib is None else [f"transfer.slot_mib={slot_mib}"]
+    setup = build(compose(QUIET + [f"transport={transport}", *extra]))
+    assert setup.chunk_cap == cap
+    assert setup.transfer.slot_bytes == int((slot_mib or DEFAULT_SLOT_MIB) * 2**20)  # staging's slot, as before
+    # the record keeps the difference: a rebuilt run cuts its chunks the same way
+    assert build(compose(QUIET)).to_dict()["transfer"]["slot_mib"] is None
+    assert setup.to_dict()["transfer"]["slot_mib"] == slot_mib
+
+
+GEMMA = ["model=gemma3_27b", "ctx.tp=2", "gen.tp=1", "gen.layout=layer_major", "gen.tokens_per_block=64",
+         "workload.isl=32768", "cost=h200"]
+
+
+@pytest.mark.parametrize("transfer", ["chunked", "layerwise", "zerocopy", "naive"])
+def test_plan_cost_and_budget_follow_the_schedule(transfer):
+    pull = build(compose(GEMMA + [f"transfer={transfer}", "transport=ipc"]))
+    push = build(compose(GEMMA + [f"transfer={transfer}", "transport=p2p"]))
+    s_pull, s_push = summarize(pull), summarize(push)
+    assert s_pull["total_bytes"] == s_push["total_bytes"]
+    segments = sum(p["segments"] for p in s_pull["pairs"])
+    layers = sum(s.rect.l1 - s.rect.l0 for s in plan(pull.model, pull.ctx, pull.gen, plan_run(pull)[0][0]))
+    want = layers if transfer == "layerwise" else segments
+    assert s_pull["total_chunks"] == want and s_pull["chunk_cap_bytes"] is None
+    if transfer != "naive":  # 204 slot-sized chunks over p2p at the default slot
+        assert s_push["total_chunks"] > want and s_push["chunk_cap_bytes"] == push.transfer.slot_bytes
+    # the budget counts the same chunks, and no staging for the pulling transport
+    b = budget.estimate(pull)
+    assert b.chunks_per_request == want and all(r.staging == 0 for r in b.ranks)
+    assert all(r.staging > 0 for r in budget.estimate(push).ranks)
+    # the cost model walks the same chunks: one message each, no extra memory
+    p = predict(pull, [32768])
+    assert p.messages == want and p.extra_bytes == 0
+
+
+def test_run_order_is_uncut_for_ipc():
+    setup = build(compose(QUIET + ["transport=ipc", "transfer=layerwise", "workload.requests=3"]))
+    requests, segments, order = plan_run(setup)
+    for r in requests:
+        mine = [c for c in order if c.request == r.id]
+        assert len(mine) == sum(s.rect.l1 - s.rect.l0 for s in segments[r.id])
+        assert sum(c.nbytes for c in mine) == sum(s.nbytes for s in segments[r.id])
+
+
+def test_a_slot_row_is_checked_only_where_there_is_a_cap():
+    # a 1-byte slot cannot hold a token row: refused with a cap, irrelevant without one
+    with pytest.raises(Exception, match=r"^transfer.slot_mib=1e-06: a slot must hold one token row"):
+        build(compose(QUIET + ["transport=ipc", "transfer.slot_mib=0.000001"]))
+    build(compose(QUIET + ["transport=ipc"]))
+
+
+def test_kvlab_plan_says_chunks_are_not_cut(tmp_path, capsys):
+    run_dir = tmp_path / "plan"
+    cli.main(["plan", f"hydra.run.dir={run_dir}", "transport=ipc"])
+    out = " ".join(capsys.readouterr().out.split())  # the table's title wraps
+    data = json.loads((run_dir / "plan.json").read_text())
+    assert data["chunk_cap_bytes"] is None and data["total_chunks"] == sum(p["segments"] for p in data["pairs"])
+    assert "chunks not cut by size (ipc pulls)" in out
+    assert data["memory"]["ranks"][0]["staging"] == 0
