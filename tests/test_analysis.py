@@ -217,3 +217,40 @@ def test_plot_prediction(sweep):
     pts = [c.get_offsets() for c in ax.collections]
     assert sum(len(p) for p in pts) == 4
     assert "median ratio" in ax.get_title()
+
+
+def test_old_and_new_summaries_share_their_columns(sweep):
+    """A sweep that mixes summaries written before schema 2 (``seconds``, rows' ``wire_s``) with current ones
+    reads as one table with the current names; ``schema`` says what each run's GB/s were over."""
+    new = sweep / "4"
+    make_run(new, ("transfer=chunked", "workload.isl=1024", "workload.requests=2"))
+    s = json.loads((new / "summary.json").read_text())
+    s.update(schema=2, makespan_s=s.pop("seconds"), busy_s=0.001)
+    (new / "summary.json").write_text(json.dumps(s))
+    df = analysis.load_sweep(sweep)
+    assert "seconds" not in df and df["makespan_s"].notna().all() and df["makespan_s"].gt(0).all()
+    assert list(df["schema"]) == [0, 0, 0, 0, 2]
+    assert df["busy_s"].isna().sum() == 4  # not measured before schema 2: absent, not zero
+    res = analysis.load_results(sweep)
+    assert "wire_s" not in res and res["busy_s"].notna().all()
+    assert "median ratio" in analysis.plot_prediction(df).axes[0].get_title()  # measured: makespan_s
+
+
+def test_figures_lists_the_table():
+    table = analysis.figures()
+    assert table.loc["gbps", "unit"] == "GB/s" and table.loc["gbps", "run"] == "gbps"
+    assert table.loc["bytes", "run"] == "total_bytes" and table.loc["bytes", "reduction"] == "sum"
+    assert table.loc["makespan_s", "was"] == "seconds" and not table.loc["makespan_s", "request"]
+    assert table.loc["slot_wait_s", "needs"] == "slots" and table.loc["ttft_s", "percentiles"]
+    assert table["meaning"].str.len().gt(0).all()
+
+
+def test_plot_load_scales_each_figure_by_its_unit(tmp_path):
+    import pandas as pd
+
+    df = pd.DataFrame({"strategy": ["chunked"] * 2, "workload.rate": [5, 25],
+                       "serving.ttft_s.p90": [0.1, 0.2], "serving.prefill_slowdown.p90": [1.1, 1.4]})
+    ax = analysis.plot_load(df).axes[0]
+    assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([100, 200]) and "(ms)" in ax.get_ylabel()
+    ax = analysis.plot_load(df, "serving.prefill_slowdown").axes[0]
+    assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([1.1, 1.4]) and "(x)" in ax.get_ylabel()
