@@ -1,6 +1,7 @@
 """Soak: 240 requests with lognormal prompt lengths up to 128k tokens, 32 at a time, through a
 staging pool 50x smaller than what is in flight. Every request verified, staging flat, no request
-starved (the measured order is the round-robin order, and its bounds hold), throughput steady."""
+starved (the measured order is the round-robin order, and its bounds hold), every byte landed once.
+How steady the throughput is gets printed, not asserted: speed is the benchmarks' business."""
 from __future__ import annotations
 
 import json
@@ -61,7 +62,7 @@ def test_soak(tmp_path):
         inside = sum(chunks[s] for s in range(240) if s != r and start[s] >= start[r] and end[s] <= end[r])
         assert inside <= (CONCURRENCY - 1) * (chunks[r] - 1), (r, inside, chunks[r])
 
-    # throughput steady: bytes received per third of the run, from the gen rank's chunk completions
+    # bytes received per third of the run, from the gen rank's chunk completions (reported below)
     gen = json.loads((tmp_path / "parts" / "rank1.json").read_text())
     nbytes = {}
     for c in order:
@@ -72,8 +73,6 @@ def test_soak(tmp_path):
     third = (t_last - t_first) / 3
     rates = [sum(n for t, n in done if t_first + k * third <= t < t_first + (k + 1) * third + (k == 2)) / third
              for k in range(3)]
-    # generous: the machine is shared, and the rate of one third of a few seconds is noisy
-    assert min(rates) >= 0.25 * max(rates), rates
     print(f"soak: 240 requests, {summary['total_bytes'] / 2**20:.1f} MiB, {len(order)} chunks, wall {wall:.1f} s, "
           f"transfer {summary['seconds']:.1f} s, thirds {[round(r / 2**20, 1) for r in rates]} MiB/s, "
           f"staging {summary['peak_staging_bytes']} B, cache {summary['cache_bytes']} B")
