@@ -69,13 +69,15 @@ DISPLAY = {
 class Traits:
     """What a run's transport has, for the figures that depend on it (kvlab.transports.Transport)."""
 
-    pulls: bool = False  # the gen ranks move the bytes: their wire marks are the ones in flight
+    pulls: bool = False  # the gen ranks move the bytes: their marks stand for a chunk's flight without the order
     has: frozenset[str] = frozenset()  # e.g. "slots": a ctx rank's chunks wait for a free staging slot
 
     @classmethod
-    def of(cls, transport) -> Traits:
-        """A transport class's (or instance's) declared traits."""
-        return cls(bool(getattr(transport, "pulls", False)), frozenset(getattr(transport, "has", ())))
+    def of(cls, transport, options: dict | None = None) -> Traits:
+        """A transport class's declared traits; ``options``: its config's (a transport whose ``has`` depends on
+        them declares it as a function of them)."""
+        has = getattr(transport, "has", ())
+        return cls(bool(getattr(transport, "pulls", False)), frozenset(has(options or {}) if callable(has) else has))
 
 
 PLAIN = Traits()  # a pushing transport that declares nothing: no figure that needs a trait

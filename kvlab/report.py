@@ -198,7 +198,7 @@ def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[
         elif got.get((rid, dst), 0) < n:
             why = f": {errors[0]}" if errors else ""
             failures[rid] = f"gen{dst} received {got.get((rid, dst), 0)} of {n} chunks (run stopped{why})"
-    traits = figures.Traits.of(setup.transport.cls())
+    traits = figures.Traits.of(setup.transport.cls(), setup.transport.options)
     rows, timeline = metrics.merge(all_parts, failures, {r.id: r.ctx_dp for r in requests},
                                    {r.id: r.gen_dp for r in requests}, setup.transfer.strategy.ready == Ready.layer,
                                    traits, order)

@@ -248,3 +248,14 @@ def test_the_terminal_table_shows_the_columns_of_the_table():
     cells = [c.strip() for c in all_row.strip("│ ").split("│")]
     assert cells[2] == "15.00" and cells[-1] == "yes"
     assert "250.0" not in all_row  # the largest exposed transfer is one request's, not the run's
+
+
+def test_transports_declare_what_their_figures_need():
+    from kvlab.transports.ipc import Ipc
+    from kvlab.transports.nixl import Nixl
+    from kvlab.transports.p2p import P2P
+
+    assert figures.Traits.of(P2P, {}) == SLOTS
+    assert figures.Traits.of(Ipc, {}) == PULL  # pulls, and no staging slots
+    assert figures.Traits.of(Nixl, {"mode": "staged"}) == SLOTS
+    assert figures.Traits.of(Nixl, {"mode": "direct"}) == figures.PLAIN  # pool to pool: no slots either

@@ -74,5 +74,5 @@ def test_soak(tmp_path):
     rates = [sum(n for t, n in done if t_first + k * third <= t < t_first + (k + 1) * third + (k == 2)) / third
              for k in range(3)]
     print(f"soak: 240 requests, {summary['total_bytes'] / 2**20:.1f} MiB, {len(order)} chunks, wall {wall:.1f} s, "
-          f"transfer {summary['seconds']:.1f} s, thirds {[round(r / 2**20, 1) for r in rates]} MiB/s, "
+          f"span {summary['makespan_s']:.1f} s, thirds {[round(r / 2**20, 1) for r in rates]} MiB/s, "
           f"staging {summary['peak_staging_bytes']} B, cache {summary['cache_bytes']} B")

@@ -76,7 +76,8 @@ ctx rank's.
 
 ``has`` (class attribute): what the transport's runs have that the figures of some transports
 need (kvlab.figures, ``Figure.needs``): ``"slots"`` when a ctx rank's chunks wait for a free
-staging slot (``slot_wait_s``). A figure whose need is not declared is absent from the run's
+staging slot (``slot_wait_s``); a function of the transport's options where they decide it
+(nixl: none in ``mode=direct``). A figure whose need is not declared is absent from the run's
 rows, summary, terminal and wandb, not zero.
 """
 from __future__ import annotations

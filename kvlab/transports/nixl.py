@@ -137,6 +137,7 @@ class Peer:
 class Nixl(P2P):
     link_reference = "nixl"  # kvlab.linkrate: raw NIXL WRITEs of the run's chunk size between its pairs
     polls = False  # its own notifications, not the pair groups' ops: finished when the executor must
+    has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else P2P.has)  # direct: no slots
 
     def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", pack_ctas: int | None = None,
                  progress_thread: bool = False):
