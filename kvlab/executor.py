@@ -55,7 +55,6 @@ from kvlab.schedule import Chunk, Ready
 from kvlab.transports import ChunkFailed, Transport
 from kvlab.workload import chunks_of
 
-
 POLL_S = 0.0005  # between looks at the chunks in flight, when a transport can say which are done
 WAIT_S = 0.05  # the longest wait for the prefill with nothing in flight (signals and beats in between)
 
@@ -207,7 +206,7 @@ class Executor:
             free = ready.go(c.ready_layer) if self.strategy.ready == Ready.layer else ready.end
             if rec.first_post is None:
                 rec.start = free  # its transfer starts with its first chunk free to go
-            if self.device.type == "cuda":  # after the layer's writes, queued on the compute stream
+            if self.gpu_prefill is not None:  # after the layer's writes, queued on the compute stream
                 self.stream.wait_event(free)
         if rec.first_post is None:
             rec.first_post = self.clock.mark()

@@ -37,6 +37,8 @@ import torch
 from kvlab.transports import ChunkFailed
 
 POLL_S = 0.05  # how often a blocked wait looks at the halt flag (a stop, a failed loop)
+LEAD = 2  # prefill=gpu: layers queued ahead of the GPU (enough to keep it busy between launches)
+LEAD_POLL_S = 50e-6
 
 
 @dataclass
@@ -75,6 +77,11 @@ class Prefiller:
         self.halt = threading.Event()
         self.error: BaseException | None = None
         self.held = sorted(executor.held_layers)
+        # prefill=sim on a GPU writes the cache on a stream of its own and waits for it before a layer counts as
+        # written (the host marks are the layer's end, so the write must be done by then)
+        self.fill_stream = (torch.cuda.Stream(executor.device)
+                            if executor.device.type == "cuda" and executor.gpu_prefill is None else None)
+        self.queued: list = []  # prefill=gpu: the events of the layers queued last, oldest first
         self.thread = threading.Thread(target=self._main, name=f"prefill-ctx{executor.rank}", daemon=True)
 
     # -- the transfer loop's side --------------------------------------------------------------
@@ -168,8 +175,10 @@ class Prefiller:
         for layer in range(last + 1):
             if layer in x.held_layers and layer != x.faults.unwritten_layer:
                 t0 = time.perf_counter()
-                with x.untracked():
+                with x.untracked(), self._on_fill_stream():
                     x.cache.fill(req, x.ops, layer)
+                    if self.fill_stream is not None:
+                        self.fill_stream.synchronize()
                 p.fill_s += time.perf_counter() - t0
             self._sleep_until(t + seconds[layer])
             t = time.time()
@@ -185,6 +194,9 @@ class Prefiller:
             t = time.time()
         p.end = time.time()
         self._publish(p, len(seconds))
+
+    def _on_fill_stream(self):
+        return torch.cuda.stream(self.fill_stream) if self.fill_stream is not None else contextlib.nullcontext()
 
     def _in_step(self, req) -> None:
         """Wait until every ctx rank of this rank's (dp, pp) group that sends some of the request has
@@ -223,12 +235,26 @@ class Prefiller:
             p.start = x.clock.mark()
             for layer in range(last + 1):
                 if layer in x.held_layers:
+                    self._lead()
                     g.layer(layer, req.isl)
                     if layer != x.faults.unwritten_layer:
                         x.cache.fill(req, x.ops, layer)
                     p.ready[layer] = x.clock.mark()
+                    self.queued.append(p.ready[layer])
             p.end = p.stepped = p.ready[last]
         self._publish(p, x.setup.model.num_layers)
+
+
+    def _lead(self) -> None:
+        """Keep at most LEAD layers queued ahead of the GPU. A launch into a full queue blocks in the driver
+        with the interpreter's lock held, which would stall the transfer loop's thread for as long as the
+        GPU takes to drain the queue (a whole prefill): this thread waits for the GPU instead, politely."""
+        while len(self.queued) >= LEAD:
+            e = self.queued[0]
+            while not e.query():
+                if self.halt.wait(LEAD_POLL_S):
+                    raise Halted()
+            self.queued.pop(0)
 
 
 @contextlib.contextmanager
