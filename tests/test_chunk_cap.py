@@ -21,6 +21,7 @@ from kvlab.cost import predict
 from kvlab.plan import plan
 from kvlab.plan_cmd import summarize
 from kvlab.schedule import Cut, schedule
+from kvlab.transports.ipc import copy_pieces
 from kvlab.workload import plan_run
 
 QUIET = ["logger=quiet"]
@@ -47,6 +48,26 @@ def test_uncut_chunks_cover_the_plan_exactly_once(case):
     chunks = schedule(case.model, case.ctx, case.gen, segs, case.strategy, None)
     check_schedule(Case(case.model, case.ctx, case.gen, case.req, case.strategy, UNCAPPED), segs, chunks)
     check_uncut(case, segs, chunks)
+
+
+@settings(max_examples=int(300 * SCALE), **SETTINGS)
+@given(cases(strategies=(STRATEGY["chunked"], STRATEGY["layerwise"])))
+def test_an_uncut_chunk_is_copied_in_bounded_pieces_exactly_once(case):
+    """ipc's copies that build index tensors (torch, CPU rows) go in pieces: flat memory whatever the chunk."""
+    segs = plan(case.model, case.ctx, case.gen, case.req)
+    pools = {p.name: p for p in case.model.pools(case.ctx.dtype)}
+    for c in schedule(case.model, case.ctx, case.gen, segs, case.strategy, None):
+        rows = pools[c.rect.pool].comp_row_bytes()
+        assert copy_pieces(c.rect, rows, "cuda") == [c.rect]
+        pieces = copy_pieces(c.rect, rows, "torch", case.slot_bytes)
+        assert all(p.nbytes(rows) <= case.slot_bytes for p in pieces)
+        assert sum(p.nbytes(rows) for p in pieces) == c.nbytes
+        cover = Counter((layer, t) for p in pieces for layer in range(p.l0, p.l1) for t in (p.t0, p.t1))
+        # within each layer the pieces' token intervals abut: every inner bound is one's end and the next's start
+        for layer in range(c.rect.l0, c.rect.l1):
+            assert cover[(layer, c.rect.t0)] == 1 and cover[(layer, c.rect.t1)] == 1
+        assert all(n == 2 for (layer, t), n in cover.items() if t not in (c.rect.t0, c.rect.t1))
+        assert all((p.h0, p.h1, p.tile, p.pool) == (c.rect.h0, c.rect.h1, c.rect.tile, c.rect.pool) for p in pieces)
 
 
 @settings(max_examples=int(300 * SCALE), **SETTINGS)

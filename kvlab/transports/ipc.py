@@ -69,12 +69,26 @@ import torch.distributed as dist
 from kvlab import devices
 from kvlab.errors import ConfigError
 from kvlab.layout import Rect, runs
-from kvlab.schedule import Chunk
+from kvlab.plan import Segment
+from kvlab.schedule import Chunk, cut_rect
 from kvlab.state import CacheState
 from kvlab.transports import ChunkFailed, Transport, cuda_ipc
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+# A chunk is not cut to a slot here (kvlab.config.Setup.chunk_cap), but the copies that build index tensors
+# (kernels=torch: one per byte; the CPU rows: one per row) would grow with it: they go in pieces of this size,
+# so the gen rank's temporaries stay flat in the prompt. The CUDA kernel computes its runs itself: one launch.
+COPY_PIECE_BYTES = 16 << 20
+
+
+def copy_pieces(rect: Rect, rows: tuple[int, ...], ops: str, piece_bytes: int = COPY_PIECE_BYTES) -> list[Rect]:
+    """``rect`` as the rectangles one ``copy_rect`` call of ``ops`` copies: itself for the CUDA kernel, else
+    pieces of at most ``piece_bytes`` that cover it exactly once."""
+    if ops == "cuda":
+        return [rect]
+    return cut_rect(Segment(0, 0, 0, rect, rect.nbytes(rows)), rows, piece_bytes, per_layer=False,
+                    split_tail=False)
 
 
 class Ipc(Transport):
@@ -381,8 +395,9 @@ class Ipc(Transport):
         base, ids = self._table(c)
         store = ex.cache.pools[c.rect.pool]
         table = ex.cache.tables[c.request][c.rect.pool]
-        ex.ops.copy_rect(src_bytes, src_pool, src_blocks, ids, base,
-                         store.storage, store.pool, store.num_blocks, table.ids, table.base, c.rect)
+        for rect in copy_pieces(c.rect, src_pool.rows, ex.ops.name):
+            ex.ops.copy_rect(src_bytes, src_pool, src_blocks, ids, base,
+                             store.storage, store.pool, store.num_blocks, table.ids, table.base, rect)
         flips = ex.faults.flips.get(i, [])
         if flips:  # inside the copy's output, at the chunk's wire offsets
             dst = runs(store.pool, store.num_blocks, c.rect, table.ids, table.base)
