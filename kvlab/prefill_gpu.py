@@ -17,15 +17,26 @@ What is left out or approximated, so that the figures say what they measure:
 - sliding windows (and top-k) run blockwise: query blocks of the window's size over their own
   block and the one before, masked to the window;
 - norms, rotary embeddings, residuals and the LM head are not run.
+
+The reference of a request's ``prefill_slowdown`` (``alone_with_cache_s``, before the run, per
+prompt length) is the same prefill with nothing else on the GPU: the same layers, each followed
+by the same cache write into the same cache, so that the slowdown is what the transfers add.
 """
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvlab.spec import ROPE_DIM, Attention, ModelSpec
+
+if TYPE_CHECKING:
+    from kvlab.cache import PagedCache
+    from kvlab.plan import Request
 
 TOKEN_CHUNK = 16384  # rows of a projection or MLP GEMM at once: bounds activation memory at long prompts
 
@@ -118,17 +129,43 @@ class GpuPrefill:
             h = F.silu(h[:, :width]) * h[:, width:]
             h @ self.w[f"down_{int(dense)}"]
 
-    def alone_s(self, n: int, repeat: int = 2) -> float:
+    def alone_s(self, n: int, repeat: int = 2, write: Callable[[int], None] | None = None,
+                layers: Iterable[int] | None = None) -> float:
         """Seconds of a whole prefill of ``n`` tokens with nothing else on the GPU (the reference a run's
-        prefill under transfers is compared with); the first pass warms the kernels up."""
-        with torch.cuda.stream(self.stream):
-            for layer in range(self.model.num_layers):
+        prefill under transfers is compared with); the first pass warms the kernels up. ``write(layer)``
+        runs after each layer's kernels, on the same stream: the cache write the run's prefill does (without
+        it the first request of a run, alone on the GPU, read 1.37 times its reference). ``layers``: the
+        global layers this rank computes (every layer by default). On a CPU, host seconds (shape checks)."""
+        layers = range(self.model.num_layers) if layers is None else sorted(layers)
+
+        def once() -> None:
+            for layer in layers:
                 self.layer(layer, n)
+                if write is not None:
+                    write(layer)
+
+        with torch.cuda.stream(self.stream):
+            once()
+            if self.stream is None:
+                t0 = time.perf_counter()
+                for _ in range(repeat):
+                    once()
+                return (time.perf_counter() - t0) / repeat
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             for _ in range(repeat):
-                for layer in range(self.model.num_layers):
-                    self.layer(layer, n)
+                once()
             b.record()
         b.synchronize()
         return a.elapsed_time(b) / 1e3 / repeat
+
+    def alone_with_cache_s(self, req: Request, cache: PagedCache, ops, repeat: int = 2) -> float:
+        """``alone_s`` of ``req``'s prompt as the run's prefill does it on this rank: the layers whose cache
+        ``cache`` holds, each followed by the write of that layer of ``req`` (``cache.fill``). The request's
+        blocks are allocated for the measure and released after it: call it before the run opens any."""
+        held = {p.spec.layers[i] for p in cache.state.pools() for i in p.layers}
+        cache.allocate(req)
+        try:
+            return self.alone_s(req.isl, repeat, lambda layer: cache.fill(req, ops, layer), held)
+        finally:
+            cache.release(req.id)

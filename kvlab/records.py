@@ -158,9 +158,18 @@ class Link:
     reference: str = "p2p"  # p2p: raw messages over the pair groups; copy: a local copy_ of the same bytes;
     # nixl: raw NIXL WRITEs between the run's agents
     message_bytes: int = 0
-    messages: int = 0
-    seconds: float = 0.0
-    gbps: float | None = None
+    messages: int = 0  # timed per repeat, all pairs (copy: the chunk-sized pieces, all gen ranks)
+    seconds: float = 0.0  # the median repeat's
+    gbps: float | None = None  # the median repeat's
+    # records written before repeats hold one repeat and none of the fields below
+    repeats: int = 1
+    gbps_min: float | None = None  # the slowest repeat
+    gbps_max: float | None = None  # the fastest: the ceiling a delivered figure is checked against
+    bytes: int = 0  # timed per repeat, all ranks
+    samples: list[float] = field(default_factory=list)  # GB/s of each repeat
+    forms: dict[str, float] = field(default_factory=dict)  # copy: median GB/s of "pieces" and "whole"; each
+    # repeat counts the faster of the two
+    whole_bytes: int = 0  # copy: bytes of the one-copy form (a request's bytes on one gen rank, bounded)
 
 
 @dataclass

@@ -31,6 +31,36 @@ def test_layers_run_at_a_plausible_rate(model):
     assert flops / secs < 1.05 * 989e12, (model, flops / secs / 1e12)
 
 
+def test_the_alone_reference_writes_the_cache_on_the_compute_stream():
+    """The reference of prefill_slowdown runs each layer and then writes its cache, as the run's prefill
+    does: what it wrote is the request's contents."""
+    from kvlab.cache import PagedCache
+    from kvlab.ops import get_ops
+    from kvlab.plan import Segment
+    from kvlab.prefill_gpu import GpuPrefill
+    from kvlab.state import CacheState
+    from kvlab.workload import make_requests
+
+    s = build(compose(["model=llama3_8b", "model.num_layers=4", "parallel=same", "device=cuda", "kernels=cuda",
+                       "workload.isl=8192", "workload.requests=1"]))
+    dev = torch.device("cuda")
+    state = CacheState(s.model, s.ctx, 0)
+    req = make_requests(s)[0]
+    cache = PagedCache(state, {p.name: 8192 // p.tokens_per_block for p in state.pools()}, 2, 0.0, 1, dev)
+    ops = get_ops("cuda", "cuda")
+    g = GpuPrefill(s.model, 1, dev)
+    written = []
+    fill = cache.fill
+    cache.fill = lambda r, o, layer=None: (written.append(layer), fill(r, o, layer))[1]
+    assert g.alone_with_cache_s(req, cache, ops, repeat=1) > 0
+    assert written == list(range(4)) * 2 and req.id not in cache.tables
+    torch.cuda.synchronize()
+    cache.allocate(req)  # the same blocks again (no fragmentation), still holding what the reference wrote
+    held = [Segment(req.id, 0, 0, r, r.nbytes(cache.pools[n].pool.rows))
+            for n in cache.pools for r in [cache.held_rect(n, req.isl)]]
+    assert cache.verify(req, held, ops) == []
+
+
 @pytest.mark.parametrize("transport", [
     "ipc",  # ctx and gen on one GPU: the gen rank pulls from the ctx pool
     pytest.param("p2p", marks=[pytest.mark.gpu2, pytest.mark.skipif(torch.cuda.device_count() < 2,

@@ -10,6 +10,7 @@ import torch
 from kvlab import linkrate
 from kvlab.api import run_transfer
 from kvlab.config import build, compose
+from kvlab.records import Link, from_dict, to_dict
 from kvlab.staging import SlotPool
 from kvlab.workload import plan_run
 
@@ -23,7 +24,87 @@ def test_messages_are_the_runs_largest_chunk_between_its_own_pairs():
     nbytes, n, pairs = linkrate.messages(order)
     assert nbytes == max(c.nbytes for c in order) <= setup.transfer.slot_bytes
     assert pairs == sorted({(c.src, c.dst) for c in order}) and len(pairs) == 4  # 3 -> 2: ctx1 feeds both
-    assert 2 <= n <= linkrate.MAX_MESSAGES and n * nbytes <= max(linkrate.MESSAGE_BUDGET, 2 * nbytes)
+    assert linkrate.MIN_MESSAGES <= n <= linkrate.MAX_MESSAGES
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("chunk", [1000, 240 << 10, 16 << 20, 1 << 30])
+def test_a_repeat_times_enough_bytes_that_its_fixed_costs_weigh_little(device, chunk):
+    """Many small messages where a few would last about as long as leaving the barrier; few of the largest."""
+    n = linkrate.messages([_chunk(0, 0, 0, chunk)], device)[1]
+    assert linkrate.MIN_MESSAGES <= n <= linkrate.MAX_MESSAGES
+    assert n * chunk >= linkrate.REPEAT_BYTES[device] or n == linkrate.MAX_MESSAGES
+
+
+def _chunk(request: int, src: int, dst: int, nbytes: int):
+    from kvlab.layout import Rect
+    from kvlab.schedule import Chunk
+
+    return Chunk(request=request, seq=0, src=src, dst=dst, rect=Rect("kv", 0, 1, 0, 1, 0, 1, 1), nbytes=nbytes,
+                 ready_layer=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_copy_reference_copies_each_gen_ranks_bytes_in_pieces_and_whole(device):
+    mib = 1 << 20
+    # gen0 gets request 0 in 3 pieces of 5 MiB and 1 MiB, request 1 in one piece; gen1 nothing
+    order = [_chunk(0, 0, 0, 5 * mib), _chunk(0, 1, 0, 5 * mib), _chunk(0, 0, 0, 1 * mib), _chunk(1, 0, 0, 2 * mib)]
+    plan = linkrate.copy_plan(order, 0, device)
+    assert linkrate.copy_plan(order, 1, device) is None
+    assert plan.piece == 5 * mib and plan.whole == 11 * mib  # the largest request, in one copy
+    for whole in (False, True):
+        spans = plan.spans(whole)
+        assert sum(n for _, n in spans) == plan.regions * plan.whole  # both forms copy the same bytes
+        assert all(n <= (plan.whole if whole else plan.piece) for _, n in spans)
+        ends = sorted((o, o + n) for o, n in spans)
+        assert all(a[1] == b[0] for a, b in zip(ends, ends[1:])) and ends[0][0] == 0  # side by side, no overlap
+    assert plan.regions * plan.whole <= linkrate.COPY_BYTES[device]
+    assert plan.pieces <= linkrate.MAX_MESSAGES or plan.passes == 1
+    # enough bytes per repeat, unless another pass would exceed the copies a repeat may make
+    per_pass = plan.pieces // plan.passes
+    assert plan.nbytes >= linkrate.COPY_REPEAT_BYTES[device] or plan.pieces + per_pass > linkrate.MAX_MESSAGES
+    # a request larger than the buffers' bound is copied as a whole of that bound
+    big = linkrate.copy_plan([_chunk(0, 0, 0, 4 * mib)] * 200, 0, device)
+    assert big.whole == linkrate.COPY_BYTES[device] and big.regions == 1
+
+
+def test_copies_are_timed_and_land():
+    src = torch.arange(4096, dtype=torch.int64).view(torch.uint8)
+    dst = torch.zeros_like(src)
+    assert linkrate.copies_s(linkrate.views(src, dst, [(0, 10000), (10000, src.numel() - 10000)]), passes=2) > 0
+    assert torch.equal(src, dst)
+
+
+def test_median_and_range_of_the_repeats_and_the_faster_form_of_each():
+    total = 10**9
+    link = linkrate.summarize("copy", 1 << 20, 100, total, [[1.0, 0.5], [0.4, 2.0], [0.8, 0.8]],
+                              ("pieces", "whole"), 1 << 24)
+    assert link.repeats == 3 and link.bytes == total
+    assert link.seconds == 0.5 and link.gbps == pytest.approx(2.0)  # per repeat the faster: 0.5, 0.4, 0.8
+    assert (link.gbps_min, link.gbps_max) == (pytest.approx(1.25), pytest.approx(2.5))
+    assert sorted(link.samples) == [pytest.approx(1.25), pytest.approx(2.0), pytest.approx(2.5)]
+    assert link.forms == {"pieces": pytest.approx(1.25), "whole": pytest.approx(1.25)}
+    text = linkrate.describe(link)
+    assert "median of 3 repeats, 1.25-2.50" in text and "one copy of 16.00 MiB per request" in text
+
+
+def test_a_delivered_figure_above_the_fastest_repeat_is_flagged():
+    link = linkrate.summarize("p2p", 240 << 10, 16, 16 * (240 << 10), [[0.004], [0.002], [0.003]])
+    top = link.gbps_max
+    assert linkrate.beats(top, link) is None and linkrate.beats(link.gbps, link) is None
+    line = linkrate.beats(top * 1.01, link)
+    assert line and "\n" not in line and "raw messages of 0.23 MiB" in line
+    assert linkrate.beats(None, link) is None and linkrate.beats(5.0, None) is None
+
+
+def test_a_link_written_before_repeats_still_reads_and_is_one_repeat():
+    old = {"reference": "copy", "message_bytes": 3 << 20, "messages": 8, "seconds": 0.012, "gbps": 2.08,
+           "schema": 1}
+    link = from_dict(Link, old)
+    assert link.repeats == 1 and link.gbps_max is None and link.samples == []
+    assert linkrate.ceiling(link) == 2.08 and linkrate.beats(2.5, link) and linkrate.beats(2.0, link) is None
+    assert linkrate.describe(link) == "2.08 GB/s (one repeat) of a local copy_ of the same 3.00 MiB pieces"
+    assert from_dict(Link, json.loads(json.dumps(to_dict(link)))) == link
 
 
 def _resident_bytes() -> int:
@@ -52,7 +133,13 @@ def test_every_run_reports_its_link_and_the_ratio_to_it(tmp_path):
     nbytes, n, pairs = linkrate.messages(order)
     link = summary["link"]
     assert link["reference"] == "p2p" and link["message_bytes"] == nbytes and link["messages"] == n * len(pairs)
+    assert link["bytes"] == n * len(pairs) * nbytes
     assert summary["link_gbps"] == pytest.approx(n * len(pairs) * nbytes / link["seconds"] / 1e9)
+    # the median of its repeats, with their range
+    assert link["repeats"] == linkrate.REPEATS == len(link["samples"])
+    assert link["gbps_min"] == pytest.approx(min(link["samples"]))
+    assert link["gbps_max"] == pytest.approx(max(link["samples"]))
+    assert link["gbps_min"] <= link["gbps"] <= link["gbps_max"]
     assert summary["link_ratio"] == pytest.approx(summary["gbps"] / summary["link_gbps"])
     # verification ran after the loop, off the clock
     assert summary["in_loop_requests"] == {"verify": 0}
@@ -92,3 +179,35 @@ def test_plot_link_ratio_draws_a_line_per_strategy_and_the_link():
     lines = {ln.get_label(): ln for ln in ax.get_lines()}
     assert list(lines["chunked"].get_ydata()) == [0.5, 0.7]
     assert set(lines["raw link, same messages"].get_ydata()) == {1.0}
+
+
+@pytest.mark.slow
+def test_a_pulling_transport_measures_the_faster_of_pieces_and_one_copy_per_request(tmp_path):
+    over = QUIET + ["transport=ipc", "ctx.tp=2", "gen.tp=1", "workload.isl=2000", "transfer.slot_mib=0.25",
+                    "workload.requests=2"]
+    summary = run_transfer(over, tmp_path)
+    assert summary["verified"], summary
+    link = summary["link"]
+    _, _, order = plan_run(build(compose(over)))
+    plan = linkrate.copy_plan(order, 0)
+    assert link["reference"] == "copy" and link["bytes"] == plan.nbytes and link["messages"] == plan.pieces
+    assert link["whole_bytes"] == plan.whole > link["message_bytes"] == plan.piece
+    assert set(link["forms"]) == {"pieces", "whole"} and link["repeats"] == len(link["samples"]) == linkrate.REPEATS
+    # each repeat counts the faster form, so the median is at least each form's median
+    assert link["gbps"] >= min(link["forms"].values()) * (1 - 1e-9)
+    assert link["gbps_min"] <= link["gbps"] <= link["gbps_max"]
+    assert summary["link_ratio"] == pytest.approx(summary["gbps"] / link["gbps"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pulling_transport_on_a_gpu_times_both_forms_on_the_device(tmp_path):
+    over = QUIET + ["transport=ipc", "device=cuda", "kernels=cuda", "parallel=same", "model=llama3_8b",
+                    "model.num_layers=4", "workload.isl=8192", "workload.requests=2", "transfer.slot_mib=16"]
+    summary = run_transfer(over, tmp_path)
+    assert summary["verified"], summary
+    link = summary["link"]
+    plan = linkrate.copy_plan(plan_run(build(compose(over)))[2], 0, "cuda")
+    assert link["reference"] == "copy" and link["bytes"] == plan.nbytes >= linkrate.COPY_REPEAT_BYTES["cuda"]
+    assert set(link["forms"]) == {"pieces", "whole"} and len(link["samples"]) == link["repeats"]
+    assert link["gbps_min"] <= link["gbps"] <= link["gbps_max"]
