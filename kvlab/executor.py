@@ -218,7 +218,9 @@ class Executor:
         rec.bytes += c.nbytes
         rec.chunks += 1
         rec.in_place += int(in_place)
-        if self.sending and rec.wire:
+        # a layer's last chunk done: on a gen rank where it landed; on a ctx rank where it left, which a pulling
+        # transport's ctx rank does not see (its marks there are when it published the layer, not a landing)
+        if rec.wire and (not self.sending or not self.transport.pulls):
             rec.layer_done[c.ready_layer] = rec.wire[-1][1]
         if rec.chunks == rec.chunks_total:
             if self.sending:

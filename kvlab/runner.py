@@ -131,8 +131,13 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         # before the baseline: its weights are the model's, not the transfer's; the prefill alone (nothing
         # else on the GPU) is the reference of the same prefill under transfers, for a few prompt lengths
         gpu_prefill = GpuPrefill(setup.model, setup.ctx.tp, device, setup.workload.seed + world_rank)
-        lengths = sorted({r.isl for r in requests if any(c.request == r.id for c in mine)})
-        alone = {n: gpu_prefill.alone_s(n) for n in lengths[:ALONE_LENGTHS]}
+        # the same layers each followed by the same cache write as in the run, on a request of each length (its
+        # blocks taken for the measure and given back: before the run opens any)
+        first = {}  # prompt length -> the first request of that length this rank sends
+        for r in requests:
+            if any(c.request == r.id for c in mine):
+                first.setdefault(r.isl, r)
+        alone = {n: gpu_prefill.alone_with_cache_s(first[n], cache, ops) for n in sorted(first)[:ALONE_LENGTHS]}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base_alloc = torch.cuda.memory_allocated(device)
