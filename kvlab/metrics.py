@@ -260,8 +260,11 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
         what = {"p2p": f"raw messages of {mib} between the same ranks",
                 "nixl": f"raw NIXL WRITEs of {mib} between the same ranks"}.get(
             link.reference, f"a local copy_ of the same {mib} pieces")
-        console.print(f"link_ratio {summary.link_ratio or 0:.3f}: delivered {summary.gbps or 0:,.2f} GB/s against "
-                      f"{summary.link_gbps:,.2f} GB/s of {what}, in the same run")
+        if summary.link_ratio is None:  # nothing measured in flight: no ratio, rather than a ratio of 0
+            console.print(f"link {summary.link_gbps:,.2f} GB/s of {what}, in the same run; no delivered figure")
+        else:
+            console.print(f"link_ratio {summary.link_ratio:.3f}: delivered {summary.gbps:,.2f} GB/s against "
+                          f"{summary.link_gbps:,.2f} GB/s of {what}, in the same run")
     line = serving.summary_line(summary.serving)
     if line:
         console.print(f"{summary.arrival} arrivals, prefill={summary.prefill}; {line}", markup=False,

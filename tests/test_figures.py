@@ -259,3 +259,12 @@ def test_transports_declare_what_their_figures_need():
     assert figures.Traits.of(Ipc, {}) == PULL  # pulls, and no staging slots
     assert figures.Traits.of(Nixl, {"mode": "staged"}) == SLOTS
     assert figures.Traits.of(Nixl, {"mode": "direct"}) == figures.PLAIN  # pool to pool: no slots either
+
+
+def test_the_terminal_says_a_ratio_is_absent_rather_than_zero():
+    summary = Summary(ctx={"tp": 1, "pp": 1, "dp": 1}, gen={"tp": 1, "pp": 1, "dp": 1}, link_gbps=4.0,
+                      link=records.Link(message_bytes=2**20))
+    out = io.StringIO()
+    metrics.print_table([_row(verified=False, busy_s=None, gbps=None)], summary, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "no delivered figure" in text and "link_ratio" not in text and "with chunks in flight" not in text
