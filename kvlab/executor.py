@@ -319,6 +319,7 @@ class Executor:
                 for f in inflight:
                     self.transport.poll(f.handle)
                 time.sleep(POLL_S)
+                self.beat()  # waiting on a peer within the deadline is not silence
         self._finish(inflight.popleft(), segments, requests)
 
     def _unverified_failed(self, e: Stopped) -> None:
