@@ -108,7 +108,7 @@ def main() -> None:
             continue
         results.append(run(f"{name}-{args.tag}" if args.tag else name, over, args.root.resolve()))
         print(brief(results[-1]), flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps(results, indent=1))  # after every case: a cut-off call keeps the rest
 
 
 if __name__ == "__main__":
