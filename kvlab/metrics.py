@@ -69,7 +69,7 @@ def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
     s = clock.seconds
     opt = lambda mark: None if mark is None else s(mark)  # noqa: E731 -- host seconds or GPU events
     return RankPart(
-        request=rec.request, isl=rec.isl, side=rec.side, rank=rec.rank, start=s(rec.start), end=s(rec.end),
+        request=rec.request, isl=rec.isl, side=rec.side, rank=rec.rank, start=opt(rec.start), end=opt(rec.end),
         bytes=rec.bytes, chunks=rec.chunks, in_place=rec.in_place, descriptors=rec.descriptors,
         copy_s=sum(clock.span(a, b) for a, b in rec.pack),
         wire=[(s(a), s(b)) for a, b in rec.wire],
