@@ -55,6 +55,7 @@ class TransferSpec:
     layer_compute_ms: float = 0.0  # the same as prefill.layer_ms (kept for existing configs)
     pack_ctas: int = 16  # CTAs of the pack/unpack kernels: few, so NCCL keeps its SMs
     baseline: bool = True  # measure the link with raw messages of the run's chunk size first (kvlab.linkrate)
+    baseline_repeats: int = 3  # repeats of that reference: its median and range are reported
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", make_strategy(self.strategy))
@@ -62,6 +63,7 @@ class TransferSpec:
             require(self.slot_mib > 0, "transfer.slot_mib", self.slot_mib, "must be > 0 MiB")
             require(self.slot_bytes >= 1, "transfer.slot_mib", self.slot_mib, "a slot must hold at least one byte")
         positive("transfer.slots", self.slots)
+        positive("transfer.baseline_repeats", self.baseline_repeats)
         require(self.timeout_s > 0, "transfer.timeout_s", self.timeout_s, "must be > 0 seconds")
         # the backends hold it as a timedelta and in milliseconds: 1e300 s overflowed deep in gloo's setup
         require(self.timeout_s <= MAX_TIMEOUT_S, "transfer.timeout_s", self.timeout_s,

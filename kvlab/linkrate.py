@@ -3,8 +3,8 @@
 After warm-up and before the clock starts, every ctx/gen pair that carries chunks in this
 run moves raw messages of the run's own chunk size (the largest chunk), all pairs at once
 and with the run's window of messages in flight, as the transfer will: nothing is packed,
-unpacked or checked. One untimed round first, then ``REPEATS`` timed repeats (the config's
-``transfer.baseline_repeats`` where it has one), each from a barrier to the last completion
+unpacked or checked. One untimed round first, then ``transfer.baseline_repeats`` timed
+repeats, each from a barrier to the last completion
 on any rank. ``Link`` keeps the median repeat (``seconds``, ``gbps``) and the range
 (``gbps_min``, ``gbps_max``, ``samples``): one timing of a few megabytes read anywhere from
 0.5 to 2.1 GB/s over identical runs, so a single figure says little. A run reports
@@ -47,7 +47,6 @@ from kvlab.staging import SlotPool
 from kvlab.transports import Transport
 from kvlab.transports.p2p import post
 
-REPEATS = 3  # a median and a range; a CPU run's start-up stays within a fraction of a second
 # timed bytes per pair and repeat, at least: a few times the fixed costs of a repeat on each kind of device
 REPEAT_BYTES = {"cpu": 32 << 20, "cuda": 1 << 30}
 MIN_MESSAGES, MAX_MESSAGES = 2, 512  # per pair and repeat
@@ -103,8 +102,8 @@ class CopyPlan:
 
 def copy_plan(order: list[Chunk], gen_rank: int, device="cpu") -> CopyPlan | None:
     """The ``copy`` reference of gen rank ``gen_rank`` (side-local), None where it receives nothing: pieces of
-    the run's largest chunk, and as the whole the largest request it receives (at least one piece, at most
-    ``COPY_BYTES`` unless one piece is larger)."""
+    the run's largest chunk (at most ``COPY_BYTES``), and as the whole the largest request it receives (at
+    least one piece, at most ``COPY_BYTES``)."""
     nbytes = max((c.nbytes for c in order), default=0)
     per_request: dict[int, int] = {}
     for c in order:
@@ -113,7 +112,10 @@ def copy_plan(order: list[Chunk], gen_rank: int, device="cpu") -> CopyPlan | Non
     if not per_request or nbytes == 0:
         return None
     kind = _kind(device)
-    cap = max(nbytes, COPY_BYTES[kind])
+    # a pulling transport's chunks are not cut by size (a whole request can be one chunk of many GiB): past
+    # COPY_BYTES a copy runs at the same rate, so the reference copies pieces of at most that
+    cap = COPY_BYTES[kind]
+    nbytes = min(nbytes, cap)
     whole = min(max(nbytes, max(per_request.values())), cap)
     regions = max(1, cap // whole)
     per_pass = regions * math.ceil(whole / nbytes)
@@ -243,12 +245,12 @@ def measure(setup: Setup, transport: Transport, world_rank: int, order: list[Chu
             repeats: int | None = None) -> Link | None:
     """Every rank calls this at the same point, after ``transport.connect``; every rank returns the same
     figures. The reference is the transport's own (``Transport.link_reference``); ``repeats`` by default the
-    config's ``transfer.baseline_repeats`` where it has one, else ``REPEATS``."""
+    config's ``transfer.baseline_repeats``."""
     reference = transport.link_reference
     if reference is None:  # the transport has no in-run reference: the run reports no link figures
         return None
     if repeats is None:
-        repeats = getattr(setup.transfer, "baseline_repeats", REPEATS)
+        repeats = setup.transfer.baseline_repeats
     repeats = max(1, int(repeats))
     nbytes, n, pairs = messages(order, transport.device)
     if not pairs or nbytes == 0:

@@ -42,10 +42,9 @@ SIDES = [("TP1 -> TP1", ["ctx.tp=1", "gen.tp=1"]),
          ("TP2 -> TP1", ["ctx.tp=2", "gen.tp=1"]),
          ("block_major tpb 32 -> layer_major tpb 64", ["ctx.tp=1", "gen.tp=1", "gen.tokens_per_block=64",
                                                        "gen.layout=layer_major"])]
-# chunks of 1 GiB: ipc allocates no slot, so transfer.slot_mib only sets how many chunks (and store round
-# trips) a request takes
+# ipc's chunks are not cut by size unless transfer.slot_mib is given: the default gives it its largest chunks
 COMMON = ["transport=ipc", "device=cuda", "kernels=cuda", "logger=quiet",
-          "transfer=chunked", "transfer.slot_mib=1024", "transfer.timeout_s=120"]
+          "transfer=chunked", "transfer.timeout_s=120"]
 
 
 def copy_reference(overrides: list[str], reps: int = 3):

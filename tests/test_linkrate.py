@@ -9,7 +9,7 @@ import torch
 
 from kvlab import linkrate
 from kvlab.api import run_transfer
-from kvlab.config import build, compose
+from kvlab.config import TransferSpec, build, compose
 from kvlab.records import Link, from_dict, to_dict
 from kvlab.staging import SlotPool
 from kvlab.workload import plan_run
@@ -136,7 +136,7 @@ def test_every_run_reports_its_link_and_the_ratio_to_it(tmp_path):
     assert link["bytes"] == n * len(pairs) * nbytes
     assert summary["link_gbps"] == pytest.approx(n * len(pairs) * nbytes / link["seconds"] / 1e9)
     # the median of its repeats, with their range
-    assert link["repeats"] == linkrate.REPEATS == len(link["samples"])
+    assert link["repeats"] == TransferSpec.baseline_repeats == len(link["samples"])
     assert link["gbps_min"] == pytest.approx(min(link["samples"]))
     assert link["gbps_max"] == pytest.approx(max(link["samples"]))
     assert link["gbps_min"] <= link["gbps"] <= link["gbps_max"]
@@ -192,7 +192,8 @@ def test_a_pulling_transport_measures_the_faster_of_pieces_and_one_copy_per_requ
     plan = linkrate.copy_plan(order, 0)
     assert link["reference"] == "copy" and link["bytes"] == plan.nbytes and link["messages"] == plan.pieces
     assert link["whole_bytes"] == plan.whole > link["message_bytes"] == plan.piece
-    assert set(link["forms"]) == {"pieces", "whole"} and link["repeats"] == len(link["samples"]) == linkrate.REPEATS
+    assert set(link["forms"]) == {"pieces", "whole"}
+    assert link["repeats"] == len(link["samples"]) == TransferSpec.baseline_repeats
     # each repeat counts the faster form, so the median is at least each form's median
     assert link["gbps"] >= min(link["forms"].values()) * (1 - 1e-9)
     assert link["gbps_min"] <= link["gbps"] <= link["gbps_max"]
