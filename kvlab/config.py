@@ -88,7 +88,7 @@ class TransportSpec:
     name: str = "p2p"
     target: str = "kvlab.transports.p2p.P2P"
     options: dict = field(default_factory=dict)
-    auto: str = ""
+    auto: str = field(default="", compare=False)  # a note on how it was chosen, not part of what it is
 
     @classmethod
     def of(cls, node) -> TransportSpec:

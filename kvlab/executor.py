@@ -216,6 +216,8 @@ class Executor:
         c, rec = f.chunk, self.records[f.chunk.request]
         in_place = self.transport.finish(f.handle, rec)
         rec.bytes += c.nbytes
+        peer = c.dst if self.sending else c.src
+        rec.peer_bytes[peer] = rec.peer_bytes.get(peer, 0) + c.nbytes
         rec.chunks += 1
         rec.in_place += int(in_place)
         # a layer's last chunk done: on a gen rank where it landed; on a ctx rank where it left, which a pulling

@@ -9,7 +9,7 @@ on any rank. ``Link`` keeps the median repeat (``seconds``, ``gbps``) and the ra
 (``gbps_min``, ``gbps_max``, ``samples``): one timing of a few megabytes read anywhere from
 0.5 to 2.1 GB/s over identical runs, so a single figure says little. A run reports
 ``link_ratio`` = its delivered GB/s / the median (kvlab.metrics); a delivered figure above
-the fastest repeat means the reference was no ceiling for these bytes (``beats``).
+the fastest repeat means the reference was no ceiling for these bytes (``Link.beaten_by``: the run prints it).
 ``transfer.baseline=false`` skips it.
 
 Bytes per repeat: at least ``REPEAT_BYTES`` per pair (fixed costs, such as leaving the barrier
@@ -26,7 +26,7 @@ pieces, and one copy per request (``copy_plan``: a request's bytes on that gen r
 ``COPY_BYTES``), since a pull may move more per launch than one chunk's piece (on one H200,
 chunks of 5.8 MB copied at 414 GB/s one by one and at 1609 GB/s as requests of 23 MB); a transport
 without one (``None``) reports no link figures. ``REFERENCES`` maps a reference name to its
-measure. ``describe`` says in words what a ``Link`` measured.
+measure. ``Link.describe`` says in words what a reference measured.
 """
 from __future__ import annotations
 
@@ -287,47 +287,3 @@ def summarize(reference: str, message_bytes: int, messages: int, total: int, sec
                 gbps_min=rate(max(timed)), gbps_max=rate(min(timed)), bytes=total,
                 samples=[rate(s) for s in timed], forms=named, whole_bytes=whole_bytes)
 
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.2f} MiB"
-
-
-def describe(link: Link) -> str:
-    """What the reference was, in words, with its median and range: e.g. "4.87 GB/s (median of 3 repeats,
-    4.51-5.02) of raw messages of 16.00 MiB between the same ranks"."""
-    mib = _mib(link.message_bytes)
-    if link.reference == "p2p":
-        what = f"raw messages of {mib} between the same ranks"
-    elif link.reference == "nixl":
-        what = f"raw NIXL WRITEs of {mib} between the same ranks"
-    elif link.forms:
-        parts = [f"{mib} pieces" + (f" ({link.forms['pieces']:,.2f} GB/s)" if "pieces" in link.forms else ""),
-                 f"one copy of {_mib(link.whole_bytes)} per request"
-                 + (f" ({link.forms['whole']:,.2f} GB/s)" if "whole" in link.forms else "")]
-        what = f"a local copy_ of the same bytes, the faster of {parts[0]} and {parts[1]}"
-    else:  # written before the copy reference had two forms
-        what = f"a local copy_ of the same {mib} pieces"
-    if link.gbps is None:
-        return f"no timed figure of {what}"
-    if link.repeats > 1 and link.gbps_min is not None and link.gbps_max is not None:
-        spread = f"median of {link.repeats} repeats, {link.gbps_min:,.2f}-{link.gbps_max:,.2f}"
-    else:
-        spread = "one repeat"
-    return f"{link.gbps:,.2f} GB/s ({spread}) of {what}"
-
-
-def ceiling(link: Link | None) -> float | None:
-    """The reference's upper figure: its fastest repeat (its one figure in records written before repeats)."""
-    if link is None:
-        return None
-    return link.gbps_max if link.gbps_max is not None else link.gbps
-
-
-def beats(delivered_gbps: float | None, link: Link | None) -> str | None:
-    """One line when ``delivered_gbps`` is above the reference's fastest repeat, else None: the reference was
-    then no ceiling for these bytes, and a link_ratio near or above 1 says more about it than the transfer."""
-    top = ceiling(link)
-    if not delivered_gbps or not top or delivered_gbps <= top:
-        return None
-    return (f"delivered {delivered_gbps:,.2f} GB/s beats the link reference's fastest repeat ({top:,.2f} GB/s: "
-            f"{describe(link)}): the reference is no ceiling for these bytes")

@@ -32,6 +32,7 @@ class RequestRecord:
     start: object = None
     end: object = None
     bytes: int = 0
+    peer_bytes: dict = field(default_factory=dict)  # side-local rank of the other side -> bytes moved with it
     chunks: int = 0
     in_place: int = 0
     descriptors: int = 0  # memory descriptors the transport posted for this rank's chunks (nixl direct: runs)
@@ -70,7 +71,8 @@ def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
     opt = lambda mark: None if mark is None else s(mark)  # noqa: E731 -- host seconds or GPU events
     return RankPart(
         request=rec.request, isl=rec.isl, side=rec.side, rank=rec.rank, start=opt(rec.start), end=opt(rec.end),
-        bytes=rec.bytes, chunks=rec.chunks, in_place=rec.in_place, descriptors=rec.descriptors,
+        bytes=rec.bytes, peer_bytes=dict(rec.peer_bytes), chunks=rec.chunks, in_place=rec.in_place,
+        descriptors=rec.descriptors,
         copy_s=sum(clock.span(a, b) for a, b in rec.pack),
         wire=[(s(a), s(b)) for a, b in rec.wire],
         prefill_start=opt(rec.prefill_start), prefill_end=opt(rec.prefill_end),
@@ -82,7 +84,6 @@ def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
         fill_s=rec.fill_s, verify_s=rec.verify_s, in_loop=list(rec.in_loop))
 
 
-_union = figures.union  # the name tests/test_robust.py imports
 
 
 def _by_request(parts: list[RankPart]) -> dict[int, list[RankPart]]:
@@ -256,15 +257,14 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
     link = summary.link
     if summary.link_gbps:
         # requests share the link with each other: only the run as a whole has a ratio
-        mib = f"{link.message_bytes / 2**20:,.2f} MiB"
-        what = {"p2p": f"raw messages of {mib} between the same ranks",
-                "nixl": f"raw NIXL WRITEs of {mib} between the same ranks"}.get(
-            link.reference, f"a local copy_ of the same {mib} pieces")
         if summary.link_ratio is None:  # nothing measured in flight: no ratio, rather than a ratio of 0
-            console.print(f"link {summary.link_gbps:,.2f} GB/s of {what}, in the same run; no delivered figure")
+            console.print(f"link {link.describe()}, in the same run; no delivered figure")
         else:
             console.print(f"link_ratio {summary.link_ratio:.3f}: delivered {summary.gbps:,.2f} GB/s against "
-                          f"{summary.link_gbps:,.2f} GB/s of {what}, in the same run")
+                          f"{link.describe()}, in the same run")
+            beaten = link.beaten_by(summary.gbps)
+            if beaten:
+                console.print(beaten, markup=False, highlight=False)
     line = serving.summary_line(summary.serving)
     if line:
         console.print(f"{summary.arrival} arrivals, prefill={summary.prefill}; {line}", markup=False,

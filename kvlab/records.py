@@ -171,6 +171,47 @@ class Link:
     # repeat counts the faster of the two
     whole_bytes: int = 0  # copy: bytes of the one-copy form (a request's bytes on one gen rank, bounded)
 
+    def describe(self) -> str:
+        """What the reference was, in words, with its median and range: e.g. "4.87 GB/s (median of 3 repeats,
+        4.51-5.02) of raw messages of 16.00 MiB between the same ranks"."""
+        mib = _mib(self.message_bytes)
+        if self.reference == "p2p":
+            what = f"raw messages of {mib} between the same ranks"
+        elif self.reference == "nixl":
+            what = f"raw NIXL WRITEs of {mib} between the same ranks"
+        elif self.forms:
+            parts = [f"{mib} pieces" + (f" ({self.forms['pieces']:,.2f} GB/s)" if "pieces" in self.forms else ""),
+                     f"one copy of {_mib(self.whole_bytes)} per request"
+                     + (f" ({self.forms['whole']:,.2f} GB/s)" if "whole" in self.forms else "")]
+            what = f"a local copy_ of the same bytes, the faster of {parts[0]} and {parts[1]}"
+        else:  # written before the copy reference had two forms
+            what = f"a local copy_ of the same {mib} pieces"
+        if self.gbps is None:
+            return f"no timed figure of {what}"
+        if self.repeats > 1 and self.gbps_min is not None and self.gbps_max is not None:
+            spread = f"median of {self.repeats} repeats, {self.gbps_min:,.2f}-{self.gbps_max:,.2f}"
+        else:
+            spread = "one repeat"
+        return f"{self.gbps:,.2f} GB/s ({spread}) of {what}"
+
+    @property
+    def ceiling(self) -> float | None:
+        """The reference's upper figure: its fastest repeat (its one figure in records written before repeats)."""
+        return self.gbps_max if self.gbps_max is not None else self.gbps
+
+    def beaten_by(self, delivered_gbps: float | None) -> str | None:
+        """One line when ``delivered_gbps`` is above the fastest repeat, else None: the reference was then no
+        ceiling for these bytes, and a link_ratio near or above 1 says more about it than the transfer."""
+        top = self.ceiling
+        if not delivered_gbps or not top or delivered_gbps <= top:
+            return None
+        return (f"delivered {delivered_gbps:,.2f} GB/s beats the link reference's fastest repeat ({top:,.2f} GB/s: "
+                f"{self.describe()}): the reference is no ceiling for these bytes")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
 
 @dataclass
 class Env:

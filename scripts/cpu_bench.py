@@ -110,7 +110,8 @@ def run_case(name: str, overrides: list[str], work: Path) -> dict:
     return {
         "case": name, "overrides": overrides, "verified": summary["verified"],
         "bytes": summary["total_bytes"], "gbps": summary["gbps"], "link_gbps": summary["link_gbps"],
-        "link_ratio": summary["link_ratio"], "link": summary["link"], "transfer_s": summary["seconds"],
+        "link_ratio": summary["link_ratio"], "link": summary["link"], "busy_s": summary["busy_s"],
+        "makespan_s": summary["makespan_s"],
         "wall_s": wall, "fill_s": summary["fill_s"], "verify_s": summary["verify_s"],
         "in_loop_requests": summary["in_loop_requests"], "ranks": ranks,
         # how busy the 2 cores were while the request moved: a transfer that leaves them idle is waiting

@@ -113,7 +113,7 @@ def run_case(model: str, isl: int, label: str, overrides: list[str], keep: Path 
         s = json.loads(path.read_text())
         rows = [json.loads(line) for line in (d / "results.jsonl").read_text().splitlines() if line.strip()]
     return {"model": model, "isl": isl, "sides": label, "overrides": overrides, "bytes": s["total_bytes"],
-            "gbps": s["gbps"], "seconds": s["seconds"], "verified": s["verified"],
+            "gbps": s["gbps"], "busy_s": s["busy_s"], "makespan_s": s["makespan_s"], "verified": s["verified"],
             "link_gbps": s.get("link_gbps"), "link_ratio": s.get("link_ratio"),
             # kvlab's clock (ctx's first chunk to the gen rank's last) = the copy kernels (unpack_s: their
             # events on the gen stream) + the rest: the hand-off from the ctx process and the gaps between
@@ -226,7 +226,6 @@ def main() -> None:
     out = {"env": env, "kernel_vs_engine": None if a.no_kernels else kernel_vs_engine(), "runs": []}
     print(json.dumps(out["kernel_vs_engine"]))
     torch.cuda.empty_cache()
-    from kvlab import linkrate
     from kvlab.records import to_dict
 
     for model, isl in models:
@@ -240,7 +239,7 @@ def main() -> None:
                     r["copy_bytes_differ"] = ref.bytes
                 r["copy_gbps"] = ref.gbps
                 r["ratio"] = r["gbps"] / r["copy_gbps"]
-                r["beats"] = linkrate.beats(r["gbps"], ref)
+                r["beats"] = ref.beaten_by(r["gbps"])
                 if r["beats"]:
                     print(f"{model} {isl} {label}: {r['beats']}", flush=True)
                 k = sum(q["kernel_s"] for q in r["requests"])

@@ -84,17 +84,17 @@ def test_median_and_range_of_the_repeats_and_the_faster_form_of_each():
     assert (link.gbps_min, link.gbps_max) == (pytest.approx(1.25), pytest.approx(2.5))
     assert sorted(link.samples) == [pytest.approx(1.25), pytest.approx(2.0), pytest.approx(2.5)]
     assert link.forms == {"pieces": pytest.approx(1.25), "whole": pytest.approx(1.25)}
-    text = linkrate.describe(link)
+    text = link.describe()
     assert "median of 3 repeats, 1.25-2.50" in text and "one copy of 16.00 MiB per request" in text
 
 
 def test_a_delivered_figure_above_the_fastest_repeat_is_flagged():
     link = linkrate.summarize("p2p", 240 << 10, 16, 16 * (240 << 10), [[0.004], [0.002], [0.003]])
     top = link.gbps_max
-    assert linkrate.beats(top, link) is None and linkrate.beats(link.gbps, link) is None
-    line = linkrate.beats(top * 1.01, link)
+    assert link.beaten_by(top) is None and link.beaten_by(link.gbps) is None
+    line = link.beaten_by(top * 1.01)
     assert line and "\n" not in line and "raw messages of 0.23 MiB" in line
-    assert linkrate.beats(None, link) is None and linkrate.beats(5.0, None) is None
+    assert link.beaten_by(None) is None
 
 
 def test_a_link_written_before_repeats_still_reads_and_is_one_repeat():
@@ -102,8 +102,8 @@ def test_a_link_written_before_repeats_still_reads_and_is_one_repeat():
            "schema": 1}
     link = from_dict(Link, old)
     assert link.repeats == 1 and link.gbps_max is None and link.samples == []
-    assert linkrate.ceiling(link) == 2.08 and linkrate.beats(2.5, link) and linkrate.beats(2.0, link) is None
-    assert linkrate.describe(link) == "2.08 GB/s (one repeat) of a local copy_ of the same 3.00 MiB pieces"
+    assert link.ceiling == 2.08 and link.beaten_by(2.5) and link.beaten_by(2.0) is None
+    assert link.describe() == "2.08 GB/s (one repeat) of a local copy_ of the same 3.00 MiB pieces"
     assert from_dict(Link, json.loads(json.dumps(to_dict(link)))) == link
 
 

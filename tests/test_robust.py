@@ -19,11 +19,10 @@ import pytest
 from conftest import check_figures
 from omegaconf import OmegaConf
 
-from kvlab import budget, rundir
+from kvlab import budget, figures, rundir
 from kvlab.cli import check_overrides
 from kvlab.config import build, compose
 from kvlab.errors import ConfigError
-from kvlab.metrics import _union
 
 QUIET = ["logger=quiet"]
 
@@ -224,7 +223,7 @@ def test_part_files_are_written_through_a_temp_file_of_their_own(tmp_path):
 
 
 def test_union_of_wire_intervals_read_back_from_json():
-    assert _union([(0.0, 1.0), [0.5, 2.0], (3.0, 4.0)]) == pytest.approx(3.0)
+    assert figures.union([(0.0, 1.0), [0.5, 2.0], (3.0, 4.0)]) == pytest.approx(3.0)
 
 
 # -- a budget before allocation -----------------------------------------------------------------
