@@ -1,14 +1,19 @@
-"""Where the repository's top-level ``conf/``, ``kernels/`` and ``traces/`` are: next to the package in a
-checkout (editable install), under ``share/kvlab`` of the environment when installed from a wheel."""
+"""Where the repository's top-level ``conf/``, ``kernels/`` and ``traces/`` are, found through the package.
+
+``kvlab/_data`` holds a symlink to each top-level directory, so the same path serves a checkout (editable install)
+and a wheel, which carries the files themselves under ``kvlab/_data`` (``[tool.setuptools.package-data]``)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
 
 
 def shipped(name: str) -> Path:
-    here = Path(__file__).resolve().parent.parent / name
-    return here if here.is_dir() else Path(sys.prefix) / "share" / "kvlab" / name
+    inside = _PACKAGE / "_data" / name
+    # resolved so that a checkout names conf/ itself; a checkout made without symlinks (git's core.symlinks=false)
+    # has a small file there instead of the directory
+    return inside.resolve() if inside.is_dir() else _PACKAGE.parent / name
 
 
 CONF_DIR = shipped("conf")
