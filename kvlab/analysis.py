@@ -23,8 +23,8 @@ column names (``makespan_s`` for the old summaries' ``seconds``, ``busy_s`` for 
 before schema 2, ``gbps`` and ``link_ratio`` were over the run's span, not its time in flight).
 
 Plots return a ``matplotlib.figure.Figure`` (no pyplot state: safe in tests, shown once in
-notebooks): ``plot_bandwidth``, ``plot_memory``, ``plot_timeline``, ``plot_parallel_heatmap``,
-``plot_plan``, ``plot_prediction``.
+notebooks): ``plot_bandwidth``, ``plot_link_ratio``, ``plot_memory``, ``plot_timeline``,
+``plot_parallel_heatmap``, ``plot_plan``, ``plot_prediction``, ``plot_load`` (serving figures against load).
 """
 from __future__ import annotations
 

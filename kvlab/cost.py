@@ -17,8 +17,10 @@ clock is modelled. Each chunk goes
   different devices run at once, so pairs on distinct GPUs overlap; ranks sit on devices
   as the runner puts them (``kvlab.devices.gpu_index``);
 - each rank keeps at most ``slots`` chunks in flight, as the executor does, and a chunk
-  waits for its turn; the simulated prefill (``layer_compute_ms`` per layer) releases a
-  chunk when its layer is done (strategy trait ``ready: layer``) or when every layer is (``request``).
+  waits for its turn; the simulated prefill (``prefill.layer_ms`` per layer; the older
+  ``transfer.layer_compute_ms`` still exists only as an alias that kvlab.config copies there when
+  ``prefill.layer_ms`` is unset) releases a chunk when its layer is done (strategy trait ``ready: layer``)
+  or when every layer is (``request``).
 
 Pipeline fill and drain, back-pressure and layer readiness follow from placing the chunks
 on the clock one by one in the global order.
@@ -169,7 +171,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     Each rank walks its chunks of the global order with at most ``slots`` in flight: chunk
     ``k`` of a rank starts only once its chunk ``k - slots`` is complete (ctx: sent; gen:
     received and unpacked), in place or not. A ctx rank opens a request at its first chunk
-    and, with ``layer_compute_ms``, sends a chunk once the simulated prefill has finished
+    and, with ``prefill.layer_ms``, sends a chunk once the simulated prefill has finished
     the chunk's layer (``ready: layer``) or every layer (``ready: request``). Every copy costs its side's
     host ``host_us`` first. With ``blocking`` rates (CPU) a rank's core does that work and the
     copies itself, one after the other, shared with the ranks on the same core; on GPUs

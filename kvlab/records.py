@@ -10,8 +10,10 @@ The figure fields of ``RequestRow`` and ``Summary`` (what moved, when, how fast,
 timeline, memory peaks) are not listed here: each is an entry of kvlab.figures.TABLE, which says
 what it means and how it is computed, and ``_with_figures`` adds its field.
 
-Every record is written and read here and nowhere else. Each carries ``schema``, the version
-it was written under; files written before versions existed read as version 0, with the fields
+Every record file is written and read here and nowhere else; the one other way a record travels is
+kvlab.report, which also hands each rank's ``PartFile`` to rank 0 pickled through torch.distributed's
+key-value store, between processes of one run (one version) and never to disk. Each record carries
+``schema``, the version it was written under; files written before versions existed read as version 0, with the fields
 they lack left at their defaults, so that old results (``results/*.json``) stay readable.
 Fields a newer writer added and this reader does not know are dropped on reading. A field renamed
 since (a figure's ``was``) reads under its new name; what changed meaning is each figure's

@@ -99,15 +99,42 @@ def test_layer_ms_needs_no_dimensions():
 @pytest.mark.parametrize("model", ["tiny_gqa", "tiny_mla", "tiny_dsa", "tiny_swa"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gpu_prefill_kernels_run_with_the_presets_shapes(model, tp):
-    """prefill=gpu's layer code on CPU tensors (shapes only; its timing is measured on the GPU machine)."""
+    """prefill=gpu's layer code on CPU tensors (shapes only; its timing is measured on the GPU machine): every
+    layer runs, its attention takes one rank's share of the preset's heads, and its output is the preset's hidden
+    width for every token, finite."""
+    import math
+
     import torch
+    from torch.overrides import TorchFunctionMode
 
     from kvlab.prefill_gpu import GpuPrefill
 
+    class Products(TorchFunctionMode):
+        """The result of every matrix product a layer queues (layer() keeps none of them)."""
+
+        def __init__(self):
+            super().__init__()
+            self.out: list[torch.Tensor] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            r = func(*args, **(kwargs or {}))
+            if getattr(func, "__name__", "") in ("matmul", "__matmul__"):
+                self.out.append(r)
+            return r
+
+    n = 200
     s = setup_of(f"model={model}")
+    d = s.model.dims
     g = GpuPrefill(s.model, tp, torch.device("cpu"))
+    heads = math.ceil(d.q_heads / tp)
     for layer in range(s.model.num_layers):
-        g.layer(layer, 200)
+        q, k, v = g._qkv(g._input(n))
+        assert q.shape[:2] == (n, heads) and k.shape[0] == v.shape[0] == n
+        assert g._attention(q, k, v, g._reach(layer)).shape == (n, heads, g.v)
+        with Products() as products:
+            g.layer(layer, n)
+        last = products.out[-1]
+        assert last.shape == (n, d.hidden_size) and torch.isfinite(last.float()).all()
 
 
 @pytest.mark.parametrize("reach,kv_heads", [(0, 2), (16, 2), (7, 4), (64, 4)])
