@@ -3,7 +3,7 @@
 World ranks: ctx ranks first (side-local order), then gen ranks. The default group uses
 gloo for control objects (handshake, results) and its store for small messages; how the
 bytes of a chunk move is a transport's (kvlab.transports: ``transport=p2p``, ``ipc``, ``nixl``, or
-``auto``, the default, which kvlab.devices.auto_transport resolves to ``p2p`` or ``ipc``).
+``auto``, the default, which kvlab.config.auto_transport resolves to ``p2p`` or ``ipc``).
 """
 from __future__ import annotations
 
