@@ -1,10 +1,15 @@
-"""``kvlab <command> [hydra overrides]``: plan | run.
+"""``kvlab <command> [hydra flags] [overrides]``: plan | run.
 
 Overrides are checked before Hydra starts, so a bad one ends in one line naming the field,
 the value and what would work (exit code 2), before any rank starts or any memory is taken.
+The arguments are read with Hydra's own parser, so every Hydra flag means what it means to a
+Hydra app; the ones that only look (``--help``, ``--hydra-help``, ``--cfg``, ``--info``, ``-sc``)
+leave no run directory behind.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import sys
@@ -12,9 +17,40 @@ from pathlib import Path
 
 from kvlab.errors import ConfigError
 
-COMMANDS = ("plan", "run")
+COMMANDS = {
+    "plan": "what a setup would move per (ctx rank -> gen rank), its predicted time and memory; writes plan.json",
+    "run": "start the ranks, move and verify every request's KV cache; results in the run directory",
+}
 GROUPS = ("model", "transfer", "transport", "workload", "prefill", "logger", "parallel", "experiment", "cost")
-USAGE = "usage: kvlab {plan,run} [-m] [key=value ...]   e.g. kvlab plan model=llama3_8b ctx.tp=4 gen.tp=2"
+HELP = """usage: kvlab <command> [-m] [key=value ...]
+
+commands:
+{commands}
+
+kvlab <command> --help lists the config groups and the config; Hydra's flags work as in any Hydra app
+(--cfg job, --info, -m for a sweep, --hydra-help lists them; -sc install=bash completes them).
+e.g. kvlab plan model=llama3_8b ctx.tp=4 gen.tp=2
+     kvlab run transfer=layerwise workload.requests=8
+"""
+# Hydra's default app help, with the groups kvlab lists (its ConfigStore's base_* schemas are not choices)
+HELP_TEMPLATE = """kvlab {command}: {what}
+
+== Configuration groups ==
+Compose your configuration from those groups (group=option; experiment with +experiment=, for -m)
+
+{groups}
+
+== Config ==
+Override anything in the config (foo.bar=value)
+
+$CONFIG
+
+Hydra's flags: kvlab {command} --hydra-help; kvlab's commands: kvlab --help
+"""
+
+
+def usage() -> str:
+    return HELP.format(commands="\n".join(f"  {name:<6} {what}" for name, what in COMMANDS.items()))
 
 
 def _hydra_message(exc: BaseException, overrides: list[str] = ()) -> str:
@@ -70,20 +106,27 @@ def _plain_message(flat: str, overrides: list[str]) -> str | None:
     return None
 
 
+def group_options(group: str, search: list[str] = ()) -> list[str]:
+    """The options of a config group: its YAML files in conf/ and in the ``hydra.searchpath`` DIRs."""
+    from kvlab.config import CONF_DIR
+
+    dirs = [CONF_DIR] + [Path(d) for s in search for d in re.findall(r"file://([^,\]\s'\"]+)", s)]
+    return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
+
+
 def check_overrides(overrides: list[str], search: list[str] = (), memory: bool = False) -> str | None:
     """None if the overrides compose into a valid setup (that fits this host's memory, with ``memory``:
     kvlab.budget), else one line saying what is wrong. ``search``: ``hydra.searchpath=[file://DIR,...]``
     overrides, whose DIRs hold a user's own group files."""
     from kvlab import budget
     from kvlab.checks import check_overrides_shape
-    from kvlab.config import CONF_DIR, build, compose
+    from kvlab.config import build, compose
 
-    dirs = [CONF_DIR] + [Path(d) for s in search for d in re.findall(r"file://([^,\]\s'\"]+)", s)]
     for ov in overrides:
         m = re.fullmatch(r"\+?(\w+)=(.*)", ov)
         if m and m.group(1) in GROUPS:
             group, value = m.groups()
-            options = sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
+            options = group_options(group, search)
             if value not in options:
                 return f"{group}={value}: unknown {group}; choose one of {', '.join(options)}"
     try:
@@ -149,43 +192,144 @@ def _fail(problem: str, code: int = 2):
     raise SystemExit(code)
 
 
+class _BadArguments(Exception):
+    pass
+
+
+def parse_args(command: str, rest: list[str]):
+    """``rest`` as the Hydra app will read it (hydra._internal.utils.get_args_parser): its flags, and its
+    ``overrides`` (which are the positionals only: ``-sc install=bash``'s value is one of them, too)."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = f"kvlab {command}"
+
+    def error(message: str):  # argparse's usage block would bury the one line that matters
+        raise _BadArguments(message)
+
+    parser.error = error
+    return parser.parse_args(rest)
+
+
+def looks_only(args) -> bool:
+    """Whether Hydra will only print (help, config, info, shell completion) and run no job."""
+    return bool(args.help or args.hydra_help or args.cfg or args.info or args.shell_completion)
+
+
+def _quoted(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def help_overrides(command: str, search: list[str]) -> list[str]:
+    """Hydra's ``--help`` with kvlab's group list: the options a user can name, not the schemas behind them."""
+    from kvlab.config import CONF_DIR
+
+    dirs = [CONF_DIR] + [Path(d) for s in search for d in re.findall(r"file://([^,\]\s'\"]+)", s)]
+    names = sorted({*GROUPS, *(g.name for d in dirs if d.is_dir() for g in d.iterdir() if g.is_dir())})
+    lines = [f"{g}: {', '.join(opts)}" for g in names if (opts := group_options(g, search))]
+    text = HELP_TEMPLATE.format(command=command, what=COMMANDS[command], groups="\n".join(lines))
+    return [f"hydra.help.template={_quoted(text)}"]
+
+
+def _with_override(rest: list[str], args, override: str) -> list[str]:
+    """``rest`` with one more override, next to the others: after a trailing flag it could be read as
+    that flag's value (``--info``'s is optional), and after a flag, below the overrides, argparse refuses it."""
+    if not args.overrides:
+        return [override, *rest]
+    at = len(rest) - rest[::-1].index(args.overrides[-1])
+    return [*rest[:at], override, *rest[at:]]
+
+
+def _hydra_main(command: str):
+    if command == "plan":
+        from kvlab.plan_cmd import hydra_main
+    else:
+        from kvlab.run_cmd import hydra_main
+    return hydra_main
+
+
+def complete(words: list[str]) -> None:
+    """``-sc install=bash`` and the rest of Hydra's shell completion, for ``kvlab <command>``: the script is
+    installed for ``kvlab``, and its queries (``COMP_LINE="kvlab run mo"``) go to that command's app without
+    the command word, which Hydra would read as an override."""
+    line = os.environ.get("COMP_LINE", "")
+    parts = line.split()
+    query = any(w.startswith("query=") for w in words)
+    if query and not (len(parts) > 2 or len(parts) == 2 and line.endswith(" ")):
+        word = parts[1] if len(parts) == 2 else ""
+        print(" ".join(c for c in COMMANDS if c.startswith(word)))
+        return
+    command = parts[1] if query and parts[1] in COMMANDS else "run"
+    if query:
+        rest = line.split(command, 1)[1]
+        os.environ["COMP_LINE"] = "kvlab" + rest
+        if "COMP_POINT" in os.environ:
+            os.environ["COMP_POINT"] = str(max(0, int(os.environ["COMP_POINT"]) - len(line) + len("kvlab" + rest)))
+    sys.argv = ["kvlab", "-sc", *words]  # the script completes the command as typed: kvlab
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            _hydra_main(command)()
+        except SystemExit:
+            pass
+    text = out.getvalue()
+    if query:  # the ConfigStore's schemas are no option to type
+        text = " ".join(w for w in text.split() if not re.search(r"(^|=)base_", w)) + "\n"
+    sys.stdout.write(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        print(USAGE, file=sys.stderr)
+    if argv[:1] in (["-h"], ["--help"], ["help"]):
+        print(usage(), end="")
+        return
+    if argv[:1] in (["-sc"], ["--shell-completion"]):
+        return complete(argv[1:])
+    if not argv:
+        print(usage(), end="", file=sys.stderr)
         raise SystemExit(2)
+    if argv[0] not in COMMANDS:
+        what = "no such option" if argv[0].startswith("-") else "no such command"
+        _fail(f"{argv[0]}: {what}; use one of {', '.join(COMMANDS)} (kvlab --help says what each does)")
     from kvlab import interrupt, rundir
 
     command, rest = argv[0], argv[1:]
     held = None
     with interrupt.as_exit("before any rank started"):  # Ctrl-C or SIGTERM while starting: one line
-        multirun = any(a in ("-m", "--multirun") for a in rest)
-        overrides = [a for a in rest if (a.startswith("~") or not a.startswith("-") and "=" in a)
-                     and not a.startswith("hydra.")]
-        search = [a for a in rest if a.startswith("hydra.searchpath=")]
-        problem = (_check_sweep(overrides, search, command == "run") if multirun
-                   else check_overrides(overrides, search, command == "run"))
+        try:
+            args = parse_args(command, rest)
+        except _BadArguments as e:
+            _fail(f"{e}; kvlab {command} --hydra-help lists the flags")
+        if args.shell_completion:
+            return complete(args.overrides)
+        multirun = bool(args.multirun)
+        overrides = [a for a in args.overrides if (a.startswith("~") or "=" in a) and not a.startswith("hydra.")]
+        search = [a for a in args.overrides if a.startswith("hydra.searchpath=")]
+        running = not looks_only(args)  # nothing will start, so no memory to check and no directory to hold
+        memory = command == "run" and running
+        problem = (_check_sweep(overrides, search, memory) if multirun
+                   else check_overrides(overrides, search, memory))
         if problem:
             _fail(problem)
+        if args.help:
+            for extra in help_overrides(command, search):
+                rest = _with_override(rest, args, extra)
         try:
-            if not multirun and (command == "plan" or int(os.environ.get("RANK", 0)) == 0):
+            if running and not multirun and (command == "plan" or int(os.environ.get("RANK", 0)) == 0):
                 # one run per directory, locked before Hydra writes anything there; pinned, so that the
                 # directory Hydra creates is the one locked (the default names it after the clock)
-                held = _run_dir(rest)
-                if not any(a.startswith("hydra.run.dir=") for a in rest):
-                    rest = rest + [f"hydra.run.dir={held}"]
+                held = _run_dir(args.overrides)
+                if not any(a.startswith("hydra.run.dir=") for a in args.overrides):
+                    rest = _with_override(rest, args, f"hydra.run.dir={held}")
                 rundir.acquire(held)
-            elif multirun:
-                sweep = next((a.partition("=")[2] for a in rest if a.startswith("hydra.sweep.dir=")), None)
+            elif running and multirun:
+                sweep = next((a.partition("=")[2] for a in args.overrides if a.startswith("hydra.sweep.dir=")), None)
                 if sweep is not None:
                     rundir.ensure_writable(Path(sweep), "hydra.sweep.dir")
         except ConfigError as e:
             _fail(str(e))
     sys.argv = [f"kvlab {command}"] + rest
-    if command == "plan":
-        from kvlab.plan_cmd import hydra_main
-    else:
-        from kvlab.run_cmd import hydra_main
+    hydra_main = _hydra_main(command)
     try:
         with interrupt.as_exit():  # outside the launcher's watch: composing, or merging after it
             hydra_main()
@@ -194,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if held is not None:
             rundir.release(held)
-    if multirun and command == "run":
+    if multirun and command == "run" and running:
         from kvlab.run_cmd import worst_exit
 
         if worst_exit():  # a job that failed does not stop the sweep, but the sweep reports it

@@ -80,8 +80,17 @@ def _duration(s: float) -> str:
     return f"{s:,.3f} s" if s >= 1 else f"{s * 1e3:,.3f} ms"
 
 
+def wide_console() -> Console:
+    """The console the plan prints to: as wide as the terminal, or, in a pipe or a log file, wide enough
+    that rich's default 80 columns do not cut the tables' columns (as kvlab.metrics.print_table)."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 132))
+    return console
+
+
 def print_summary(summary: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or wide_console()
     cap = summary.get("chunk_cap_bytes", summary["slot_bytes"])
     cut = f"chunks of at most {_mib(cap)} MiB" if cap is not None else \
         f"chunks not cut by size ({summary.get('transport', 'the transport')} pulls)"
@@ -108,7 +117,7 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
 
 def print_budget(b: dict, console: Console | None = None) -> None:
     """What each rank will hold (kvlab.budget), and what the memories they draw on can give."""
-    console = console or Console()
+    console = console or wide_console()
     parts = ("cache", "staging", "tables", "temps", "transport", "plan", "process")
     t = Table(title=f"memory per rank in MiB, at most ({b['open_requests']} requests open at once)")
     for col in ("rank", "memory", *parts):
@@ -134,8 +143,9 @@ def hydra_main(cfg: DictConfig) -> None:
         summary["transport_problem"] = str(e)
     memory = budget.measure(setup)
     summary["memory"] = dict(memory.to_dict(), fits=True)
-    print_summary(summary)
-    print_budget(summary["memory"])
+    console = wide_console()
+    print_summary(summary, console)
+    print_budget(summary["memory"], console)
     if summary["transport_problem"]:
         print(f"kvlab run would stop here: {summary['transport_problem']}")
     try:
