@@ -348,7 +348,8 @@ class Executor:
                     self._release(rid)
         if self.sending:  # the prefill (stopped by now) may have taken requests the loop never opened
             for rid in list(self.cache.tables):
-                self.failures.setdefault(rid, f"{self.side}{self.rank}: aborted after {e}")
+                why = self.error if self.stopped else f"{self.side}{self.rank}: aborted after {e}"
+                self.failures.setdefault(rid, why)
                 self._release(rid)
         for f in inflight:
             self.transport.abandon(f.handle)

@@ -212,3 +212,14 @@ def test_a_pulling_transport_on_a_gpu_times_both_forms_on_the_device(tmp_path):
     assert link["reference"] == "copy" and link["bytes"] == plan.nbytes >= linkrate.COPY_REPEAT_BYTES["cuda"]
     assert set(link["forms"]) == {"pieces", "whole"} and len(link["samples"]) == link["repeats"]
     assert link["gbps_min"] <= link["gbps"] <= link["gbps_max"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["p2p", "ipc"])
+def test_the_default_run_does_not_beat_its_reference(tmp_path, transport):
+    """A reference is a ceiling: the default run, pushed or pulled, delivers no more than the reference's
+    fastest repeat (a run that did would print so, and its link_ratio would describe the reference)."""
+    summary = run_transfer(QUIET + [f"transport={transport}"], tmp_path)
+    assert summary["verified"], summary
+    link = from_dict(Link, summary["link"])
+    assert summary["gbps"] and link.beaten_by(summary["gbps"]) is None, (summary["gbps"], link.describe())

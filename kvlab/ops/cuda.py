@@ -78,7 +78,7 @@ DEFAULT_TUNING = Tuning()
 def _source(path: Path = KERNEL_SOURCE) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"CUDA kernel source {path} not found (a checkout has it in kernels/, a "
-                                "wheel installs it under share/kvlab/kernels of the environment: reinstall kvlab)")
+                                "wheel installs it under kvlab/_data/kernels of the package: reinstall kvlab)")
     return path.read_text()
 
 

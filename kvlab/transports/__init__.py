@@ -4,8 +4,11 @@ A transport is chosen by the Hydra group ``transport=`` (``conf/transport/<name>
 the file's ``_target_`` names the class, its other keys are the constructor's options.
 ``p2p`` (kvlab.transports.p2p) pushes each chunk over torch.distributed, staged through
 slots or in place; ``ipc`` (kvlab.transports.ipc) lets the gen rank map the ctx rank's
-pools and pull each chunk's runs straight into its own pool. A new transport is one module
-with a subclass of ``Transport`` and one YAML file naming it; nothing else changes.
+pools and pull each chunk's runs straight into its own pool; ``nixl`` (kvlab.transports.nixl)
+WRITEs each chunk through NIXL's agents, staged or pool to pool; ``auto`` (the default) is
+``p2p``, or ``ipc`` where p2p's pair groups cannot be placed on the GPUs (kvlab.config
+``auto_transport``). A new transport is one module with a subclass of ``Transport`` and one
+YAML file naming it.
 
 The strategy (kvlab.schedule) decides what the chunks are, in which order they go and
 when each is ready; the executor (kvlab.executor) walks one rank's chunks in the global
