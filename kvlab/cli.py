@@ -196,9 +196,7 @@ class _BadArguments(Exception):
     pass
 
 
-def parse_args(command: str, rest: list[str]):
-    """``rest`` as the Hydra app will read it (hydra._internal.utils.get_args_parser): its flags, and its
-    ``overrides`` (which are the positionals only: ``-sc install=bash``'s value is one of them, too)."""
+def _parser(command: str):
     from hydra._internal.utils import get_args_parser
 
     parser = get_args_parser()
@@ -208,7 +206,27 @@ def parse_args(command: str, rest: list[str]):
         raise _BadArguments(message)
 
     parser.error = error
-    return parser.parse_args(rest)
+    return parser
+
+
+def parse_args(command: str, rest: list[str]):
+    """``rest`` as the Hydra app will read it (hydra._internal.utils.get_args_parser): its flags, and its
+    ``overrides`` (the positionals: ``-sc install=bash``'s value is one of them). Overrides may stand on
+    both sides of a flag (``kvlab run logger=quiet -m ctx.tp=1,2``), which Hydra alone refuses."""
+    return _parser(command).parse_intermixed_args(rest)
+
+
+def hydra_argv(command: str, args, overrides: list[str]) -> list[str]:
+    """The arguments for the Hydra app: the overrides, then the flags as parsed. In this order no
+    override can be read as a flag's value (``--info``'s is optional) nor come after a flag, which
+    Hydra's parser refuses."""
+    flags = []
+    for action in _parser(command)._actions:
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or value == action.default:
+            continue
+        flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
+    return [*overrides, *flags]
 
 
 def looks_only(args) -> bool:
@@ -229,15 +247,6 @@ def help_overrides(command: str, search: list[str]) -> list[str]:
     lines = [f"{g}: {', '.join(opts)}" for g in names if (opts := group_options(g, search))]
     text = HELP_TEMPLATE.format(command=command, what=COMMANDS[command], groups="\n".join(lines))
     return [f"hydra.help.template={_quoted(text)}"]
-
-
-def _with_override(rest: list[str], args, override: str) -> list[str]:
-    """``rest`` with one more override, next to the others: after a trailing flag it could be read as
-    that flag's value (``--info``'s is optional), and after a flag, below the overrides, argparse refuses it."""
-    if not args.overrides:
-        return [override, *rest]
-    at = len(rest) - rest[::-1].index(args.overrides[-1])
-    return [*rest[:at], override, *rest[at:]]
 
 
 def _hydra_main(command: str):
@@ -311,16 +320,16 @@ def main(argv: list[str] | None = None) -> None:
                    else check_overrides(overrides, search, memory))
         if problem:
             _fail(problem)
+        given = list(args.overrides)
         if args.help:
-            for extra in help_overrides(command, search):
-                rest = _with_override(rest, args, extra)
+            given += help_overrides(command, search)
         try:
             if running and not multirun and (command == "plan" or int(os.environ.get("RANK", 0)) == 0):
                 # one run per directory, locked before Hydra writes anything there; pinned, so that the
                 # directory Hydra creates is the one locked (the default names it after the clock)
                 held = _run_dir(args.overrides)
                 if not any(a.startswith("hydra.run.dir=") for a in args.overrides):
-                    rest = _with_override(rest, args, f"hydra.run.dir={held}")
+                    given.append(f"hydra.run.dir={held}")
                 rundir.acquire(held)
             elif running and multirun:
                 sweep = next((a.partition("=")[2] for a in args.overrides if a.startswith("hydra.sweep.dir=")), None)
@@ -328,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
                     rundir.ensure_writable(Path(sweep), "hydra.sweep.dir")
         except ConfigError as e:
             _fail(str(e))
-    sys.argv = [f"kvlab {command}"] + rest
+    sys.argv = [f"kvlab {command}", *hydra_argv(command, args, given)]
     hydra_main = _hydra_main(command)
     try:
         with interrupt.as_exit():  # outside the launcher's watch: composing, or merging after it
