@@ -129,3 +129,11 @@ def test_run_with_flags_and_the_default_directory(kvlab_cli, tmp_path):
     assert out.returncode == 0, out.stderr
     runs = list((tmp_path / "outputs").iterdir())
     assert len(runs) == 1 and (runs[0] / "summary.json").exists(), _left(tmp_path)
+
+
+def test_overrides_on_both_sides_of_a_flag(kvlab_cli, tmp_path):
+    out = kvlab_cli("plan", "logger=quiet", "-m", "ctx.tp=1,2", "gen.tp=1", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                    cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    plans = sorted((tmp_path / "sweep").glob("*/plan.json"))
+    assert [json.loads(p.read_text())["ctx"]["tp"] for p in plans] == [1, 2]
