@@ -203,7 +203,7 @@ class Executor:
     def _start(self, i: int, c: Chunk, ready) -> InFlight:
         rec = self.records[c.request]
         if self.sending:
-            free = ready.go(c.ready_layer) if self.strategy.ready == Ready.layer else ready.end
+            free = ready.go(c.ready_layer) if self.strategy.ready == Ready.layer else ready.done
             if rec.first_post is None:
                 rec.start = free  # its transfer starts with its first chunk free to go
             if self.gpu_prefill is not None:  # after the layer's writes, queued on the compute stream

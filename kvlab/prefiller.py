@@ -48,10 +48,11 @@ class Progress:
     request: int
     arrival: float  # host seconds: when the request arrived (the workload's arrival on the run's clock)
     start: object = None  # mark: its first layer began
-    end: object = None  # mark: its last layer (and its peers') done
+    end: object = None  # mark: this rank's share done (its last layer, and its tensor-parallel peers')
     layers: int = 0  # layers 0 .. layers-1 are written and published
     ready: dict = field(default_factory=dict)  # global layer -> mark of its cache written
     stepped: object = None  # mark: every tensor-parallel peer has written its share (its last layer may go)
+    done: object = None  # mark: every layer of the model done, later pipeline stages' too (a whole request may go)
     fill_s: float = 0.0  # host seconds writing this rank's cache of the request
 
     def go(self, layer: int):
@@ -186,13 +187,14 @@ class Prefiller:
             if layer < last:
                 self._publish(p, layer + 1)
         self._in_step(req)
-        p.stepped = time.time()
+        # this rank's share is done: its end (a later pipeline stage's rank measures the model's end)
+        p.end = p.stepped = time.time()
         self._publish(p, last + 1)
         # the other pipeline stages' layers come after this rank's: the prefill ends with the model's last
         for layer in range(last + 1, len(seconds)):
             self._sleep_until(t + seconds[layer])
             t = time.time()
-        p.end = time.time()
+        p.done = time.time()
         self._publish(p, len(seconds))
 
     def _on_fill_stream(self):
@@ -225,7 +227,7 @@ class Prefiller:
                 if self.halt.is_set():
                     raise Halted() from e
                 if time.time() > deadline:
-                    raise ChunkFailed(f"request {req.id}: {'/'.join(f'ctx{r}' for r in peers)}: tensor-parallel "
+                    raise ChunkFailed(f"request {req.id} with {'/'.join(f'ctx{r}' for r in peers)}: tensor-parallel "
                                       f"peers' prefill not done within {timeout:g} s", req.id) from e
 
     def _gpu(self, req, p: Progress) -> None:
@@ -241,7 +243,7 @@ class Prefiller:
                         x.cache.fill(req, x.ops, layer)
                     p.ready[layer] = x.clock.mark()
                     self.queued.append(p.ready[layer])
-            p.end = p.stepped = p.ready[last]
+            p.end = p.stepped = p.done = p.ready[last]
         self._publish(p, x.setup.model.num_layers)
 
 

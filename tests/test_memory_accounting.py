@@ -1,5 +1,5 @@
 """Extra device memory counts the transfer's allocations only: what fill and verification allocate, and keep,
-stays out of every later peak (kvlab.executor._untracked). A fake allocator stands in for CUDA's."""
+stays out of every later peak (kvlab.executor.Executor.untracked). A fake allocator stands in for CUDA's."""
 from __future__ import annotations
 
 import types
@@ -28,7 +28,7 @@ def test_what_fill_keeps_is_not_the_transfers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: setattr(mem, "peak", mem.allocated))
     ex = types.SimpleNamespace(device=torch.device("cuda", 0), transfer_peak=0, untracked_kept=0)
     ex.tracked_peak = lambda: Executor.tracked_peak(ex)
-    untracked = lambda: Executor._untracked.__wrapped__(ex)  # noqa: E731 - the generator behind the context
+    untracked = lambda: Executor.untracked.__wrapped__(ex)  # noqa: E731 - the generator behind the context
 
     mem.alloc(10)  # a chunk's temporaries
     mem.free(10)

@@ -75,6 +75,9 @@ def check_run(over: list[str], tmp: Path) -> None:
 @example(over=["workload.requests=8", "workload.concurrency=8", "transfer=layerwise"])
 @example(over=["model=tiny_gqa", "workload.arrival=poisson", "workload.rate=40", "workload.requests=12",
                "prefill.layer_ms=10"])
+@example(over=["transfer=layerwise", "ctx.tp=1", "ctx.pp=2", "gen.tp=1", "workload.requests=8",  # a stage's share
+               "workload.concurrency=1", "workload.isl=2048", "transfer.slots=1", "transfer.slot_mib=1",  # ends before
+               "workload.arrival=poisson", "prefill.layer_ms=1", "workload.rate=100"])  # the model's last layer
 def test_every_run_completes(over, tmp_path_factory):
     assume(_valid(over))
     check_run(over, tmp_path_factory.mktemp("run"))
