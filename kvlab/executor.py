@@ -43,7 +43,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab import prefill
 from kvlab.cache import PagedCache
 from kvlab.clock import Clock
 from kvlab.config import Setup
@@ -98,7 +97,6 @@ class Executor:
         self.held_layers = frozenset(held)  # global layers whose cache this (ctx) rank writes
         self.gpu_prefill = None  # kvlab.prefill_gpu.GpuPrefill with prefill=gpu (set by the runner)
         self.prefill_alone: dict[int, float] = {}  # prompt tokens -> seconds of that prefill alone (prefill=gpu)
-        self.store = None  # the default group's store: tensor-parallel ctx peers end a prefill in step
 
     def connect(self) -> None:
         """The transport's start-up (pair groups, staging, mapped pools); before the clock starts."""
@@ -176,17 +174,6 @@ class Executor:
         """Verify every finished request still waiting (after the loop: off the clock)."""
         while self.unverified:
             self._verify(*self.unverified.popleft())
-
-    def layer_seconds(self, isl: int) -> list[float]:
-        """The configured time of each layer of an ``isl``-token prefill on this rank's DP group."""
-        return prefill.layer_seconds(self.setup.model, self.setup.prefill, self.setup.ctx.tp, isl)
-
-    def store_(self):
-        """The default group's store (tensor-parallel ctx peers end a prefill in step through it)."""
-        if self.store is None:
-            import torch.distributed as dist
-            self.store = dist.distributed_c10d._get_default_store()
-        return self.store
 
     def _allocated(self, c: Chunk) -> bool:
         return c.request in self.prefiller.progress

@@ -22,7 +22,9 @@
 ``prefill.layer_ms`` > 0 replaces the model: every layer takes that long whatever the prompt.
 A ctx DP group prefills one request at a time, first come first served, each layer after the
 previous (pipeline stages in turn): ``timeline`` turns arrival times into when each request's
-prefill starts and each of its layers ends. It is pure, so every rank derives the same one.
+prefill would start and each of its layers end. It is pure, so every rank derives the same one,
+and it is only the estimate the global chunk order is planned from (kvlab.workload): the run's
+prefill (kvlab.prefiller) measures what happens.
 """
 from __future__ import annotations
 
@@ -125,7 +127,7 @@ def timeline(requests, seconds_of) -> dict[int, PrefillTimes]:
 
 
 def times_for(setup, requests) -> dict[int, PrefillTimes]:
-    """The run's prefill timeline: what every rank agrees on, and what the sim prefill follows."""
+    """The run's estimated prefill timeline: what every rank plans the chunk order from."""
     return timeline(requests, lambda isl: layer_seconds(setup.model, setup.prefill, setup.ctx.tp, isl))
 
 

@@ -33,7 +33,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from kvlab import prefill
 from kvlab.transports import ChunkFailed
 
 POLL_S = 0.05  # how often a blocked wait looks at the halt flag (a stop, a failed loop)
@@ -169,7 +171,7 @@ class Prefiller:
 
     def _sim(self, req, p: Progress) -> None:
         x = self.x
-        seconds = x.layer_seconds(req.isl)
+        seconds = prefill.layer_seconds(x.setup.model, x.setup.prefill, x.setup.ctx.tp, req.isl)
         p.start = t = time.time()
         self._publish(p, 0)
         last = self.held[-1]
@@ -213,7 +215,7 @@ class Prefiller:
         if not peers:
             return
         key = f"prefill/{req.id}/{me.dp}/{me.pp}"
-        store = x.store_()
+        store = dist.distributed_c10d._get_default_store()
         if store.add(key, 1) == len(peers) + 1:
             store.set(key + "/all", "1")
             return
