@@ -19,6 +19,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from kvlab.cache import verify_piece_bytes
 from kvlab.config import Setup
 from kvlab.errors import ConfigError
 from kvlab.plan import Request, plan
@@ -138,8 +139,9 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
         staging = in_flight * biggest if t.strategy.staging == Staging.per_chunk else t.slots * t.slot_bytes
         if pulls:  # the gen rank copies straight out of the mapped ctx pool: no slot, no buffer
             staging = 0
-        temps = FILL_PIECE_FACTOR * min(FILL_PIECE_BYTES, max(held, cache // max(1, open_requests)))
         memory = _memory_of(setup, wr, gpus)
+        piece = FILL_PIECE_BYTES if memory == "host" else verify_piece_bytes("cuda")
+        temps = FILL_PIECE_FACTOR * min(piece, max(held, cache // max(1, open_requests)))
         ranks.append(RankNeed(wr, f"{side.name}{r}", memory, cache, staging, tables, temps, plan_bytes,
                               transport=NCCL_BYTES if memory != "host" else 0))
     return Budget(ranks, open_requests, longest, per_request)

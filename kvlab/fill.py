@@ -135,7 +135,8 @@ def expected(request: int, pool: RankPool, rect: Rect, device="cpu", out: torch.
         base = (ts - rect.t0) * nl * bpl
         # wire: [tile][layer][component: head, token, byte]
         group = out[base:base + ntiles * nl * ntok * bpl].view(ntiles, nl, ntok * bpl)
-        step = max(1, _PIECE_BYTES // (ntiles * ntok * bpl))  # layers per piece
+        # layers per step: on a CPU the step stays in cache; a GPU takes the group in one go (launches cost)
+        step = nl if dev.type == "cuda" else max(1, _PIECE_BYTES // (ntiles * ntok * bpl))
         off = 0
         for c, row in enumerate(rows):
             rt = _row_table(row, str(dev))

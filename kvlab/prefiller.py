@@ -237,6 +237,7 @@ class Prefiller:
         last = self.held[-1]
         with torch.cuda.stream(g.stream), x.untracked():
             p.start = x.clock.mark()
+            self._publish(p, 0)
             for layer in range(last + 1):
                 if layer in x.held_layers:
                     self._lead()
@@ -245,6 +246,10 @@ class Prefiller:
                         x.cache.fill(req, x.ops, layer)
                     p.ready[layer] = x.clock.mark()
                     self.queued.append(p.ready[layer])
+                if layer < last:
+                    # published once queued: its chunks wait on the layer's event on the device, so a layer-wise
+                    # transfer follows the GPU's prefill instead of starting after its last launch
+                    self._publish(p, layer + 1)
             p.end = p.stepped = p.done = p.ready[last]
         self._publish(p, x.setup.model.num_layers)
 
