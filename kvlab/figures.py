@@ -12,7 +12,11 @@ the executor or transport that fills it).
 
 Units: ``B`` bytes, ``count``, ``s`` a duration, ``t`` seconds from the run's start (the clock epoch
 every rank shares, kvlab.clock), ``epoch s`` absolute wall seconds (order and overlap of requests),
-``GB/s`` (10^9 bytes per second), ``x`` a ratio.
+``GB/s`` (10^9 bytes per second), ``x`` a ratio, ``req/s`` requests per second, ``bool`` yes or no.
+
+Serving. A request meets the SLOs (``serving.slo``, kvlab.serving.SloSpec) when it verified and every
+SLO set holds; ``duration_s`` is the run's serving span, first arrival to last chunk landed, over
+which request throughput and goodput count requests (as vLLM's benchmark counts its duration).
 
 In flight. Each side's transport appends a chunk's (posted, done) marks to ``RankPart.wire``, in
 the rank's chunk order, so the global order (kvlab.workload) pairs a chunk's two sides: it is in
@@ -62,6 +66,8 @@ DISPLAY = {
     "epoch s": (1, "{:,.6f}", "s"),
     "GB/s": (1, "{:,.2f}", "GB/s"),
     "x": (1, "{:.3f}", "x"),
+    "req/s": (1, "{:,.3f}", "req/s"),
+    "bool": (1, "{}", ""),
 }
 
 
@@ -137,6 +143,9 @@ class Parts:
         landed = [p.end for p in self.gen]
         complete = bool(self.gen) and None not in landed and all(p.chunks == p.chunks_total for p in self.gen)
         self.last = max(landed) if complete else None  # its last chunk landed on the last gen rank needing it
+        # what the merge decides from the errors, and the run's SLOs (kvlab.serving.SloSpec; None: none set)
+        self.verified: bool | None = None
+        self.slo = None
 
     def _flights(self) -> list[tuple[float, float]]:
         if self.pairs is None:
@@ -201,6 +210,8 @@ class Figure:
         """Its value as the terminal shows it (unit of DISPLAY); '' when absent."""
         if v is None:
             return ""
+        if self.unit == "bool":
+            return "yes" if v else "no"
         scale, fmt, _ = DISPLAY[self.unit]
         return fmt.format(v * scale if scale != 1 else v)
 
@@ -266,6 +277,9 @@ TABLE: tuple[Figure, ...] = (
     Figure("ttft_s", "s", "Arrival to the cache complete on every gen rank needing it: the part of the time to "
            "first token that prefill and transfer make (no decode step runs).", "last chunk landed - arrival",
            request=lambda r: _since(r.last, r.arrival), column="TTFT ms", line="TTFT"),
+    Figure("slo_met", "bool", "Whether the request met every SLO set (serving.slo): it verified and its TTFT was "
+           "within serving.slo.ttft_ms.", "serving.slo's met(ttft_s, verified); absent without an SLO",
+           request=lambda r: r.slo.met(r.ttft_s, r.verified) if r.slo is not None else None, column="SLO"),
     Figure("exposed_s", "s", "Transfer left after the prefill's last layer: what the transfer adds to TTFT "
            "(waits for the link after the prefill included).", "max(0, last chunk landed - prefill end); the run: "
            "its largest", request=lambda r: None if r.last is None or r.prefill_end is None
@@ -289,6 +303,26 @@ TABLE: tuple[Figure, ...] = (
     Figure("verify_s", "s", "Host time checking the request's cache after the transfer (gen ranks together): "
            "decode's stand-in.", "sum of the gen parts' verify_s", request=lambda r: _sum(r.gen, "verify_s"),
            default=0.0, run="sum", run_default=0.0),
+    # -- the run as a serving system
+    Figure("duration_s", "s", "The run's serving span: its first arrival to the last chunk landed of any request "
+           "(vLLM's benchmark duration).", "max of the rows' last_chunk_s - min of their arrival_s",
+           run=lambda run: _since(max((r.last_chunk_s for r in run.rows if r.last_chunk_s is not None), default=None),
+                                  min((r.arrival_s for r in run.rows if r.arrival_s is not None), default=None))),
+    Figure("completed", "count", "Requests that arrived whole and verified.", "count of the verified rows",
+           run=lambda run: sum(bool(r.verified) for r in run.rows), run_default=0),
+    Figure("failed", "count", "Requests that failed (not delivered whole, or not verified).",
+           "count of the rows not verified", run=lambda run: sum(not r.verified for r in run.rows), run_default=0),
+    Figure("request_throughput", "req/s", "Completed requests per second of the serving span.",
+           "completed / duration_s", run=lambda run: run.completed / run.duration_s if run.duration_s else None),
+    Figure("good_requests", "count", "Requests that met every SLO set.", "count of the rows with slo_met; "
+           "absent without an SLO", run=lambda run: sum(bool(r.slo_met) for r in run.rows)
+           if any(r.slo_met is not None for r in run.rows) else None),
+    Figure("goodput", "req/s", "Requests meeting every SLO per second of the serving span (vLLM's goodput).",
+           "good_requests / duration_s", run=lambda run: run.good_requests / run.duration_s
+           if run.good_requests is not None and run.duration_s else None),
+    Figure("slo_attainment", "x", "The share of the run's requests that met every SLO (a failed one did not).",
+           "good_requests / all rows", run=lambda run: run.good_requests / len(run.rows)
+           if run.good_requests is not None and run.rows else None),
     # -- the run's own
     Figure("link_gbps", "GB/s", "The link's speed for the run's own messages, measured in the same run "
            "(kvlab.linkrate).", "the run's Link.gbps", run=lambda run: run.link.gbps if run.link else None),

@@ -108,11 +108,12 @@ def _parts(rid: int, ps: list[RankPart], traits: figures.Traits, pairs) -> figur
 
 
 def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int], gen_dp: dict[int, int],
-          layerwise: bool = True, traits: figures.Traits = figures.PLAIN, order=None
+          layerwise: bool = True, traits: figures.Traits = figures.PLAIN, order=None, slo=None
           ) -> tuple[list[RequestRow], list[TimelineRow]]:
     """(results rows, timeline rows: per layer, for layer-wise runs) from every rank's parts. ``traits``: the
     run's transport's (kvlab.figures.Traits.of): which figures it has; ``order``: the global chunk order
-    (kvlab.workload), which pairs each chunk's marks on its two sides (kvlab.figures: in flight)."""
+    (kvlab.workload), which pairs each chunk's marks on its two sides (kvlab.figures: in flight); ``slo``: the
+    run's SLOs (kvlab.serving.SloSpec), which each request meets or not."""
     by_req, pairs = _by_request(parts), _pairs(order)
     rows, timeline = [], []
     for rid in sorted(set(by_req) | set(failures)):
@@ -121,9 +122,10 @@ def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int
         errors = [e for p in request.gen for e in p.errors]
         if rid in failures:
             errors.append(failures[rid])
+        request.verified, request.slo = bool(request.gen) and not errors and rid not in failures, slo
         rows.append(RequestRow(
             request=rid, isl=ps[0].isl if ps else None, ctx_dp=ctx_dp.get(rid), gen_dp=gen_dp.get(rid),
-            verified=bool(request.gen) and not errors and rid not in failures, error="; ".join(errors) or None,
+            verified=request.verified, error="; ".join(errors) or None,
             in_loop=sorted({w for p in ps for w in p.in_loop}), **figures.request_values(request)))
         for p in request.ctx:
             if p.prefill_end is None or not layerwise:
@@ -164,7 +166,8 @@ def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[
         predicted_s=predicted_s,
         silent_ranks=list(silent),
         arrival=setup.workload.arrival, prefill=setup.prefill.kind,
-        serving=serving.percentiles(rows),
+        serving=serving.percentiles(rows, setup.serving.percentiles),
+        slo={k: v for k, v in vars(setup.serving.slo).items() if v is not None},
         link=link,
         in_loop_requests={"verify": sum("verify" in r.in_loop for r in rows)},
         **figures.run_values(run, traits),
@@ -265,9 +268,9 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
             beaten = link.beaten_by(summary.gbps)
             if beaten:
                 console.print(beaten, markup=False, highlight=False)
-    line = serving.summary_line(summary.serving)
-    if line:
-        console.print(f"{summary.arrival} arrivals, prefill={summary.prefill}; {line}", markup=False,
-                      highlight=False)
+    if summary.serving:
+        console.print(serving.table(summary.serving))
+        console.print(f"{summary.arrival} arrivals, prefill={summary.prefill}; "
+                      + "; ".join(serving.report_lines(summary)), markup=False, highlight=False)
     console.print(f"peak staging {summary.peak_staging_bytes / 2**20:,.2f} MiB per rank, "
                   f"peak extra device memory {summary.peak_extra_device_bytes / 2**20:,.2f} MiB")

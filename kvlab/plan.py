@@ -26,6 +26,7 @@ class Request:
     ctx_dp: int = 0  # attention-DP group that prefills it
     gen_dp: int = 0  # attention-DP group that decodes it
     arrival_s: float = 0.0  # when it arrives, seconds from the run's start (kvlab.arrivals)
+    osl: int | None = None  # tokens it would decode (a trace's output_length, or workload.osl); None: unknown
 
     def validate(self, ctx: SideSpec, gen: SideSpec) -> None:
         positive("workload.isl", self.isl)

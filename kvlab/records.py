@@ -246,6 +246,7 @@ class RequestRow:
 
     request: int
     isl: int | None = None
+    osl: int | None = None  # tokens it would decode (kvlab.workload.output_lengths): carried, not decoded
     ctx_dp: int | None = None
     gen_dp: int | None = None
     verified: bool = False
@@ -292,7 +293,8 @@ class Summary:
     silent_ranks: list[int] = field(default_factory=list)
     arrival: str | None = None  # burst | poisson | trace
     prefill: str | None = None  # sim | gpu
-    serving: dict[str, dict[str, float]] = field(default_factory=dict)  # figure -> p50, p90, p99, mean, n
+    serving: dict[str, dict[str, float]] = field(default_factory=dict)  # figure -> p50, ..., mean, std, n
+    slo: dict[str, float] = field(default_factory=dict)  # the SLOs set (serving.slo): e.g. {"ttft_ms": 500}
     interrupted: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM), or None
     completed_requests: list[int] = field(default_factory=list)  # verified, in request order
     link: Link | None = None

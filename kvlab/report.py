@@ -201,10 +201,12 @@ def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[
     traits = figures.Traits.of(setup.transport.cls(), setup.transport.options)
     rows, timeline = metrics.merge(all_parts, failures, {r.id: r.ctx_dp for r in requests},
                                    {r.id: r.gen_dp for r in requests}, setup.transfer.strategy.ready == Ready.layer,
-                                   traits, order)
+                                   traits, order, setup.serving.slo)
     isl = {r.id: r.isl for r in requests}
+    osl = {r.id: r.osl for r in requests}
     for row in rows:
         row.isl = row.isl or isl.get(row.request)
+        row.osl = osl.get(row.request)
     env = gathered[min(gathered)].env if gathered else None
     link = next((g.link for _, g in sorted(gathered.items()) if g.link), None)
     summary = metrics.summarize(rows, all_parts, setup, [g.peak for g in gathered.values()],

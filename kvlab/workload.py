@@ -21,7 +21,7 @@ import random
 from collections import deque
 from collections.abc import Iterable
 
-from kvlab import arrivals, prefill
+from kvlab import arrivals, prefill, traces
 from kvlab.config import Setup
 from kvlab.devices import pair_backend
 from kvlab.plan import Request, plan
@@ -42,9 +42,18 @@ def prompt_lengths(w: WorkloadSpec, n: int) -> list[int]:
     return [min(w.isl_max, max(w.isl_min, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
 
 
-def request(setup: Setup, i: int, isl: int, arrival_s: float = 0.0) -> Request:
+def request(setup: Setup, i: int, isl: int, arrival_s: float = 0.0, osl: int | None = None) -> Request:
     """Request ``i``: prefilled by ctx DP group ``i % ctx.dp``, decoded by gen DP group ``i % gen.dp``."""
-    return Request(i, int(isl), i % setup.ctx.dp, i % setup.gen.dp, arrival_s)
+    return Request(i, int(isl), i % setup.ctx.dp, i % setup.gen.dp, arrival_s, osl)
+
+
+def output_lengths(w: WorkloadSpec, n: int) -> list[int | None]:
+    """Tokens each of ``n`` requests would decode: a trace's output lengths (Mooncake ``output_length``,
+    Azure ``GeneratedTokens``), else ``workload.osl`` (None: unknown). No decode runs here; the rows carry
+    them for whoever models decode (a fleet simulator)."""
+    if w.arrival == "trace":
+        return [r.output_tokens for r in traces.read(w.trace)[:n]]
+    return [w.osl] * n
 
 
 def make_requests(setup: Setup) -> list[Request]:
@@ -54,7 +63,8 @@ def make_requests(setup: Setup) -> list[Request]:
         timed = w.timed_trace(setup.cache.capacity_tokens)
     else:
         timed = list(zip(arrivals.times(w, w.requests), prompt_lengths(w, w.requests)))
-    return [request(setup, i, isl, t) for i, (t, isl) in enumerate(timed)]
+    osl = output_lengths(w, len(timed))
+    return [request(setup, i, isl, t, osl[i]) for i, (t, isl) in enumerate(timed)]
 
 
 def plan_requests(setup: Setup) -> list[Request]:
