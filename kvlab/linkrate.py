@@ -19,7 +19,8 @@ and the first message's latency, weigh little against them: 8 messages of 240 Ki
 
 The reference depends on how bytes cross, and each transport names its own
 (``Transport.link_reference``): ``p2p`` sends messages over the transport's pair groups;
-``nixl`` WRITEs them with the transport's NIXL agents (kvlab.transports.nixl); a transport
+``nixl`` WRITEs them with the transport's NIXL agents (kvlab.transports.nixl), ``mooncake`` with its
+Mooncake engines (kvlab.transports.mooncake); a transport
 whose gen rank pulls the bytes itself measures local ``copy_`` of the same bytes (``copy``,
 the default), in two forms, each repeat counting the faster: the bytes in chunk-sized
 pieces, and one copy per request (``copy_plan``: a request's bytes on that gen rank, at most
@@ -236,8 +237,16 @@ def raw_nixl(setup: Setup, transport: Transport, world_rank: int, order: list[Ch
     return out
 
 
+def raw_mooncake(setup: Setup, transport: Transport, world_rank: int, order: list[Chunk], repeats: int
+                 ) -> list[tuple[float, ...]]:
+    """Seconds this rank took per repeat for its share of the messages as raw Mooncake writes between the
+    transport's engines (kvlab.transports.mooncake; each repeat with its own untimed round and buffers)."""
+    args = messages(order, transport.device)
+    return [(transport.raw_writes(*args),) for _ in range(repeats)]
+
+
 REFERENCES: dict[str, Callable[[Setup, Transport, int, list[Chunk], int], list[tuple[float, ...]]]] = {
-    "p2p": raw_p2p, "copy": local_copy, "nixl": raw_nixl}
+    "p2p": raw_p2p, "copy": local_copy, "nixl": raw_nixl, "mooncake": raw_mooncake}
 FORMS = {"copy": ("pieces", "whole")}  # a reference measured in several forms: each repeat counts the fastest
 
 

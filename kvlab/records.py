@@ -158,7 +158,7 @@ class Link:
     """The link's speed for a run's own messages, measured in the same run (kvlab.linkrate)."""
 
     reference: str = "p2p"  # p2p: raw messages over the pair groups; copy: a local copy_ of the same bytes;
-    # nixl: raw NIXL WRITEs between the run's agents
+    # nixl: raw NIXL WRITEs between the run's agents; mooncake: raw Mooncake writes between its engines
     message_bytes: int = 0
     messages: int = 0  # timed per repeat, all pairs (copy: the chunk-sized pieces, all gen ranks)
     seconds: float = 0.0  # the median repeat's
@@ -181,6 +181,8 @@ class Link:
             what = f"raw messages of {mib} between the same ranks"
         elif self.reference == "nixl":
             what = f"raw NIXL WRITEs of {mib} between the same ranks"
+        elif self.reference == "mooncake":
+            what = f"raw Mooncake writes of {mib} between the same ranks"
         elif self.forms:
             parts = [f"{mib} pieces" + (f" ({self.forms['pieces']:,.2f} GB/s)" if "pieces" in self.forms else ""),
                      f"one copy of {_mib(self.whole_bytes)} per request"
@@ -295,6 +297,7 @@ class Summary:
     prefill: str | None = None  # sim | gpu
     serving: dict[str, dict[str, float]] = field(default_factory=dict)  # figure -> p50, ..., mean, std, n
     slo: dict[str, float] = field(default_factory=dict)  # the SLOs set (serving.slo): e.g. {"ttft_ms": 500}
+    repeat: int = 0  # which repeat of its config the run is (Setup.repeat)
     interrupted: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM), or None
     completed_requests: list[int] = field(default_factory=list)  # verified, in request order
     link: Link | None = None

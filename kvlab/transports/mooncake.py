@@ -1,0 +1,554 @@
+"""``transport=mooncake``: the ctx rank writes each chunk into the gen rank's memory with the Mooncake
+Transfer Engine.
+
+Mooncake's engine is SGLang's default disaggregation transport (also a backend of vLLM, TensorRT-LLM and
+LMCache): one-sided writes between registered buffers of two engines, over TCP, RDMA or, within a node
+between GPUs, NVLink (CUDA IPC). One engine per rank, started with ``P2PHANDSHAKE`` (no metadata
+server: the session ids ``host:port`` go through the torch.distributed store, kvlab.mooncake); every
+pool, the staging slots and a small probe buffer are registered once in ``connect``, and the pools'
+addresses go through the store with the session ids. ``transport.protocol``: ``tcp`` (the CPU wheel's;
+GPU buffers go through the host), ``nvlink_intra`` (CUDA wheels, GPUs of one node), ``auto`` (the
+second where the wheel has it and the ranks use GPUs, else the first). Both sides follow the same chunk
+order; only the ctx rank moves bytes. ``transport.mode``, as for nixl:
+
+- ``staged``: pack into a registered slot (or use the pool where the chunk lies in wire order), one
+  write of the whole chunk into the gen rank's registered slot, unpack there. Same slots, same flow
+  control, same bounded memory as ``p2p``.
+- ``direct``: no staging; one write per run (``kvlab.layout.runs`` of the same rectangle on both states,
+  neighbours contiguous on both sides merged), from the ctx pool straight into the gen pool. The gen
+  rank sends only its block tables, once per (request, ctx rank).
+
+Completion is polled: each write is submitted on its own (``transfer_submit_write``) and polled without
+blocking (``transfer_check_status``). The Python binding's batch calls do not fit a rank that polls
+with a deadline: ``batch_transfer_async_write``'s status call, ``get_batch_transfer_status``, blocks
+until the whole batch is done, spinning a core, under the engine's own timeout (at least 5 s), and
+``transfer_check_status`` on a batch reads its first entry only (measured: "done" after 11 ms for a
+batch whose second entry of 100 MiB took about 100 ms) and frees the batch then. So a direct chunk's
+runs are submitted back to back, one call each (about 5 us per call on the CPU machine), and its
+completion is the last of theirs.
+
+Control plane: the default group's store, small keys (Mooncake's own notifications need a synchronous
+write to carry them: 0.64 ms per notice measured, against tens of microseconds for a key):
+``mc/R/<ctx>/<gen>/<request>.<seq>`` (staged: the gen slot's address and size, once it is free; the
+ctx rank deletes it when read), ``mc/T/<ctx>/<gen>/<request>`` (direct: the gen rank's block tables),
+``mc/D/<ctx>/<gen>/<request>.<seq>`` (the ctx rank saw every write of the chunk complete: the bytes are
+in the gen rank's memory; the gen rank deletes it when seen). The ctx rank ``polls``: the executor sees
+each completion, and the key goes out, when it happens. Every wait polls with the deadline
+``transfer.timeout_s``; a write to a gen rank that is gone fails at once (the engine reports the broken
+connection), and a store that is gone (rank 0) fails the call.
+
+On GPUs nothing blocks the host on the device: a chunk is written once the event recorded after its
+pack (or its layers' writes) has completed (the engine does not follow CUDA streams), and a gen slot is
+announced again once the event of its last unpack has.
+
+The in-run link reference (``link_reference = "mooncake"``, kvlab.linkrate): raw writes of the run's
+chunk size from a registered buffer into one on each gen rank the ctx rank feeds, ``transfer.slots`` in
+flight, after one untimed round.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kvlab import mooncake
+from kvlab.errors import ConfigError
+from kvlab.layout import runs
+from kvlab.schedule import Chunk, Staging
+from kvlab.staging import PerChunkBuffers
+from kvlab.state import CacheState
+from kvlab.transports.nixl import SPIN_S, Backoff, coalesce
+from kvlab.transports.p2p import P2P, narrow
+
+MODES = ("direct", "staged")
+
+
+@dataclass
+class Write:
+    """A chunk on the ctx rank: packed (or not), waiting for the gen rank's room, then its writes in flight."""
+
+    index: int
+    chunk: Chunk
+    rec: object
+    buf: torch.Tensor | None  # the chunk in wire order (a slot, or the pool in place); None: direct from runs
+    staged: bool
+    event: object = None  # GPUs: the pack's (or the layers') completion; the engine does not follow streams
+    ids: list | None = None  # the engine's ids of the writes not yet seen complete; None: not yet submitted
+    posted: object = None
+    done: object = None  # the completion mark, set when it was seen
+    reg: int = 0  # a per-chunk buffer's registered address (naive)
+
+
+@dataclass
+class Landing:
+    """A chunk on the gen rank: room announced, bytes awaited."""
+
+    index: int
+    chunk: Chunk
+    buf: torch.Tensor | None
+    staged: bool
+    posted: object
+    reg: int = 0  # a per-chunk buffer's registered address (naive)
+    notice: tuple[str, str] | None = None  # (key, value) to publish; None: nothing to announce
+    after: object = None  # GPUs: the event of the slot's last unpack, announced once it has completed
+
+
+@dataclass
+class Peer:
+    session: str
+    pools: dict = field(default_factory=dict)  # pool name -> (address, blocks)
+    probe: int = 0
+    state: CacheState | None = None
+
+
+class Mooncake(P2P):
+    link_reference = "mooncake"  # kvlab.linkrate: raw writes of the run's chunk size between its pairs
+    has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else P2P.has)  # direct: no slots
+
+    def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", protocol: str = "auto",
+                 pack_ctas: int | None = None):
+        super().__init__(setup, side, rank, world_rank, device)
+        self.mode = mode
+        self.protocol = protocol
+        self.pack_ctas = pack_ctas
+        # the ctx rank polls its writes' status locally; a gen rank's poll would be a store round trip per
+        # chunk in flight per loop, so it is finished when the executor must
+        self.polls = side == "ctx"
+        self.te = None
+        self.wire = ""
+        self.session = ""
+        self.regs: list[int] = []
+        self.peers: dict[int, Peer] = {}
+        self.store = None
+        self.waiting: list[Write] = []  # ctx: chunks packed, not yet written
+        self.unannounced: deque[Landing] = deque()  # gen: chunks whose room waits its turn (GPUs: an unpack)
+        self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
+        self.told: set[tuple[int, int]] = set()  # gen, direct: (request, ctx rank) sent the block tables
+        self.tables: dict[tuple[int, int], dict] = {}  # ctx, direct: (request, gen rank) -> its block tables
+        self.spin_s = SPIN_S if device.type == "cuda" else 0.0
+        self.shut = False
+        self.per_chunk = False
+        self.window = setup.transfer.slots
+
+    @classmethod
+    def check(cls, setup) -> None:
+        o = setup.transport.options
+        mode = o.get("mode", "staged")
+        if mode not in MODES:
+            raise ConfigError("transport.mode", mode, "use direct (one write per run, pool to pool) or staged "
+                              "(one write per chunk through registered slots)")
+        proto = o.get("protocol", "auto")
+        if proto not in mooncake.PROTOCOLS:
+            raise ConfigError("transport.protocol", proto, "use tcp, nvlink_intra (GPUs of one node, CUDA wheels) "
+                              "or auto (nvlink_intra where the wheel and the GPUs have it, else tcp)")
+        ctas = o.get("pack_ctas")
+        if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1):
+            raise ConfigError("transport.pack_ctas", ctas, "use a positive number of CTAs, or null for one per SM")
+        mc = mooncake.api()
+        if proto == "nvlink_intra":
+            if setup.device == "cpu":
+                raise ConfigError("transport.protocol", proto, "NVLink moves GPU memory; use transport.protocol=tcp "
+                                  "(or auto) with device=cpu")
+            if not mc.SUPPORT_INTRA_NVLINK:
+                raise ConfigError("transport.protocol", proto, "the installed Mooncake wheel has no intra-node "
+                                  "NVLink transport (the CUDA wheel has); use transport.protocol=tcp or auto")
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        return self.staging.peak_bytes if self.staging is not None else 0
+
+    # -- start-up ---------------------------------------------------------------------------
+    def connect(self, executor) -> None:
+        """Engine, registrations, session ids and pool addresses through the store, one write each way."""
+        self.executor = executor
+        t = self.setup.transfer
+        ctas = self.pack_ctas
+        if ctas is None and self.device.type == "cuda":
+            # the engine's writes run on copy engines or the NIC, not on SMs: the kernels may take them all
+            ctas = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.ops = narrow(executor.ops, ctas or t.pack_ctas)
+        if self.mode == "staged" or (self.sending and executor.faults.flips):
+            self.staging = self._new_staging()
+        self.per_chunk = isinstance(self.staging, PerChunkBuffers)
+        self.wire = mooncake.protocol(self.protocol, self.device.type)
+        self.te, self.session = mooncake.engine(self.wire, t.timeout_s)
+        pools = executor.cache.pools
+        self.probe = torch.zeros(64, dtype=torch.uint8, device=self.device)
+        tensors = [s.storage for s in pools.values()] + [self.probe]
+        if self.staging is not None and hasattr(self.staging, "storage"):
+            tensors.append(self.staging.storage)
+        for x in tensors:
+            self._register(x.data_ptr(), x.numel())
+        self.store = dist.distributed_c10d._get_default_store()
+        me = f"{self.side}{self.rank}"
+        info = {"session": self.session, "probe": self.probe.data_ptr(),
+                "pools": {n: (s.storage.data_ptr(), s.num_blocks) for n, s in pools.items()}}
+        self.store.set(f"mc/info/{me}", json.dumps(info))
+        other = "gen" if self.sending else "ctx"
+        spec = self.setup.gen if self.sending else self.setup.ctx
+        for r in range(spec.size):
+            self.store.wait([f"mc/info/{other}{r}"])
+            got = json.loads(self.store.get(f"mc/info/{other}{r}"))
+            self.peers[r] = Peer(got["session"], {n: tuple(v) for n, v in got["pools"].items()}, got["probe"],
+                                 CacheState(self.setup.model, spec, r))
+        # the first write to a peer fetches its segment (its registered buffers) and opens the connection:
+        # not inside the first timed chunk. Every registration above is in it.
+        dist.barrier()
+        if self.sending:
+            deadline = time.time() + max(t.timeout_s, 30.0)
+            for r, p in self.peers.items():
+                ids = self._submit(p.session, [self.probe.data_ptr()], [p.probe], [self.probe.numel()])
+                if ids is None or not self._wait_ids(ids, deadline):
+                    raise RuntimeError(f"mooncake: no write reached gen{r} ({p.session}) within the start-up deadline")
+        dist.barrier()
+
+    def _register(self, addr: int, nbytes: int) -> None:
+        mooncake.register(self.te, addr, nbytes)
+        self.regs.append(addr)
+
+    def _unregister(self, addr: int) -> None:
+        self.te.unregister_memory(addr)
+        self.regs.remove(addr)
+
+    # -- the engine's writes ----------------------------------------------------------------
+    def _submit(self, session: str, src, dst, length) -> list | None:
+        """One write per (src, dst, length): their ids, or None if the engine refused one (those already
+        submitted are polled until they end, so that none is left running)."""
+        ids = []
+        for s, d, n in zip(src, dst, length):
+            bid = self.te.transfer_submit_write(session, int(s), int(d), int(n))
+            if bid == 0:
+                self._drain(ids)
+                return None
+            ids.append(bid)
+        return ids
+
+    def _progress(self, ids: list) -> bool:
+        """Drop from ``ids`` the writes that are complete (the engine frees each id the first time it says so);
+        True when none is left. RuntimeError when one failed."""
+        keep = []
+        for k, bid in enumerate(ids):
+            s = self.te.transfer_check_status(bid)
+            if s == 0:
+                keep.append(bid)
+            elif s != 1:
+                self._drain(keep + ids[k + 1:])
+                ids.clear()
+                raise RuntimeError("the engine reports the write " + ("timed out" if s == -2 else "failed"))
+        ids[:] = keep
+        return not ids
+
+    def _drain(self, ids: list) -> None:
+        """Poll writes that will not be used until each ends either way (an id is freed when it ends)."""
+        deadline = time.time() + self.setup.transfer.timeout_s
+        pending = list(ids)
+        while pending and time.time() < deadline:
+            pending = [b for b in pending if self.te.transfer_check_status(b) == 0]
+            if pending:
+                time.sleep(1e-4)
+
+    def _wait_ids(self, ids: list, deadline: float) -> bool:
+        wait = Backoff(self.spin_s)
+        while not self._progress(ids):
+            if time.time() > deadline:
+                return False
+            wait()
+        return True
+
+    # -- control keys -----------------------------------------------------------------------
+    @staticmethod
+    def _key(kind: str, c: Chunk) -> str:
+        return f"mc/{kind}/{c.src}/{c.dst}/{c.request}.{c.seq}"
+
+    def _set(self, key: str, value: str, c: Chunk) -> None:
+        try:
+            self.store.set(key, value)
+        except Exception as e:  # noqa: BLE001 - the store's errors are plain RuntimeErrors (host gone, ...)
+            raise self.failed(c, "control store unreachable", e) from e
+
+    def _take(self, key: str, c: Chunk) -> str | None:
+        """The key's value, deleted, if it is there; None otherwise."""
+        try:
+            if not self.store.check([key]):
+                return None
+            got = self.store.get(key)
+            self.store.delete_key(key)
+        except Exception as e:  # noqa: BLE001
+            raise self.failed(c, "control store unreachable", e) from e
+        return got.decode() if isinstance(got, bytes) else got
+
+    # -- chunks -----------------------------------------------------------------------------
+    def _rank_runs(self, state_pool, num_blocks: int, c: Chunk, ids: torch.Tensor, base: int):
+        r = runs(state_pool, num_blocks, c.rect, ids, base)
+        return r.mem.cpu().numpy(), r.wire.cpu().numpy(), r.length.cpu().numpy()
+
+    def _own_runs(self, c: Chunk):
+        store = self.executor.cache.pools[c.rect.pool]
+        table = self.executor.cache.tables[c.request][c.rect.pool]
+        return self._rank_runs(store.pool, store.num_blocks, c, torch.tensor(table.host), table.base)
+
+    def _block_tables(self, request: int) -> str:
+        """The gen rank's block tables of a request, every pool: all a ctx rank needs to address its chunks."""
+        return json.dumps({name: [t.base, *t.host] for name, t in self.executor.cache.tables[request].items()})
+
+    def _landing(self, c: Chunk) -> dict | None:
+        """Ctx, direct: the gen rank's block tables of the chunk's request, once they have arrived."""
+        key = (c.request, c.dst)
+        if key not in self.tables:
+            got = self._take(f"mc/T/{c.src}/{c.dst}/{c.request}", c)
+            if got is None:
+                return None
+            self.tables[key] = {name: (v[0], torch.tensor(v[1:], dtype=torch.int64))
+                                for name, v in json.loads(got).items()}
+        return self.tables[key]
+
+    def start(self, i: int, c: Chunk, rec):
+        clock, faults = self.executor.clock, self.executor.faults
+        if not self.sending:
+            if self.mode == "direct":
+                # the request's blocks are allocated at its first chunk here and stay until it is verified:
+                # one key per (request, ctx rank) with the block tables lets the ctx rank address every chunk
+                h = Landing(i, c, None, False, clock.mark())
+                if (c.request, c.src) not in self.told:
+                    self.told.add((c.request, c.src))
+                    h.notice = (f"mc/T/{c.src}/{c.dst}/{c.request}", self._block_tables(c.request))
+            else:
+                buf, staged = self._buffer(i, c)
+                h = Landing(i, c, buf, staged, clock.mark())
+                if staged and self.per_chunk:
+                    # the naive baseline's buffer is new memory: registered before it is announced (the peer's
+                    # engine checks a write against the registrations when it lands)
+                    self._register(buf.data_ptr(), buf.numel())
+                    h.reg = buf.data_ptr()
+                elif staged:
+                    h.after = self.after_unpack.pop(i % self.window, None)  # the slot is free once that has run
+                h.notice = (self._key("R", c), f"{buf.data_ptr()} {buf.numel()}")
+            self.unannounced.append(h)
+            self._announce()
+            return h
+        if self.mode == "direct":
+            buf, staged = None, False
+        else:
+            buf, staged = self._buffer(i, c)
+            if staged:
+                self._copy(c, buf, rec)
+        if i in faults.flips:
+            if not staged:  # corrupt the message, not the cache: the same bytes may go to another gen rank
+                out = self.staging.get(i, c.nbytes)
+                if buf is None:
+                    self._copy(c, out, rec)
+                else:
+                    out.copy_(buf)
+                buf, staged = out, True
+            faults.flip(i, buf)
+        w = Write(i, c, rec, buf, staged)
+        if staged and self.per_chunk:
+            self._register(buf.data_ptr(), buf.numel())
+            w.reg = buf.data_ptr()
+        if self.device.type == "cuda":
+            w.event = torch.cuda.Event()
+            w.event.record()
+        self.waiting.append(w)
+        self._pump()
+        return w
+
+    def _announce(self) -> None:
+        """Gen: announce, in order, the chunks whose landing place is free (on GPUs: the slot's last unpack
+        has run; the host does not wait for it)."""
+        while self.unannounced and (self.unannounced[0].after is None or self.unannounced[0].after.query()):
+            h = self.unannounced.popleft()
+            h.after = None
+            if h.notice:
+                self._set(*h.notice, h.chunk)
+
+    def _pump(self) -> None:
+        """Write every packed chunk whose room on the gen rank has been announced."""
+        still = []
+        for w in self.waiting:
+            if w.event is not None and not w.event.query():
+                room = None  # (GPUs) still packing: the host does not wait for the device
+            elif self.mode == "direct":
+                room = self._landing(w.chunk)
+            else:
+                room = self._take(self._key("R", w.chunk), w.chunk)
+            if room is None:
+                still.append(w)
+            else:
+                self._write(w, room)
+        self.waiting = still
+
+    def _write(self, w: Write, room) -> None:
+        """Write a chunk to where ``room`` says: staged, the gen slot's "address bytes"; direct, the gen rank's
+        block tables of the request."""
+        c = w.chunk
+        peer = self.peers[c.dst]
+        if self.mode == "staged":
+            addr, n = map(int, room.split())
+            if n != c.nbytes:
+                raise self.failed(c, f"gen rank offers {n} B for a {c.nbytes} B chunk")
+            src, dst, length = [w.buf.data_ptr()], [addr], [n]
+        else:
+            base, ids = room[c.rect.pool]
+            base_addr, blocks = peer.pools[c.rect.pool]
+            dmem, dwire, length = self._rank_runs(peer.state.pool(c.rect.pool), blocks, c, ids, base)
+            if w.buf is not None:  # corrupted on its way out: from the staging copy, in wire order
+                src = w.buf.data_ptr() + dwire
+            else:
+                smem, _, _ = self._own_runs(c)
+                src = self.executor.cache.pools[c.rect.pool].storage.data_ptr() + smem
+            src, dst, length = coalesce(np.asarray(src, dtype=np.int64), base_addr + dmem, length)
+        w.rec.descriptors += len(length)
+        w.posted = self.executor.clock.mark()
+        w.ids = self._submit(peer.session, src, dst, length)
+        if w.ids is None:
+            raise self.failed(c, "the engine refused the write")
+
+    def poll(self, w: Write) -> bool:
+        """Ctx: whether every write of the chunk is complete; the first time, its completion is marked and the
+        gen rank told."""
+        if w.done is not None:
+            return True
+        self._pump()
+        if w.ids is None:
+            return False
+        try:
+            complete = self._progress(w.ids)
+        except RuntimeError as e:
+            raise self.failed(w.chunk, "write failed", e) from e
+        if complete:
+            w.done = self.executor.clock.mark()
+            self._set(self._key("D", w.chunk), "", w.chunk)
+        return complete
+
+    def finish(self, h, rec) -> bool:
+        c, timeout = h.chunk, self.setup.transfer.timeout_s
+        deadline = time.time() + timeout
+        wait = Backoff(self.spin_s)
+        if not self.sending:
+            while True:
+                self._announce()
+                if self._take(self._key("D", c), c) is not None:
+                    break
+                if time.time() > deadline:
+                    raise self.failed(c, f"not done within {timeout:g} s or peer gone")
+                wait()
+            rec.wire.append((h.posted, self.executor.clock.mark()))
+            self._flip_landed(h)
+            if h.staged:
+                self._copy(c, h.buf, rec)
+                if self.device.type == "cuda" and not self.per_chunk:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    self.after_unpack[h.index % self.window] = ev
+                self._release(h)
+            return not h.staged
+        while not self.poll(h):
+            if time.time() > deadline:
+                raise self.failed(c, f"not done within {timeout:g} s or peer gone")
+            wait()
+        rec.wire.append((h.posted, h.done))
+        if h.staged:
+            self._release(h)
+        return not h.staged
+
+    def closed(self, request: int) -> None:
+        """The request's block tables are no longer needed on either side (direct)."""
+        self.told = {k for k in self.told if k[0] != request}
+        self.tables = {k: v for k, v in self.tables.items() if k[0] != request}
+
+    def _release(self, h) -> None:
+        if h.reg:
+            self._unregister(h.reg)
+            h.reg = 0
+        self.staging.put(h.buf)
+
+    def _flip_landed(self, h: Landing) -> None:
+        """Fault injection on the gen rank: bytes of the message inverted where they landed."""
+        offsets = self.executor.faults.flips.get(h.index, [])
+        if not offsets:
+            return
+        if h.buf is not None:
+            self.executor.faults.flip(h.index, h.buf)
+            return
+        mem, wire, _ = self._own_runs(h.chunk)  # runs come in wire order
+        storage = self.executor.cache.pools[h.chunk.rect.pool].storage
+        for j in offsets:
+            k = np.searchsorted(wire, j, side="right") - 1
+            at = int(mem[k] + j - wire[k])
+            storage[at:at + 1].bitwise_xor_(0xFF)
+
+    def abandon(self, h) -> None:
+        if isinstance(h, Write):
+            if h in self.waiting:
+                self.waiting.remove(h)
+            h.ids = None  # writes to a peer that is gone end on their own; the engine frees them in close
+        elif h in self.unannounced:
+            self.unannounced.remove(h)
+        if h.staged and self.staging is not None:
+            self._release(h)
+
+    def close(self) -> None:
+        if self.shut or self.te is None:
+            self.shut = True
+            return
+        self.shut = True
+        for addr in list(self.regs):
+            try:
+                self.te.unregister_memory(addr)
+            except Exception:  # noqa: BLE001 - a registration the engine already dropped
+                pass
+        self.regs, self.te = [], None
+
+    # -- the in-run link reference (kvlab.linkrate) -----------------------------------------
+    def raw_writes(self, nbytes: int, n: int, pairs: list[tuple[int, int]]) -> float:
+        """Seconds this rank took, from a barrier, for its pairs' ``n`` raw writes of ``nbytes`` each (one
+        untimed round first): a ctx rank writes round-robin over its gen ranks, ``transfer.slots`` in flight as
+        the transfer has (one for the naive baseline, as p2p's reference), and is done when its last write is
+        complete, when the bytes are in the gen rank's memory; a gen rank moves nothing and times nothing. One
+        buffer of one message per rank, registered for this measure alone; every wait is bounded by
+        ``transfer.timeout_s``."""
+        mine = [(c, g) for c, g in pairs if (c if self.sending else g) == self.rank]
+        window = self.setup.transfer.slots if self.setup.transfer.strategy.staging == Staging.slots else 1
+        timeout = self.setup.transfer.timeout_s
+        buf = torch.zeros(nbytes if mine else 1, dtype=torch.uint8, device=self.device)  # pages mapped now
+        self._register(buf.data_ptr(), buf.numel())
+        key = f"mc/link/gen{self.rank}"
+        if not self.sending and mine:
+            self.store.set(key, str(buf.data_ptr()))
+        dist.barrier()
+        dst = {g: int(self.store.get(f"mc/link/gen{g}")) for _, g in mine} if self.sending else {}
+
+        def rounds(count: int) -> None:
+            deadline, inflight = time.time() + timeout, deque()
+            for j in range(count * len(mine)):
+                g = mine[j % len(mine)][1]
+                if len(inflight) >= window:
+                    if not self._wait_ids(inflight.popleft(), deadline):
+                        raise RuntimeError(f"mooncake link reference: a write not done within {timeout:g} s")
+                ids = self._submit(self.peers[g].session, [buf.data_ptr()], [dst[g]], [nbytes])
+                if ids is None:
+                    raise RuntimeError(f"mooncake link reference: the engine refused a write to gen{g}")
+                inflight.append(ids)
+            while inflight:
+                if not self._wait_ids(inflight.popleft(), deadline):
+                    raise RuntimeError(f"mooncake link reference: a write not done within {timeout:g} s")
+
+        try:
+            if self.sending:
+                rounds(1)  # the first writes of this size: connections and pages warm, not timed
+            dist.barrier()
+            t0 = time.perf_counter()
+            if self.sending:
+                rounds(n)
+            seconds = time.perf_counter() - t0 if self.sending else 0.0
+            dist.barrier()  # every write has landed before a gen rank frees its buffer
+            if not self.sending and mine:
+                self.store.delete_key(key)
+        finally:
+            self._unregister(buf.data_ptr())
+        return seconds
