@@ -15,7 +15,12 @@ A run directory holds ``summary.json``, ``results.jsonl`` (one line per request)
 - ``run_sweep(grid, base, root)``: a small sweep from Python (a notebook), laid out as
   Hydra's multirun lays it out, so that ``load_sweep`` reads both alike;
 - ``figures()``: the table of every figure (kvlab.figures): name, unit, meaning, how it is
-  computed per request and for the run, where it is shown.
+  computed per request and for the run, where it is shown;
+- ``over_repeats(df, y, by)``: a figure's median, range and count over the repeats of each point
+  (kvlab.spread; runs swept with ``repeat=0,1,2``);
+- ``max_rate_under_slo(dir, ttft_ms=)``: from a rate sweep with repeats, the highest rate each setup
+  serves within a TTFT SLO, median and range over the repeats, printed and returned (kvlab.capacity;
+  ``kvlab run -m +experiment=rate_sweep`` runs such a sweep).
 
 Every file is read through kvlab.records, so runs written by older versions have the current
 column names (``makespan_s`` for the old summaries' ``seconds``, ``busy_s`` for the old rows'
@@ -25,6 +30,7 @@ before schema 2, ``gbps`` and ``link_ratio`` were over the run's span, not its t
 Plots return a ``matplotlib.figure.Figure`` (no pyplot state: safe in tests, shown once in
 notebooks): ``plot_bandwidth``, ``plot_link_ratio``, ``plot_memory``, ``plot_timeline``,
 ``plot_parallel_heatmap``, ``plot_plan``, ``plot_prediction``, ``plot_load`` (serving figures against load).
+Where several runs share a point (repeats), a line is their median and its error bars their range.
 """
 from __future__ import annotations
 
@@ -38,13 +44,15 @@ import numpy as np
 import pandas as pd
 import yaml
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
+from kvlab import capacity, records
 from kvlab import figures as _figures
-from kvlab import records
 from kvlab.cost import Prediction, predict
 from kvlab.metrics import flatten
-from kvlab.rates import CostSpec
+from kvlab.spread import errorbars, over_repeats, point_columns
+
+__all__ = ["over_repeats", "point_columns"]  # kvlab.spread's, for sweeps with repeats
 
 MiB = 2**20
 STRATEGY_ORDER = ("naive", "chunked", "layerwise", "zerocopy")
@@ -213,6 +221,20 @@ def figures() -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("name")
 
 
+def max_rate_under_slo(root: str | Path | Iterable[str | Path], ttft_ms: float | None = None, target: float = 0.9,
+                       x: str = capacity.RATE, by: list[str] | None = None, show: bool = True) -> pd.DataFrame:
+    """The highest arrival rate each setup of a rate sweep serves within a TTFT SLO, over its repeats
+    (kvlab.capacity.max_rate: the median, range and each repeat's; ``target`` the share of requests that must
+    meet the SLO). ``ttft_ms``: the SLO to hold them to (by default the ``serving.slo.ttft_ms`` each run was
+    run with). ``show`` prints one line per setup."""
+    runs, results = load_sweep(root), load_results(root) if isinstance(root, (str, Path)) else \
+        pd.concat([load_results(r) for r in root], ignore_index=True)
+    table = capacity.max_rate(runs, results, ttft_ms, target, x, by)
+    if show:
+        print(capacity.describe(table, x))
+    return table
+
+
 # ---------------------------------------------------------------- predictions
 
 def predict_dir(run_dir: str | Path) -> Prediction:
@@ -283,40 +305,46 @@ def _bytes_per_request(df: pd.DataFrame) -> pd.Series:
     return df["total_bytes"] / df["requests"].clip(lower=1)
 
 
-def plot_bandwidth(df: pd.DataFrame, x: str | None = None, rates=None, ax=None) -> Figure:
-    """GB/s against prompt length, one line per strategy, and the raw link for the same bytes.
+def _repeats_line(ax, d: pd.DataFrame, x: str, y: str, scale: float = 1.0, **style):
+    """A median line over the runs of each x with their range as error bars (kvlab.spread)."""
+    m = over_repeats(d, y, [x]).sort_values(x)
+    m = m[m["n"] > 0]
+    spread = (m["n"] > 1).any()
+    return ax.errorbar(m[x], m[y] * scale, yerr=errorbars(m, y, scale) if spread else None, capsize=3 if spread else 0,
+                       **style)
 
-    The raw-link line is one message per request of the same size at the cost model's link
-    rates (the profile of the runs' backend unless ``rates`` is given): what a transfer with
-    no copies, no chunking and no per-message cost above one message would reach.
-    """
+
+def plot_bandwidth(df: pd.DataFrame, x: str | None = None, ax=None) -> Figure:
+    """Delivered GB/s against prompt length, one line per strategy (the median of its runs at a length, their
+    range as error bars), and dashed in the same colour the link those same runs measured before their
+    transfers (``link_gbps``: raw messages of the run's own chunk size between its own ranks, kvlab.linkrate),
+    median and range alike."""
     x = _xcol(df, x)
     fig, ax = _fig_ax(ax)
     for s in _strategies(df):
-        d = df[df["strategy"] == s].groupby(x, as_index=False)["gbps"].median().sort_values(x)
-        ax.plot(d[x], d["gbps"], label=s, **STRATEGY_STYLE.get(s, {}))
-    rates = rates or CostSpec().rates(_backend(df) or "nccl")
-    link = pd.DataFrame({x: df[x], "b": _bytes_per_request(df)}).groupby(x, as_index=False)["b"].median()
-    link = link.sort_values(x)
-    link_gbps = [b / rates.message_s(b) / 1e9 for b in link["b"]]
-    ax.plot(link[x], link_gbps, "k--", lw=1, label=f"raw link ({rates.profile})")
+        d = df[df["strategy"] == s]
+        style = STRATEGY_STYLE.get(s, {})
+        _repeats_line(ax, d, x, "gbps", label=s, **style)
+        if "link_gbps" in d and d["link_gbps"].notna().any():
+            _repeats_line(ax, d, x, "link_gbps", label=f"{s}: its runs' link", color=style.get("color"), ls="--",
+                          lw=1, marker=None)
     _token_axis(ax)
     ax.set_ylabel("GB/s")
-    ax.set_title("transfer bandwidth by strategy")
+    ax.set_title("delivered bandwidth by strategy, and the link each run measured")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     return fig
 
 
 def plot_link_ratio(df: pd.DataFrame, x: str | None = None, ax=None) -> Figure:
-    """``link_ratio`` against prompt length, one line per strategy: delivered GB/s as a share of raw
-    messages of the run's own chunk size between the same ranks, measured in the same run
-    (kvlab.linkrate). 1.0 is the link itself, whatever this machine's link is."""
+    """``link_ratio`` against prompt length, one line per strategy (median over its runs at a length, their
+    range as error bars): delivered GB/s as a share of raw messages of the run's own chunk size between the
+    same ranks, measured in the same run (kvlab.linkrate). 1.0 is the link itself, whatever this machine's
+    link is."""
     x = _xcol(df, x)
     fig, ax = _fig_ax(ax)
     for s in _strategies(df):
-        d = df[df["strategy"] == s].groupby(x, as_index=False)["link_ratio"].median().sort_values(x)
-        ax.plot(d[x], d["link_ratio"], label=s, **STRATEGY_STYLE.get(s, {}))
+        _repeats_line(ax, df[df["strategy"] == s], x, "link_ratio", label=s, **STRATEGY_STYLE.get(s, {}))
     ax.axhline(1.0, color="k", ls="--", lw=1, label="raw link, same messages")
     _token_axis(ax)
     ax.set_ylim(0, max(1.05, float(df["link_ratio"].max()) * 1.05))
@@ -328,12 +356,24 @@ def plot_link_ratio(df: pd.DataFrame, x: str | None = None, ax=None) -> Figure:
 
 
 def plot_memory(df: pd.DataFrame, x: str | None = None, column: str = "peak_extra_device_bytes", ax=None) -> Figure:
-    """Extra device memory (MiB, largest rank) against prompt length, one line per strategy."""
+    """Extra device memory (MiB, largest rank) against prompt length, one line per strategy. Strategies with
+    the same figure at a length (the staging pool: chunked, layerwise, zerocopy) are drawn side by side, a
+    little apart along the length axis, each labelled with its value, so that none hides another."""
     x = _xcol(df, x)
     fig, ax = _fig_ax(ax)
-    for s in _strategies(df):
-        d = df[df["strategy"] == s].groupby(x, as_index=False)[column].max().sort_values(x)
-        ax.plot(d[x], d[column] / MiB, label=s, **STRATEGY_STYLE.get(s, {}))
+    names = _strategies(df)
+    per = {s: df[df["strategy"] == s].groupby(x, as_index=False)[column].max().sort_values(x) for s in names}
+    shared = pd.concat([d.assign(strategy=s) for s, d in per.items()]).groupby([x, column])["strategy"].agg(list)
+    for s in names:
+        d = per[s]
+        # the k-th of n strategies sharing a value at a length: shifted by a fraction of a power of two
+        shift = [2 ** (0.08 * (lst.index(s) - (len(lst) - 1) / 2)) for lst in (shared[(a, b)] for a, b in
+                                                                               zip(d[x], d[column]))]
+        ax.plot(d[x] * np.array(shift), d[column] / MiB, label=s, **STRATEGY_STYLE.get(s, {}))
+    for (xv, value), lst in shared.items():
+        if len(lst) > 1:
+            ax.annotate(f"{', '.join(lst)}: {value / MiB:g} MiB", (xv, value / MiB), textcoords="offset points",
+                        xytext=(0, 8), ha="center", fontsize=7)
     _token_axis(ax)
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
@@ -346,35 +386,57 @@ def plot_memory(df: pd.DataFrame, x: str | None = None, column: str = "peak_extr
     return fig
 
 
-def plot_timeline(timeline: pd.DataFrame, request: int | None = None, ax=None) -> Figure:
-    """One layerwise request: when the prefill finished each layer and when its transfer did.
+def plot_timeline(timeline: pd.DataFrame, request: int | None = None, rank: int | None = None, ax=None) -> Figure:
+    """One layerwise request: when the prefill finished each layer and when its transfer did, one panel per
+    ctx rank that sent it (``rank``: that one only; with ``ax``, the lowest rank unless ``rank`` is given).
 
     Grey bars are each layer's prefill compute, coloured bars the time a layer's cache was
     still in flight after its compute; the gap after the last layer is the exposed transfer.
+    A rank of a later pipeline stage holds only its own layers.
     """
     if timeline.empty:
         raise ValueError("empty timeline: only layerwise runs write timeline.jsonl")
     if request is None:
         request = int(timeline["request"].min())
-    t = timeline[timeline["request"] == request].sort_values("layer")
+    t = timeline[timeline["request"] == request]
+    if t.empty:
+        raise ValueError(f"request={request}: not in the timeline; it has {sorted(timeline['request'].unique())}")
     if "run_dir" in t and t["run_dir"].nunique() > 1:
         t = t[t["run_dir"] == t["run_dir"].iloc[0]]
-    fig, ax = _fig_ax(ax, figsize=(7, 0.25 * len(t) + 1.5))
+    ranks = sorted(t["rank"].dropna().unique()) if "rank" in t and t["rank"].notna().any() else [None]
+    if rank is not None:
+        if rank not in ranks:
+            raise ValueError(f"rank={rank}: request {request} has ctx ranks {ranks}")
+        ranks = [rank]
+    elif ax is not None:
+        ranks = ranks[:1]
+    n_layers = t["layer"].nunique()
+    if ax is None:
+        fig = Figure(figsize=(4 + 3 * len(ranks), 0.3 * n_layers + 1.8), layout="constrained")
+        axes = list(np.atleast_1d(fig.subplots(1, len(ranks), sharey=True, squeeze=False)[0]))
+    else:
+        fig, axes = ax.figure, [ax]
     ms = 1e3
-    start = np.concatenate([[0.0], t["prefill_done_s"].to_numpy()[:-1]])
-    done = t["prefill_done_s"].to_numpy()
-    sent = t["transfer_done_s"].to_numpy()
-    layers = t["layer"].to_numpy()
-    ax.barh(layers, (done - start) * ms, left=start * ms, color="0.75", label="prefill compute")
-    ax.barh(layers, np.maximum(sent - done, 0) * ms, left=done * ms, color="tab:green", alpha=0.8,
-            label="transfer after compute")
-    ax.axvline(done[-1] * ms, color="k", lw=0.8, ls=":")
-    exposed = max(0.0, sent.max() - done[-1])
-    ax.set_title(f"layerwise request {request}: {exposed * ms:.2f} ms exposed after the prefill")
-    ax.set_xlabel("ms since the prefill started")
-    ax.set_ylabel("layer")
-    ax.invert_yaxis()
-    ax.legend(loc="upper right", fontsize=8)
+    for a, r in zip(axes, ranks):
+        d = (t if r is None else t[t["rank"] == r]).sort_values("layer")
+        start = np.concatenate([[0.0], d["prefill_done_s"].to_numpy()[:-1]])
+        done = d["prefill_done_s"].to_numpy()
+        sent = d["transfer_done_s"].to_numpy()
+        layers = d["layer"].to_numpy()
+        a.barh(layers, (done - start) * ms, left=start * ms, color="0.75", label="prefill compute")
+        a.barh(layers, np.maximum(sent - done, 0) * ms, left=done * ms, color="tab:green", alpha=0.8,
+               label="transfer after compute")
+        a.axvline(done[-1] * ms, color="k", lw=0.8, ls=":")
+        exposed = max(0.0, sent.max() - done[-1])
+        who = "" if r is None else f"ctx{int(r)}: "
+        a.set_title(f"{who}{exposed * ms:.2f} ms exposed", fontsize=10)
+        a.set_xlabel("ms since the prefill started")
+        a.yaxis.set_major_locator(MaxNLocator(integer=True))  # a tick per layer, none between layers
+    axes[0].set_ylabel("layer")
+    axes[0].invert_yaxis()
+    axes[0].legend(loc="upper right", fontsize=8)
+    if len(axes) > 1 or ax is None:
+        fig.suptitle(f"layerwise request {request}: prefill and transfer per layer", fontsize=11)
     return fig
 
 
@@ -481,10 +543,12 @@ def plot_load(df: pd.DataFrame, y: str = "serving.ttft_s", x: str = "workload.ra
               q: str = "p90", ax=None) -> Figure:
     """A serving figure (``y``: ``serving.<figure>``, one with percentiles in kvlab.figures, its ``q``
     percentile, in the unit the terminal shows it in) against load (``x``: requests per second), one line
-    per strategy and value of ``by`` (e.g. the staging budget)."""
+    per strategy and value of ``by`` (e.g. the staging budget): the median over the repeats at each rate,
+    their range as error bars (kvlab.spread), and how many runs stand behind each point in the legend."""
     col = f"{y}.{q}"
     if col not in df:
-        raise KeyError(f"{col}: no such column; runs need the serving timeline (kvlab.figures)")
+        raise KeyError(f"{col}: no such column; runs need the serving timeline (kvlab.figures), and the "
+                       f"percentile in serving.percentiles")
     shown = _figures.BY_NAME[y.split(".")[-1]]
     scale, _, unit = _figures.DISPLAY[shown.unit]
     name = shown.line or shown.name
@@ -492,17 +556,22 @@ def plot_load(df: pd.DataFrame, y: str = "serving.ttft_s", x: str = "workload.ra
     groups = [None] if by not in df else sorted(df[by].dropna().unique())
     for s in _strategies(df):
         for g in groups:
-            d = df[(df["strategy"] == s) & ((df[by] == g) if g is not None else True)].sort_values(x)
+            d = df[(df["strategy"] == s) & ((df[by] == g) if g is not None else True)]
+            if d.empty:
+                continue
             style = dict(STRATEGY_STYLE.get(s, {}))
             if len(groups) > 1 and g != groups[-1]:
                 style["linestyle"] = ":"
-            label = s if g is None else f"{s}, {by.split('.')[-1]}={g}"
-            ax.plot(d[x], d[col] * scale, label=label, **style)
+            runs = over_repeats(d, col, [x])["n"]
+            label = (s if g is None else f"{s}, {by.split('.')[-1]}={g}") + \
+                (f" (median of {runs.min()}-{runs.max()} runs)" if runs.min() != runs.max()
+                 else f" (median of {runs.max()} runs)" if runs.max() > 1 else "")
+            _repeats_line(ax, d, x, col, scale, label=label, **style)
     ax.set_xlabel("arrival rate (requests/s)" if x == "workload.rate" else x)
     ax.set_ylabel(f"{name} {q} ({unit})")
     ax.set_title(f"{name} {q} against load")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     return fig
 
 

@@ -153,6 +153,9 @@ class Setup:
     kernels: str = "auto"  # auto | torch | cuda
     device: str = "auto"  # auto | cpu | cuda
     extra: Any = None  # free-form room for experiments
+    # which repeat of the same config this run is, for analysis to take medians and spread over (a sweep axis:
+    # kvlab run -m repeat=0,1,2); it changes nothing in the run
+    repeat: int = 0
 
     def __post_init__(self):
         model, ctx, gen = self.model, self.ctx, self.gen
@@ -182,6 +185,8 @@ class Setup:
                     f"{cap} tokens or raise cache.capacity_tokens to >= {longest} (0 sizes the cache to the "
                     "workload)")
         require(self.kernels in KERNELS, "kernels", self.kernels, "use auto, torch or cuda")
+        require(isinstance(self.repeat, int) and self.repeat >= 0, "repeat", self.repeat,
+                "must be a repeat index >= 0; sweep it for repeats: kvlab run -m repeat=0,1,2")
         require(self.device in DEVICES, "device", self.device, "use auto, cpu or cuda")
         _check_device(self.kernels, self.device)
         for name, r in self.fault.ranks.items():

@@ -168,6 +168,7 @@ def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[
         arrival=setup.workload.arrival, prefill=setup.prefill.kind,
         serving=serving.percentiles(rows, setup.serving.percentiles),
         slo={k: v for k, v in vars(setup.serving.slo).items() if v is not None},
+        repeat=setup.repeat,
         link=link,
         in_loop_requests={"verify": sum("verify" in r.in_loop for r in rows)},
         **figures.run_values(run, traits),
