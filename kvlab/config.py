@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from kvlab import paths
 from kvlab.checks import check_config
 from kvlab.errors import ConfigError, positive, require
+from kvlab.link_spec import LinkSpec
 from kvlab.parallel import SideSpec
 from kvlab.prefill import PrefillSpec, check_gpu
 from kvlab.rates import CostSpec
@@ -149,6 +150,7 @@ class Setup:
     logger: LoggerSpec = field(default_factory=LoggerSpec)
     cost: CostSpec = field(default_factory=CostSpec)
     serving: ServingSpec = field(default_factory=ServingSpec)  # SLOs and percentiles of the serving report
+    link: LinkSpec = field(default_factory=LinkSpec)  # kvlab link's message sizes and repeats
     transport: Any = None  # the group's node (conf/transport/; None: auto); a TransportSpec once built
     kernels: str = "auto"  # auto | torch | cuda
     device: str = "auto"  # auto | cpu | cuda

@@ -341,3 +341,4 @@ class Executor:
         for f in inflight:
             self.transport.abandon(f.handle)
         inflight.clear()
+        self.transport.aborted()

@@ -373,6 +373,39 @@ def read_summary(run_dir: Path) -> Summary | None:
     return from_dict(Summary, json.loads(path.read_text())) if path.exists() else None
 
 
+# ---------------------------------------------------------------- the link curve (kvlab link)
+
+LINK = "link.jsonl"
+
+
+@dataclass
+class LinkPoint:
+    """One message size of ``kvlab link`` (kvlab.linkcurve): a line of ``link.jsonl``."""
+
+    transport: str | None = None
+    reference: str | None = None  # p2p | nixl | copy: how kvlab.linkrate moved the messages
+    size: int = 0  # bytes of one message
+    count: int = 0  # messages per pair and repeat
+    pairs: int = 0  # (ctx, gen) pairs moving at once
+    repeats: int = 0
+    time_us: float | None = None  # the median repeat's time per message on a pair
+    algbw: float | None = None  # one pair's GB/s, median repeat
+    algbw_min: float | None = None
+    algbw_max: float | None = None
+    busbw: float | None = None  # every pair together, median repeat
+    samples: list[float] = field(default_factory=list)  # algbw of each repeat
+    wrong: int | None = None  # bytes that arrived different in the checked round; None: nothing checked
+    schema: int = SCHEMA
+
+
+def write_link(run_dir: Path, points: list[LinkPoint]) -> None:
+    _write_jsonl(Path(run_dir) / LINK, points)
+
+
+def read_link(run_dir: Path) -> list[LinkPoint]:
+    return _read_jsonl(Path(run_dir) / LINK, LinkPoint)
+
+
 # ---------------------------------------------------------------- benchmark reports (scripts/bench.py)
 
 @dataclass

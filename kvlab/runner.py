@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from kvlab import budget, faults, linkrate, metrics, report, transport, transports
+from kvlab import budget, faults, linkcurve, linkrate, metrics, report, transport, transports
 from kvlab.cache import PagedCache
 from kvlab.clock import Clock
 from kvlab.config import build
@@ -151,6 +151,8 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat)
     executor.connect()  # after the baseline: what the transport allocates (slots, NCCL's buffers) is extra
+    if os.environ.get(linkcurve.ENV):  # kvlab link: the curve over message sizes instead of the transfers
+        return linkcurve.run(setup, mover, world_rank, order, run_dir, device)
     link = linkrate.measure(setup, mover, world_rank, order) if setup.transfer.baseline else None
     if device.type == "cuda":
         # the baseline's own buffers are freed by now: keep them out of the transfer's peak, which still

@@ -60,7 +60,9 @@ Protocol. Every rank of both sides makes these calls, in this order:
    prefill, for a free slot), so completions are marked when they happen, not when the loop
    gets round to finishing them. A transport without it is finished only when the executor
    must (the window is full, or nothing else is left to start).
-9. ``abandon(handle)``: a started chunk that will never be finished (the run is failing).
+9. ``abandon(handle)``: a started chunk that will never be finished (the run is failing); then
+   ``aborted()`` once: nothing the device waits for may stay queued (the finished requests are
+   still checked, on the same stream).
 10. ``close()``: once at the end, also after a failure, on every rank: unmap, unlink and
    free what ``connect`` and ``pool_storage`` made. Idempotent.
 
@@ -168,6 +170,10 @@ class Transport:
 
     def abandon(self, handle) -> None:
         pass
+
+    def aborted(self) -> None:
+        """The loop failed (after ``abandon`` of every chunk still in flight): let go of anything the device
+        still waits for, so that the checks of the requests that did finish can run."""
 
     def close(self) -> None:
         pass

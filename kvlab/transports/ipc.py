@@ -385,6 +385,14 @@ class Ipc(Transport):
                 self._release()
                 self.executor.stream.synchronize()
 
+    def aborted(self) -> None:
+        # a failed wait for a ctx rank's key leaves the device wait for its previous unit queued (its chunk
+        # already left the loop's window, so no abandon releases it): the finished requests' checks, queued
+        # on the same stream, would wait behind it forever
+        if not self.sending and self.gpu:
+            self._release()
+            self.executor.stream.synchronize()
+
     def _pull(self, i: int, c: Chunk, rec) -> None:
         ex = self.executor
         t0 = ex.clock.mark()
