@@ -1,4 +1,4 @@
-"""``kvlab <command> [hydra flags] [overrides]``: plan | run.
+"""``kvlab <command> [hydra flags] [overrides]``: plan | run | link.
 
 Overrides are checked before Hydra starts, so a bad one ends in one line naming the field,
 the value and what would work (exit code 2), before any rank starts or any memory is taken.
@@ -20,6 +20,7 @@ from kvlab.errors import ConfigError
 COMMANDS = {
     "plan": "what a setup would move per (ctx rank -> gen rank), its predicted time and memory; writes plan.json",
     "run": "start the ranks, move and verify every request's KV cache; results in the run directory",
+    "link": "the link curve of the setup's own ranks and transport over message sizes, as nccl-tests prints it",
 }
 GROUPS = ("model", "transfer", "transport", "workload", "prefill", "logger", "parallel", "experiment", "cost")
 HELP = """usage: kvlab <command> [-m] [key=value ...]
@@ -252,6 +253,8 @@ def help_overrides(command: str, search: list[str]) -> list[str]:
 def _hydra_main(command: str):
     if command == "plan":
         from kvlab.plan_cmd import hydra_main
+    elif command == "link":
+        from kvlab.link_cmd import hydra_main
     else:
         from kvlab.run_cmd import hydra_main
     return hydra_main

@@ -126,8 +126,8 @@ def report_lines(summary) -> list[str]:
            f"request throughput {show('request_throughput')} req/s"]
     slo = getattr(summary, "slo", None) or {}
     if slo.get("ttft_ms") is not None:
-        out.append(f"goodput {show('goodput')} req/s under TTFT <= {slo['ttft_ms']:g} ms: "
-                   f"{summary.good_requests} of {summary.requests} requests met it (attainment {show('slo_attainment')})")
+        out.append(f"goodput {show('goodput')} req/s under TTFT <= {slo['ttft_ms']:g} ms: {summary.good_requests} "
+                   f"of {summary.requests} requests met it (attainment {show('slo_attainment')})")
     return out
 
 
