@@ -215,6 +215,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
             if late is not None:
                 gathered[r] = late
                 silent.remove(r)
+        sink = WandbSink.create(setup, run_dir, world_rank)  # its warnings before the results line
         summary = report.finalize(setup, run_dir, requests, order, gathered, silent, why,
                                   predict_run(setup, requests))
         if executor.stopped or board.broken == "stopped":
@@ -227,12 +228,9 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         # without rank 0's verdict this rank can only vouch for itself
         verified = verdict["verified"] if verdict else not (failures or errors or any(p.errors for p in parts))
     board.stop()
-    sink = WandbSink.create(setup, run_dir, world_rank)
-    for p in parts:
-        sink.log_request(p)
-    if summary is not None:
+    if summary is not None:  # one wandb run per job: rank 0's, with the merged results
         sink.log_summary(summary)
-    sink.finish()
+        sink.finish()
     return 0 if verified else 1
 
 
