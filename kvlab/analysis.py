@@ -235,6 +235,54 @@ def max_rate_under_slo(root: str | Path | Iterable[str | Path], ttft_ms: float |
     return table
 
 
+def load_wandb(root: str | Path) -> pd.DataFrame:
+    """Every wandb offline run below ``root`` (a sweep: one per job) as one row: ``group``, ``name``, ``tags``,
+    the run's config and summary flattened to the columns ``load_sweep`` has (``strategy``, ``workload.rate``,
+    ``serving.ttft_s.p90``, ...), so that the same plots draw them; ``attrs["swept"]`` names what the
+    sweep varied (kvlab.wandb_read reads the files; no server, no key)."""
+    from kvlab import wandb_read
+
+    rows = []
+    for path in wandb_read.run_files(Path(root)):
+        run = wandb_read.read_run(path)
+        cfg = flatten({k: v for k, v in run["config"].items() if not k.startswith("_")})
+        summary = {k: v for k, v in run["summary"].items() if not k.startswith("_") and not isinstance(v, dict)}
+        rows.append({**cfg, **summary, "group": run["group"], "name": run["name"], "tags": run["tags"],
+                     "wandb_file": str(path)})
+    if not rows:
+        raise FileNotFoundError(f"{root}: no wandb offline runs below it (logger.wandb.mode=offline writes them)")
+    df = pd.DataFrame(rows)
+    for key in ("workload.rate", "repeat", "workload.isl"):
+        if key in df:
+            df[key] = pd.to_numeric(df[key], errors="coerce")
+    df.attrs["swept"] = list(dict.fromkeys(c.removeprefix("varied.") for c in df if c.startswith("varied.")))
+    return df
+
+
+def plot_wandb_panels(df: pd.DataFrame) -> Figure:
+    """The standard panels of a rate sweep's wandb runs (``load_wandb``): TTFT p90, exposed transfer p90 and
+    goodput against the arrival rate, per strategy, medians over the repeats with their range; no filtering by
+    hand (every run of the group is one job of the sweep)."""
+    fig = Figure(figsize=(15, 4), layout="constrained")
+    axes = fig.subplots(1, 3)
+    plot_load(df, "serving.ttft_s", by="none", ax=axes[0])
+    plot_load(df, "serving.exposed_s", by="none", ax=axes[1])
+    ax = axes[2]
+    for s in _strategies(df):
+        if "goodput" in df and df["goodput"].notna().any():
+            _repeats_line(ax, df[df["strategy"] == s], "workload.rate", "goodput", label=s,
+                          **STRATEGY_STYLE.get(s, {}))
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("goodput (req/s)")
+    ax.set_title("goodput against load")
+    ax.grid(True, alpha=0.3)
+    if ax.containers:
+        ax.legend(fontsize=8)
+    groups = sorted(df["group"].dropna().unique()) if "group" in df else []
+    fig.suptitle(f"wandb group {', '.join(groups)}", fontsize=11)
+    return fig
+
+
 # ---------------------------------------------------------------- predictions
 
 def predict_dir(run_dir: str | Path) -> Prediction:

@@ -1,65 +1,132 @@
-"""wandb sink: one wandb run per rank, grouped per experiment.
+"""wandb sink: one wandb run per job, grouped per experiment or sweep, as a team reads a dashboard.
 
-The runner calls, on every rank::
+The runner calls, on rank 0 only (it holds the merged results; the other ranks log nothing)::
 
-    sink = WandbSink.create(setup, run_dir, rank)       # rank: world rank
-    sink.log_request(part)                               # a kvlab.records.RankPart (or RequestRow)
-    sink.log_summary(summary)                            # a kvlab.records.Summary, rank 0 only
+    sink = WandbSink.create(setup, run_dir)             # before the results line: its warnings come first
+    sink.log_summary(summary)                            # a kvlab.records.Summary, after the merge
     sink.finish()
 
-Every rank of one experiment lands in one wandb ``group`` (``logger.wandb.group``, else the
-run directory's name), with ``job_type`` ctx or gen and the name ``ctx0``, ``gen1``, ... (the
-side-local rank: world ranks are ctx ranks first, then gen ranks).
-``logger.wandb.mode`` is ``offline`` by default: runs are written under ``<run_dir>/wandb``
-with no network and no key, to be uploaded later with ``wandb sync``. ``disabled`` (tests,
-``logger=quiet``), a machine without wandb, or any failure inside wandb give a sink that does
-nothing: metrics always reach ``results.jsonl`` and ``summary.json`` anyway, and a logger
-must never be the reason a transfer run fails.
+A job's run is named for what its sweep varied (``transfer=layerwise workload.rate=16.0 repeat=1``,
+from the sweep's ``multirun.yaml``), or for its overrides outside a sweep; its ``group`` is
+``logger.wandb.group`` when set, else the ``+experiment`` name and the sweep directory (every job of
+one sweep in one group; two sweeps of one experiment apart), the sweep alone, or the run directory;
+its tags name the model, strategy, transport, both sides' layouts and the experiment; its config is
+the run's (``Setup.to_dict``) with ``experiment``, ``sweep`` and ``varied``. It logs the summary's
+figures and percentiles (``serving.ttft_s.p90``, ...) as summary values, each request's figures as
+``request/<figure>`` against the step ``request`` and all of them as the table ``requests``; no
+absolute wall-clock stamps (figures of unit ``epoch s``) as metrics. Histograms only from 20 requests
+up. ``kvlab.wandb_read`` reads the offline files back into the table ``kvlab.analysis`` draws.
 
-wandb is an optional dependency (the ``wandb`` extra): it is large, and a GPU machine that
-only runs transfers and benchmarks has no use for it. Without it rank 0 says so in one
-warning and the run goes on.
+``logger.wandb.mode`` is ``offline`` by default: runs are written under ``<run_dir>/wandb``
+with no network and no key, to be uploaded later with ``wandb sync``; ``online`` without an API key
+logs offline instead, and says so. ``disabled`` (tests, ``logger=quiet``), a machine without wandb,
+or any failure inside wandb give a sink that does nothing, after one ``kvlab:`` line saying why:
+metrics always reach ``results.jsonl`` and ``summary.json``, and a logger is never the reason a
+transfer run fails.
 """
 from __future__ import annotations
 
 import json
+import netrc
 import os
-import warnings
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from kvlab import figures
 from kvlab.metrics import flatten
-from kvlab.records import RankPart, RequestRow, Summary, read_rows, to_dict
+from kvlab.records import RequestRow, Summary, read_rows, to_dict
 from kvlab.spec import WandbSpec
 
 if TYPE_CHECKING:
     from kvlab.config import Setup
 
+HIST_MIN = 20  # fewer values make no distribution worth a panel
+EPOCH = {f.name for f in figures.TABLE if f.unit == "epoch s"}
+
+
+def say(line: str) -> None:
+    print(f"kvlab: {line}", file=sys.stderr, flush=True)
+
+
+def _overrides(run_dir: Path) -> list[str]:
+    for d in (run_dir / ".hydra" / "rank0", run_dir / ".hydra"):
+        if (d / "overrides.yaml").exists():
+            return [str(o) for o in yaml.safe_load((d / "overrides.yaml").read_text()) or []]
+    return []
+
+
+def experiment(run_dir: Path) -> str | None:
+    """The ``+experiment=`` the job was run with, if any."""
+    return next((o.partition("=")[2] for o in _overrides(run_dir) if o.lstrip("+").startswith("experiment=")), None)
+
+
+def sweep_dir(run_dir: Path) -> Path | None:
+    """The sweep directory of a multirun job (Hydra writes multirun.yaml there), else None."""
+    return run_dir.parent if (run_dir.parent / "multirun.yaml").exists() else None
+
+
+def varied(run_dir: Path) -> dict[str, str]:
+    """What the job's sweep varied, with this job's values: the keys swept by the experiment
+    (``hydra.sweeper.params``) or on the command line (a value with ``,`` or a sweep function)."""
+    mine = {o.partition("=")[0].lstrip("+~"): o.partition("=")[2] for o in _overrides(run_dir) if "=" in o}
+    sweep = sweep_dir(run_dir)
+    if sweep is None:
+        return {k: v for k, v in mine.items() if k != "experiment" and not k.startswith(("hydra.", "logger"))}
+    cfg = yaml.safe_load((sweep / "multirun.yaml").read_text()) or {}
+    hydra = cfg.get("hydra", {})
+    keys = list((hydra.get("sweeper") or {}).get("params") or {})
+    for o in (hydra.get("overrides") or {}).get("task") or []:
+        k, _, v = str(o).partition("=")
+        if "," in v or "(" in v:
+            keys.append(k.lstrip("+~"))
+    return {k: v for k, v in mine.items() if k in keys}  # in the job's own order, as Hydra named it
+
+
 def group_name(wandb: WandbSpec, run_dir: Path) -> str:
-    """The experiment's wandb group: all ranks of one run dir share it."""
+    """The job's wandb group: every job of one sweep shares it (see the module's docstring)."""
     if wandb.group:
         return str(wandb.group)
     run_dir = Path(run_dir).resolve()
-    # multirun job dirs are numbered 0, 1, ... under the sweep's dated dir: a bare number would
-    # merge the same job of every sweep into one group
-    if run_dir.name.isdigit() and run_dir.parent.name:
-        return f"{run_dir.parent.name}-{run_dir.name}"
-    return run_dir.name
+    exp, sweep = experiment(run_dir), sweep_dir(run_dir)
+    if exp and sweep:
+        return f"{exp}-{sweep.name}"
+    return exp or (sweep.name if sweep else run_dir.name)
+
+
+def job_name(run_dir: Path) -> str:
+    v = varied(Path(run_dir).resolve())
+    return " ".join(f"{k}={x}" for k, x in v.items()) or Path(run_dir).name
+
+
+def tags(setup: Setup, run_dir: Path) -> list[str]:
+    side = lambda s: f"{s.name} tp{s.tp} pp{s.pp} dp{s.dp}"  # noqa: E731
+    exp = experiment(Path(run_dir).resolve())
+    return [setup.model.name, setup.transfer.strategy.name, setup.transport.name, side(setup.ctx), side(setup.gen),
+            *([f"experiment={exp}"] if exp else [])]
+
+
+def has_key() -> bool:
+    """Whether wandb online can log in without asking: WANDB_API_KEY or a netrc entry for its host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("//")[-1].split("/")[0]
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def _scalars(record: dict) -> dict:
-    """Numbers only: wandb charts cannot plot strings, and None would turn a column into objects."""
-    return {k: v for k, v in record.items() if isinstance(v, (int, float))}
+    """Numbers only, and no absolute wall-clock stamps: wandb charts cannot plot strings, None would turn a
+    column into objects, and a stamp of about 1.8e9 s is no figure."""
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in EPOCH}
 
 
-def _row(record: RankPart | RequestRow) -> dict:
-    """A record's values; a rank's own part of a request gets its span and its GB/s (over its own wire
-    intervals: kvlab.records.RankPart.gbps), which a chart wants."""
-    row = {k: v for k, v in to_dict(record).items() if k != "schema"}
-    if isinstance(record, RankPart) and record.seconds:
-        row.update(seconds=record.seconds, gbps=record.gbps)
-    return row
+def _row(record: RequestRow) -> dict:
+    return {k: v for k, v in to_dict(record).items() if k != "schema" and k not in EPOCH}
 
 
 def _cell(v: Any) -> Any:
@@ -74,28 +141,29 @@ class WandbSink:
     active = False
 
     @classmethod
-    def create(cls, setup: Setup, run_dir: Path | str, rank: int) -> WandbSink:
-        """The sink of world rank ``rank``; ``setup.logger.wandb`` says whether and where to log."""
+    def create(cls, setup: Setup, run_dir: Path | str, rank: int = 0) -> WandbSink:
+        """The job's sink (rank 0's; any other rank gets one that does nothing); ``setup.logger.wandb`` says
+        whether and where to log. Anything in the way is one ``kvlab:`` line on stderr, and the run goes on."""
         mode = setup.logger.wandb.mode
         if os.environ.get("WANDB_MODE") == "disabled":  # a global switch, as for any wandb program
             mode = "disabled"
-        if mode == "disabled":
+        if mode == "disabled" or rank != 0:
             return cls()
         try:
             import wandb
         except ImportError:
-            if rank == 0:
-                warnings.warn(f"logger.wandb.mode={mode}: wandb is not installed, so no wandb runs are written; "
-                              "pip install 'kvlab[wandb]', or logger=quiet", stacklevel=2)
+            say(f"logger.wandb.mode={mode}: wandb is not installed, so no wandb run is written; "
+                "pip install 'kvlab[wandb]', or logger=quiet")
             return cls()
+        if mode == "online" and not has_key():
+            say(f"logger.wandb.mode=online: no wandb API key (WANDB_API_KEY or `wandb login`), so the run is logged "
+                f"offline under {Path(run_dir) / 'wandb'}; `wandb sync` uploads it later")
+            mode = "offline"
         try:
-            return _LiveSink(wandb, setup, Path(run_dir), rank, mode)
+            return _LiveSink(wandb, setup, Path(run_dir), mode)
         except Exception as e:  # a broken wandb install or service must not stop the transfer
-            warnings.warn(f"wandb disabled on rank {rank}: {type(e).__name__}: {e}", stacklevel=2)
+            say(f"wandb disabled: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
             return cls()
-
-    def log_request(self, record: RankPart | RequestRow) -> None:
-        pass
 
     def log_summary(self, summary: Summary) -> None:
         pass
@@ -107,18 +175,20 @@ class WandbSink:
 class _LiveSink(WandbSink):
     active = True
 
-    def __init__(self, wandb, setup: Setup, run_dir: Path, rank: int, mode: str):
+    def __init__(self, wandb, setup: Setup, run_dir: Path, mode: str):
         self._wandb = wandb
         self.run_dir = run_dir
-        self.rows: list[dict] = []
         run_dir.mkdir(parents=True, exist_ok=True)
-        side, side_rank = setup.side_of(rank)
+        where = run_dir.resolve()
+        sweep = sweep_dir(where)
+        config = {**setup.to_dict(), "experiment": experiment(where), "sweep": sweep.name if sweep else None,
+                  "varied": varied(where)}
         kwargs = dict(project=setup.logger.wandb.project, group=group_name(setup.logger.wandb, run_dir),
-                      job_type=side.name, name=f"{side.name}{side_rank}", config=setup.to_dict(), dir=str(run_dir),
-                      mode=mode, tags=[setup.transfer.strategy.name, setup.model.name],
+                      job_type="run", name=job_name(run_dir), config=config, dir=str(run_dir), mode=mode,
+                      tags=tags(setup, run_dir),
                       settings=wandb.Settings(x_disable_stats=True, console="off", silent=True))
         try:
-            # several ranks' runs may live in one process (tests, notebooks): keep them all open
+            # several runs may live in one process (tests, notebooks): keep them all open
             self.run = wandb.init(reinit="create_new", **kwargs)
         except (TypeError, ValueError):  # wandb < 0.19.10 knows only booleans
             self.run = wandb.init(reinit=True, **kwargs)
@@ -133,35 +203,31 @@ class _LiveSink(WandbSink):
             fn()
         except Exception as e:
             self._failed = True
-            warnings.warn(f"wandb {what} failed, further logging skipped: {type(e).__name__}: {e}", stacklevel=3)
-
-    def log_request(self, record: RankPart | RequestRow) -> None:
-        row = _row(record)
-        self.rows.append(row)
-        metrics = {f"request/{k}": v for k, v in _scalars(row).items() if k != "request"}
-        metrics["request"] = record.request
-        self._guard("log_request", lambda: self.run.log(metrics))
+            say(f"wandb {what} failed, further logging skipped: {type(e).__name__}: {e}")
 
     def _table(self, rows: list[dict]):
         columns = list(dict.fromkeys(k for r in rows for k in r))
         return self._wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])
 
     def log_summary(self, summary: Summary) -> None:
-        # rank 0 holds only its own part of each request; the merged rows are in results.jsonl
-        rows = [_row(r) for r in read_rows(self.run_dir)] or self.rows
+        rows = [_row(r) for r in read_rows(self.run_dir)]  # the merged rows, every rank's parts in each
 
         def do():
+            for r in rows:
+                self.run.log({"request": r["request"],
+                              **{f"request/{k}": v for k, v in _scalars(r).items() if k != "request"}})
             values = flatten({k: v for k, v in to_dict(summary).items() if k != "schema"})
             self.run.summary.update({k: v for k, v in values.items() if v is not None})
+            extra = {}
             if rows:
-                # the distributions of the figures with percentiles (kvlab.figures: TTFT, exposed transfer,
-                # queue, ...); a figure absent from every row (no slots: no slot wait) gets none
-                hists = {f"serving/{f.name}": self._wandb.Histogram(xs) for f in figures.line_figures()
-                         if (xs := [r[f.name] for r in rows if r.get(f.name) is not None])}
-                self.run.log({"requests": self._table(rows), **hists})
+                extra["requests"] = self._table(rows)
+                if len(rows) >= HIST_MIN:
+                    extra.update({f"serving/{f.name}": self._wandb.Histogram(xs) for f in figures.line_figures()
+                                  if (xs := [r[f.name] for r in rows if r.get(f.name) is not None])})
+            if extra:
+                self.run.log(extra)
 
         self._guard("log_summary", do)
 
     def finish(self) -> None:
         self._guard("finish", self.run.finish)
-

@@ -1,20 +1,25 @@
+"""The wandb sink as a team reads its dashboard: one run per job (rank 0's), grouped per experiment or sweep,
+named for what the sweep varied, tagged, with the merged summary, requests and percentiles and no raw
+wall-clock stamps; warnings are one kvlab line; the offline files read back (kvlab.wandb_read) into the
+table kvlab.analysis plots, and a real sweep's jobs form one group."""
 import dataclasses
 import functools
 import json
 import sys
-import warnings
 
 import pytest
+import yaml
 
+from kvlab import analysis, wandb_read
 from kvlab.config import build, compose
-from kvlab.records import RankPart, RequestRow, Summary, to_dict
+from kvlab.records import RequestRow, Summary, to_dict
 from kvlab.spec import WandbSpec
-from kvlab.wandb_sink import WandbSink, _row, group_name
+from kvlab.wandb_sink import EPOCH, WandbSink, group_name, job_name
 
 
 @functools.cache
 def _setup():
-    return build(compose(["logger.wandb.mode=offline", "logger.wandb.project=kvlab-test"]))  # ctx0, ctx1 -> gen0
+    return build(compose(["logger.wandb.mode=offline", "logger.wandb.project=kvlab-test"]))
 
 
 def _with(**wandb):
@@ -23,10 +28,9 @@ def _with(**wandb):
                                                                                                  **wandb)))
 
 
-RECORDS = [
-    RequestRow(request=0, isl=1024, bytes=4096, seconds=0.01, gbps=0.4, verified=True, error=None),
-    RequestRow(request=1, isl=2048, bytes=8192, seconds=0.02, gbps=0.4, verified=True, error=None),
-]
+def _rows(n):
+    return [RequestRow(request=i, isl=1024, bytes=4096, seconds=0.01, gbps=0.4, verified=True, start=1.8e9 + i,
+                       end=1.8e9 + i + 0.01, ttft_s=0.1 * (i + 1), exposed_s=0.01) for i in range(n)]
 
 
 @pytest.fixture(autouse=True)
@@ -35,99 +39,85 @@ def _no_env_mode(monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
 
 
-def test_offline_writes_one_run_per_rank(tmp_path):
-    wandb = pytest.importorskip("wandb")
-    run_dir = tmp_path / "exp1"
-    setup = _with(group="grp-abc")
-    sinks = [WandbSink.create(setup, run_dir, 0), WandbSink.create(setup, run_dir, 2)]  # world ranks: ctx0, gen0
-    assert all(s.active for s in sinks)
-    for rec in RECORDS:
-        for s in sinks:
-            s.log_request(rec)
-    sinks[0].log_summary(Summary(total_bytes=12288, gbps=0.4, ctx={"tp": 2}, predicted_s=None))
-    for s in sinks:
-        s.finish()
-    wandb.teardown()  # the service writes the run files; a worker process does this at exit
-    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2
-    # offline runs keep everything in one protobuf record log; its strings are stored as they are
-    logs = {}
-    for r in runs:
-        (log,) = r.glob("*.wandb")
-        data = log.read_bytes()
-        name = b"ctx0" if b"ctx0" in data else b"gen0"
-        logs[name] = data
-    assert set(logs) == {b"ctx0", b"gen0"}
-    for data in logs.values():
-        for s in (b"grp-abc", b"kvlab-test", b"tiny_gqa", b"request/gbps"):  # group, project, config, metrics
-            assert s in data, s
-    assert b"total_bytes" in logs[b"ctx0"] and b"total_bytes" not in logs[b"gen0"]
-    assert list((run_dir / "wandb").glob("offline-run-*/files/media/table/requests_*.table.json"))
+def _sweep_job(root, job, overrides, task, params=None):
+    d = root / str(job)
+    (d / ".hydra" / "rank0").mkdir(parents=True)
+    (d / ".hydra" / "rank0" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (root / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": task},
+                                                                  "sweeper": {"params": params or {}}}}))
+    return d
 
-def test_summary_table_holds_the_merged_results(tmp_path):
+
+def test_groups_and_names_say_what_the_sweep_was(tmp_path):
+    assert group_name(WandbSpec(), tmp_path / "outputs" / "abc") == "abc"
+    assert group_name(WandbSpec(group="mine"), tmp_path / "x") == "mine"
+    root = tmp_path / "multirun" / "2026-01-01_10-00-00"
+    task = ["+experiment=rate_sweep", "logger=quiet"]
+    params = {"transfer": "chunked,layerwise", "workload.rate": "8.0,16.0", "repeat": "0,1"}
+    d = _sweep_job(root, 3, ["transfer=layerwise", "workload.rate=16.0", "repeat=1", *task], task, params)
+    assert group_name(WandbSpec(), d) == "rate_sweep-2026-01-01_10-00-00"  # every job of the sweep, not per job
+    assert job_name(d) == "transfer=layerwise workload.rate=16.0 repeat=1"  # what was varied, not logger=quiet
+    plain = tmp_path / "multirun" / "2026-01-02_10-00-00"
+    d = _sweep_job(plain, 0, ["ctx.tp=2", "logger=quiet"], ["ctx.tp=1,2", "logger=quiet"])
+    assert group_name(WandbSpec(), d) == "2026-01-02_10-00-00" and job_name(d) == "ctx.tp=2"
+
+
+def test_one_run_per_job_with_the_merged_results_and_no_stamps(tmp_path):
     wandb = pytest.importorskip("wandb")
-    (tmp_path / "results.jsonl").write_text("".join(json.dumps(to_dict(r)) + "\n" for r in RECORDS))
+    rows = _rows(25)
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(to_dict(r)) + "\n" for r in rows))
+    assert not WandbSink.create(_setup(), tmp_path, 2).active  # only rank 0 logs
     sink = WandbSink.create(_setup(), tmp_path, 0)
-    sink.log_request(RankPart(request=0, isl=1024, side="ctx", rank=0, bytes=1))  # this rank's part only
-    sink.log_summary(Summary(total_bytes=1))
+    sink.log_summary(Summary(total_bytes=1, serving={"ttft_s": {"p90": 0.15}}, goodput=2.0))
     sink.finish()
     wandb.teardown()
-    tables = list(tmp_path.glob("wandb/offline-run-*/files/media/table/requests_*.table.json"))
-    assert len(tables) == 1
-    table = json.loads(tables[0].read_text())
-    assert len(table["data"]) == 2 and "gbps" in table["columns"]
+    (path,) = wandb_read.run_files(tmp_path)
+    run = wandb_read.read_run(path)
+    assert run["group"] == tmp_path.name and "tiny_gqa" in run["tags"] and "chunked" in run["tags"]
+    assert run["summary"]["serving.ttft_s.p90"] == 0.15 and run["summary"]["goodput"] == 2.0
+    logged = {k.split("/_")[0] for k in run["summary"]}  # a table's and a histogram's parts under their key
+    assert "requests" in logged and "serving/ttft_s" in logged  # 25 requests: a histogram
+    keys = set(run["summary"])
+    assert "request/ttft_s" in keys and not any(k.removeprefix("request/") in EPOCH for k in keys)
 
 
 def test_disabled_writes_nothing(tmp_path):
     sink = WandbSink.create(_with(mode="disabled"), tmp_path, 0)
     assert not sink.active
-    sink.log_request(RECORDS[0])
     sink.log_summary(Summary(total_bytes=1))
     sink.finish()
     assert list(tmp_path.iterdir()) == []
 
 
-def test_env_switch_disables(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert not WandbSink.create(_setup(), tmp_path, 2).active
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_without_wandb_installed_is_a_noop(tmp_path, monkeypatch):
+def test_without_wandb_or_a_key_one_kvlab_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError (wandb is an extra)
-    with pytest.warns(UserWarning, match=r"wandb is not installed.*kvlab\[wandb\]"):
-        assert not WandbSink.create(_setup(), tmp_path, 0).active  # rank 0 says it once for the run
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        sink = WandbSink.create(_setup(), tmp_path, 2)
-    assert not sink.active
-    sink.log_request(RECORDS[0])
+    assert not WandbSink.create(_setup(), tmp_path, 0).active
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvlab: logger.wandb.mode=offline: wandb is not installed")
+    monkeypatch.delitem(sys.modules, "wandb")
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    sink = WandbSink.create(_with(mode="online"), tmp_path / "run", 0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvlab: logger.wandb.mode=online: no wandb API key")
     sink.finish()
-    assert list(tmp_path.iterdir()) == []
 
 
-def test_rank_parts_get_their_rate():
-    part = RankPart(request=3, isl=10, side="gen", rank=0, start=10.0, end=10.5, bytes=10**9, wire=[(10.0, 10.5)])
-    assert _row(part)["seconds"] == 0.5 and _row(part)["gbps"] == 2.0
-    assert _row(RECORDS[0])["gbps"] == 0.4  # merged rows already have both
-    assert "gbps" not in _row(RankPart(request=3, isl=10, side="gen", rank=0, start=10.0, bytes=10**9))
-
-
-def test_group_is_shared_by_ranks_and_sweep_jobs_stay_apart(tmp_path):
-    assert group_name(WandbSpec(), tmp_path / "outputs" / "abc") == "abc"
-    assert group_name(WandbSpec(), tmp_path / "multirun" / "2025-01-01_10-00-00" / "3") == "2025-01-01_10-00-00-3"
-    assert group_name(WandbSpec(group="mine"), tmp_path / "x") == "mine"
-
-
-def test_summary_logs_serving_histograms(tmp_path):
-    wandb = pytest.importorskip("wandb")
-    rows = [dataclasses.replace(r, ttft_s=0.1 * (i + 1), exposed_s=0.01) for i, r in enumerate(RECORDS)]
-    (tmp_path / "results.jsonl").write_text("".join(json.dumps(to_dict(r)) + "\n" for r in rows))
-    sink = WandbSink.create(_setup(), tmp_path, 0)
-    sink.log_summary(Summary(total_bytes=1, serving={"ttft_s": {"p50": 0.15}}))
-    sink.finish()
-    wandb.teardown()
-    (log,) = tmp_path.glob("wandb/offline-run-*/*.wandb")
-    data = log.read_bytes()
-    assert b"serving/ttft_s" in data and b"serving/exposed_s" in data and b"serving/queue_s" not in data
-    assert b"serving.ttft_s.p50" in data
+@pytest.mark.slow
+def test_a_sweeps_offline_runs_form_one_group(tmp_path, kvlab_cli):
+    pytest.importorskip("wandb")
+    sweep = tmp_path / "sweep"
+    p = kvlab_cli("run", "-m", "parallel=same", "workload.requests=2", "workload.isl=1024", "workload.arrival=poisson",
+                  "serving.slo.ttft_ms=1000", "transfer=chunked,layerwise", "repeat=0,1", f"hydra.sweep.dir={sweep}",
+                  cwd=tmp_path, timeout=900)
+    assert p.returncode == 0, p.stderr
+    df = analysis.load_wandb(sweep)
+    assert len(df) == 4 and df["group"].nunique() == 1 and df["group"].iloc[0] == "sweep"  # one run per job
+    assert sorted(df["name"]) == sorted(f"transfer={s} repeat={r}" for s in ("chunked", "layerwise") for r in (0, 1))
+    assert set(df.attrs["swept"]) == {"transfer", "repeat"}
+    assert (df["strategy"].str.cat() and set(df["strategy"]) == {"chunked", "layerwise"})
+    assert df["serving.ttft_s.p90"].notna().all() and df["goodput"].notna().all()
+    fig = analysis.plot_wandb_panels(df)  # the standard panels straight from the files, no filtering by hand
+    assert len(fig.axes) == 3 and all(ax.containers for ax in fig.axes)
