@@ -16,13 +16,13 @@ def test_notebooks_execute():
     assert len(paths) >= 3, "notebooks missing"
     # one nbmake run per notebook, all at once: a notebook mostly waits for the rank processes
     # it starts, so on two cores they take little longer together than the longest alone
-    procs = {p.name: subprocess.Popen([sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=240", "-q",
+    procs = {p.name: subprocess.Popen([sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=600", "-q",
                                        "-p", "no:cacheprovider", str(p)],
                                       cwd=NOTEBOOKS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for p in paths}
     failed = {}
     for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=600)
+        out, _ = proc.communicate(timeout=1200)
         if proc.returncode != 0 or "1 passed" not in out:
             failed[name] = out[-4000:]
     assert not failed, "\n\n".join(f"{name}:\n{out}" for name, out in failed.items())
