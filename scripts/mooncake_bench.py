@@ -1,0 +1,234 @@
+"""transport=mooncake next to nixl and p2p, each against its own raw reference measured in the same run.
+
+Two parts:
+  - the raw curve: one process writes into another with the Mooncake Transfer Engine (P2P handshake,
+    registered buffers, ``--window`` writes in flight), bytes per write against GB/s, each size verified
+    byte for byte on the target after its timed writes (``--curve-only`` runs this part alone);
+  - the side-by-side table: Llama-3.1-8B and DeepSeek-V3.2 at 4k and 32k prompt tokens, ctx TP2 -> gen TP1,
+    one request per run, verified, with ``transport=mooncake`` staged and direct, ``transport=nixl`` staged
+    and direct and ``transport=p2p``; every run reports its in-run link (its transport's raw writes or
+    messages of its own chunk size between its own ranks, kvlab.linkrate) and the descriptors it posted per
+    request. GB/s of a run = bytes delivered / time with chunks in flight, as every kvlab figure.
+
+    python scripts/mooncake_bench.py --out results/mooncake_cpu.json     # CPU: TCP over loopback (2 cores)
+    python scripts/mooncake_bench.py --gpu --out results/mooncake_h200.json
+        # one GPU, every rank on it: mooncake over nvlink_intra (the CUDA-13 wheel) next to transport=ipc,
+        # and a local copy_ of the same bytes as the curve's ceiling
+    python scripts/mooncake_bench.py --table results/mooncake_cpu.json   # print the markdown tables
+
+The JSON keeps the load average before and after, the commit measured, the wheel and the wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MiB = 2**20
+CASES = [("llama3_8b", 4096), ("llama3_8b", 32768), ("deepseek_v32", 4096), ("deepseek_v32", 32768)]
+CURVE = [2**k for k in range(12, 27, 2)]  # 4 KiB .. 64 MiB per write
+
+
+def transports(gpu: bool) -> list[tuple[str, list[str]]]:
+    if gpu:
+        return [("mooncake staged", ["transport=mooncake", "transport.mode=staged", "transport.protocol=auto"]),
+                ("mooncake direct", ["transport=mooncake", "transport.mode=direct", "transport.protocol=auto"]),
+                ("ipc", ["transport=ipc"])]
+    return [("mooncake staged", ["transport=mooncake", "transport.mode=staged"]),
+            ("mooncake direct", ["transport=mooncake", "transport.mode=direct"]),
+            ("nixl staged", ["transport=nixl", "transport.mode=staged"]),
+            ("nixl direct", ["transport=nixl", "transport.mode=direct"]),
+            ("p2p", ["transport=p2p"])]
+
+
+def common(gpu: bool) -> list[str]:
+    return ["logger=quiet", "workload.requests=1", "workload.concurrency=1", "ctx.tp=2", "gen.tp=1",
+            "transfer=chunked", "transfer.slot_mib=16", f"device={'cuda' if gpu else 'cpu'}",
+            *(["kernels=cuda"] if gpu else []),
+            # on a busy CPU machine the prefill's cache writes alone can outlast the default deadline
+            "transfer.timeout_s=600"]
+
+
+# -- the raw curve: two processes, one writer -----------------------------------------------------
+def _raw_rank(rank: int, port: int, sizes: list[int], window: int, device: str, out: str) -> None:
+    """Rank 0 writes ``buf[:size]`` (seeded random bytes) into rank 1's registered buffer, ``window`` writes in
+    flight; rank 1 zeroes its buffer before each size and compares it byte for byte after."""
+    import torch
+    import torch.distributed as dist
+
+    from kvlab import mooncake
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=dt.timedelta(seconds=300))
+    te, session = mooncake.engine(mooncake.protocol("auto", device), 60)
+    expect = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    buf = (expect.clone() if rank == 0 else torch.zeros_like(expect)).to(device)
+    mooncake.register(te, buf.data_ptr(), buf.numel())
+    store.set(f"s{rank}", json.dumps([session, buf.data_ptr()]))
+    peer, addr = json.loads(store.get(f"s{1 - rank}"))
+    rows = []
+    for size in sizes:
+        if rank == 1:
+            buf.zero_()
+            store.set(f"ready{size}", "1")
+            store.wait([f"done{size}"])
+            store.set(f"checked{size}", "1" if torch.equal(buf[:size].cpu(), expect[:size]) else "0")
+            continue
+        store.wait([f"ready{size}"])
+        n = max(4, min(512, (256 * MiB) // size))
+
+        def complete(bid: int, size: int = size) -> None:
+            while (s := te.transfer_check_status(bid)) == 0:
+                time.sleep(20e-6)
+            if s != 1:
+                raise RuntimeError(f"a write of {size} B failed ({s})")
+
+        def writes(count: int, size: int = size) -> None:
+            inflight = []
+            for _ in range(count):
+                if len(inflight) >= window:
+                    complete(inflight.pop(0), size)
+                bid = te.transfer_submit_write(peer, buf.data_ptr(), addr, size)
+                if bid == 0:
+                    raise RuntimeError(f"the engine refused a write of {size} B")
+                inflight.append(bid)
+            for bid in inflight:
+                complete(bid, size)
+
+        writes(window)  # connection and pages warm, not timed
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            writes(n)
+            times.append(time.perf_counter() - t0)
+        store.set(f"done{size}", "1")
+        store.wait([f"checked{size}"])
+        mid = sorted(times)[1]  # the median of three
+        rows.append({"bytes": size, "writes": n, "window": window, "seconds": mid, "gbps": n * size / mid / 1e9,
+                     "gbps_range": [n * size / max(times) / 1e9, n * size / min(times) / 1e9],
+                     "verified": store.get(f"checked{size}") == b"1"})
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    store.set(f"bye{rank}", "1")
+    store.wait([f"bye{1 - rank}"])
+
+
+def raw_curve(sizes: list[int], window: int, device: str) -> list[dict]:
+    """Bytes per write against GB/s between two processes of this machine (rank 0 writes into rank 1)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "curve.json")
+        procs = []
+        for rank in (0, 1):
+            code = (f"import runpy; runpy.run_path({__file__!r})['_raw_rank']"
+                    f"({rank}, {port}, {sizes!r}, {window}, {device!r}, {out!r})")
+            procs.append(subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS="1")))
+        for p in procs:
+            p.wait(timeout=900)
+            if p.returncode:
+                raise SystemExit(f"raw curve: a rank failed ({p.returncode})")
+        return json.loads(Path(out).read_text())
+
+
+# -- the side-by-side table -----------------------------------------------------------------------
+def one_run(over: list[str]) -> dict:
+    from kvlab.api import run_transfer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.time()
+        s = run_transfer(over, Path(tmp))
+        rows = [json.loads(x) for x in (Path(tmp) / "results.jsonl").read_text().splitlines()]
+    link = s.get("link") or {}
+    return {"verified": s["verified"], "bytes": s["bytes"], "gbps": s["gbps"], "link_gbps": s.get("link_gbps"),
+            "link_ratio": s.get("link_ratio"), "link_reference": link.get("reference"),
+            "link_gbps_min": link.get("gbps_min"), "link_gbps_max": link.get("gbps_max"),
+            "message_bytes": link.get("message_bytes"), "chunks": rows[0]["chunks"],
+            "descriptors": rows[0]["descriptors"], "peak_staging_bytes": s["peak_staging_bytes"],
+            "wall_s": time.time() - t0}
+
+
+def commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def markdown(report: dict) -> str:
+    out = ["| bytes per write | GB/s | verified |", "| ---: | ---: | :---: |"]
+    for r in report.get("curve", []):
+        out.append(f"| {r['bytes'] / 1024:,.0f} KiB | {r['gbps']:.2f} | {'yes' if r['verified'] else 'NO'} |")
+    out += ["", "| model | tokens | transport | GB/s | own reference GB/s (range) | ratio | chunks | descriptors "
+            "| verified |", "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | :---: |"]
+    for r in report.get("runs", []):
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['isl']} | {r['transport']} | failed: {r['error']} | | | | | |")
+            continue
+        rng = (f"{r['link_gbps']:.2f} ({r['link_gbps_min']:.2f}-{r['link_gbps_max']:.2f})" if r["link_gbps"]
+               else "")
+        out.append(f"| {r['model']} | {r['isl']} | {r['transport']} | {r['gbps']:.2f} | {rng} | "
+                   f"{r['link_ratio']:.3f} | {r['chunks']} | {r['descriptors']} | "
+                   f"{'yes' if r['verified'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--gpu", action="store_true", help="one GPU, every rank on it: nvlink_intra and transport=ipc")
+    ap.add_argument("--only", default="", help="run only the cases whose 'model isl transport' contains this")
+    ap.add_argument("--window", type=int, default=4, help="raw curve: writes in flight")
+    ap.add_argument("--curve-only", action="store_true")
+    ap.add_argument("--table", metavar="JSON", help="print the markdown tables of a report, run nothing")
+    args = ap.parse_args()
+    if args.table:
+        print(markdown(json.loads(Path(args.table).read_text())))
+        return
+    from kvlab import mooncake
+
+    device = "cuda" if args.gpu else "cpu"
+    report = {"device": device, "commit": commit(), "when": dt.datetime.now().isoformat(timespec="seconds"),
+              "loadavg_before": os.getloadavg(), **mooncake.versions(),
+              "protocol": mooncake.protocol("auto", device), "curve": [], "runs": []}
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+    report["curve"] = raw_curve(CURVE, args.window, device)
+    save()
+    if not args.curve_only:
+        for model, isl in CASES:
+            for name, over in transports(args.gpu):
+                label = f"{model} {isl} {name}"
+                if args.only and args.only not in label:
+                    continue
+                row = {"model": model, "isl": isl, "transport": name}
+                try:
+                    row |= one_run(common(args.gpu) + over + [f"model={model}", f"workload.isl={isl}"])
+                except Exception as e:  # noqa: BLE001 - one failed case is a row, not the end of the table
+                    row["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                report["runs"].append(row)
+                print(label, {k: row.get(k) for k in ("gbps", "link_gbps", "link_ratio", "descriptors", "error")},
+                      flush=True)
+                save()
+    report["loadavg_after"] = os.getloadavg()
+    save()
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
