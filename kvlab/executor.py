@@ -51,7 +51,8 @@ from kvlab.metrics import RequestRecord
 from kvlab.plan import Request, Segment
 from kvlab.prefiller import Prefiller, running
 from kvlab.schedule import Chunk, Ready
-from kvlab.transports import ChunkFailed, Transport
+from kvlab.transports import ChunkFailed, RankContext, Transport
+from kvlab.transports.deadline import wait_until
 from kvlab.workload import chunks_of
 
 POLL_S = 0.0005  # between looks at the chunks in flight, when a transport can say which are done
@@ -74,6 +75,7 @@ class Executor:
                  cache: PagedCache, transport: Transport, ops, clock: Clock | None, progress=None,
                  faults: RankFaults | None = None, beat=None):
         self.setup, self.side, self.rank, self.world_rank = setup, side, rank, world_rank
+        self.rank_ctx: RankContext | None = None  # what the transport sees of this rank (made by connect)
         self.device, self.cache, self.transport, self.ops, self.clock = device, cache, transport, ops, clock
         t = setup.transfer
         self.strategy = t.strategy
@@ -100,7 +102,19 @@ class Executor:
 
     def connect(self) -> None:
         """The transport's start-up (pair groups, staging, mapped pools); before the clock starts."""
-        self.transport.connect(self)
+        self.rank_ctx = RankContext(self.setup, self.side, self.rank, self.world_rank, self.device, self.cache,
+                                    self.ops, self.stream, self.faults, self._clock)
+        self.transport.connect(self.rank_ctx)
+
+    @property
+    def clock(self) -> Clock | None:
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Clock | None) -> None:
+        self._clock = clock
+        if self.rank_ctx is not None:
+            self.rank_ctx.clock = clock
 
     @contextlib.contextmanager
     def untracked(self):
@@ -243,6 +257,8 @@ class Executor:
         as they complete. A ctx rank's prefill runs meanwhile on its own thread (kvlab.prefiller)."""
         mine = chunks_of(order, self.setup, self.world_rank)
         self.chunks = mine
+        if self.rank_ctx is not None:
+            self.rank_ctx.chunks = mine
         self.senders: dict[int, set[int]] = {}  # request -> the ctx ranks that send some of it
         for c in order:
             self.senders.setdefault(c.request, set()).add(c.src)
@@ -303,12 +319,15 @@ class Executor:
         (every chunk's completion is marked when it happens, the head's included); one that cannot is
         finished at once, blocking until the head is done."""
         if polls:
-            deadline = time.time() + self.setup.transfer.timeout_s
-            while not self.transport.poll(inflight[0].handle) and time.time() < deadline:
+            def others() -> None:
                 for f in inflight:
                     self.transport.poll(f.handle)
-                time.sleep(POLL_S)
                 self.beat()  # waiting on a peer within the deadline is not silence
+
+            # past the deadline the transport's finish names the chunk and the peer
+            with contextlib.suppress(TimeoutError):
+                wait_until(lambda: self.transport.poll(inflight[0].handle),
+                           time.time() + self.setup.transfer.timeout_s, TimeoutError, poll_s=POLL_S, between=others)
         self._finish(inflight.popleft(), segments, requests)
 
     def _unverified_failed(self, e: Stopped) -> None:

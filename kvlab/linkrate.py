@@ -44,7 +44,6 @@ import torch.distributed as dist
 from kvlab.config import Setup
 from kvlab.records import Link
 from kvlab.schedule import Chunk
-from kvlab.staging import SlotPool
 from kvlab.transports import Transport
 from kvlab.transports.p2p import post
 
@@ -160,10 +159,10 @@ def raw_p2p(setup: Setup, transport: Transport, world_rank: int, order: list[Chu
     nbytes, n, pairs = messages(order, transport.device)
     mine = [(setup.world_rank("ctx", c), setup.world_rank("gen", g)) for c, g in pairs]
     mine = [p for p in mine if world_rank in p]
-    staging = transport.staging
-    if isinstance(staging, SlotPool):
+    slots = transport.staging.slots
+    if slots is not None:
         window = setup.transfer.slots
-        buffer = lambda i: staging.get(i, nbytes)  # noqa: E731
+        buffer = lambda i: slots.get(i, nbytes)  # noqa: E731
     else:
         window, own = 1, torch.empty(nbytes, dtype=torch.uint8, device=transport.device)
         buffer = lambda i: own  # noqa: E731

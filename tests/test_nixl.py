@@ -152,7 +152,7 @@ def _bare(side: str):
     t.unannounced = deque()
     t.peers = {0: Peer("peer0")}
     t.agent = _Agent()
-    t.executor = ns(clock=ns(mark=lambda: 0.0))
+    t.ctx = ns(clock=ns(mark=lambda: 0.0))
     return t
 
 
@@ -183,7 +183,7 @@ def test_ctx_writes_a_chunk_once_packed_and_reposts_the_prepared_slot_write():
     from kvlab.transports.nixl import Write
 
     t = _bare("ctx")
-    t.executor.cache = ns(pools={"kv": ns(storage=torch.zeros(8, dtype=torch.uint8))})
+    t.ctx.cache = ns(pools={"kv": ns(storage=torch.zeros(8, dtype=torch.uint8))})
     slot = torch.zeros(64, dtype=torch.uint8)
     room = struct.pack("<QQ", 4096, 64)
     rec = ns(descriptors=0)

@@ -88,12 +88,19 @@ rows, summary, terminal and wandb, not zero.
 from __future__ import annotations
 
 import re
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from kvlab.cache import PagedCache
+    from kvlab.clock import Clock
     from kvlab.config import Setup
+    from kvlab.faults import RankFaults
+    from kvlab.metrics import RequestRecord
     from kvlab.plan import Request
     from kvlab.schedule import Chunk
 
@@ -119,7 +126,35 @@ def failed(side: str, c: Chunk, what: str, e: BaseException | None = None) -> Ch
     return ChunkFailed(f"request {c.request} chunk {c.seq} with {peer}: {what}{why}", c.request)
 
 
-class Transport:
+@dataclass
+class RankContext:
+    """What a transport may use of its rank, handed to ``connect``: the rank's cache (``cache.pools``,
+    ``cache.tables[request][pool]``), its copy ops (``ops.pack``/``unpack``/``copy_rect`` on its device), the
+    side stream its copies go on (GPUs), its fault hooks, and, set before the first ``start``, the run's clock
+    and this rank's chunks in the order ``start`` sees them."""
+
+    setup: Setup
+    side: str
+    rank: int
+    world_rank: int
+    device: torch.device
+    cache: PagedCache
+    ops: object
+    stream: torch.cuda.Stream | None
+    faults: RankFaults
+    clock: Clock | None = None
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.setup.transfer.timeout_s
+
+    def deadline(self) -> float:
+        """The host time by which a wait that starts now must end."""
+        return time.time() + self.timeout_s
+
+
+class Transport(ABC):
     """Base of every transport; see the protocol at the top of this module."""
 
     link_reference = "copy"
@@ -132,9 +167,9 @@ class Transport:
 
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device):
         self.setup, self.side, self.rank, self.world_rank, self.device = setup, side, rank, world_rank, device
-        self.executor = None
+        self.ctx: RankContext | None = None
 
-    @classmethod
+    @classmethod  # noqa: B027 -- an optional step of the protocol
     def check(cls, setup: Setup) -> None:
         """ConfigError for what this transport cannot serve; called before anything is allocated."""
 
@@ -149,34 +184,43 @@ class Transport:
     def pool_storage(self, pool: str, nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
-    def connect(self, executor) -> None:
-        self.executor = executor
+    @property
+    def executor(self) -> RankContext | None:
+        """The rank's context under its earlier name (a transport written against it keeps working)."""
+        return self.ctx
 
-    def opened(self, req: Request) -> None:
-        pass
+    def connect(self, ctx: RankContext) -> None:
+        """Protocol step 4: pair groups, staging, registrations, mappings (they count as the transfer's memory)."""
+        self.ctx = ctx
 
-    def start(self, i: int, c: Chunk, rec) -> object:
-        raise NotImplementedError
+    def opened(self, req: Request) -> None:  # noqa: B027 -- an optional step of the protocol
+        """Protocol step 5 (ctx): the request's blocks are allocated; its tables are ``ctx.cache.tables``."""
 
-    def finish(self, handle, rec) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def start(self, i: int, c: Chunk, rec: RequestRecord) -> object:
+        """Protocol step 6: post chunk ``i``; returns the handle ``finish``, ``poll`` and ``abandon`` get."""
+
+    @abstractmethod
+    def finish(self, handle, rec: RequestRecord) -> bool:
+        """Protocol step 7: the chunk is done on this side (bytes landed, or no longer needed); appends one
+        ``(posted, done)`` to ``rec.wire``; returns whether it moved without a staging copy on this side."""
 
     def poll(self, handle) -> bool:
         """Whether the chunk is done, without waiting (only called where ``polls`` is true)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} sets polls but has no poll()")
 
-    def closed(self, request: int) -> None:
-        pass
+    def closed(self, request: int) -> None:  # noqa: B027 -- an optional step of the protocol
+        """Protocol step 8: the request's last chunk on this rank is finished and its end marked."""
 
-    def abandon(self, handle) -> None:
-        pass
+    def abandon(self, handle) -> None:  # noqa: B027 -- an optional step of the protocol
+        """Protocol step 9: a started chunk that will never be finished."""
 
-    def aborted(self) -> None:
+    def aborted(self) -> None:  # noqa: B027 -- an optional step of the protocol
         """The loop failed (after ``abandon`` of every chunk still in flight): let go of anything the device
         still waits for, so that the checks of the requests that did finish can run."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 -- an optional step of the protocol
+        """Protocol step 10: free what ``connect`` and ``pool_storage`` made; idempotent."""
 
     def failed(self, c: Chunk, what: str, e: BaseException | None = None) -> ChunkFailed:
         return failed(self.side, c, what, e)

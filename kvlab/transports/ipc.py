@@ -72,7 +72,8 @@ from kvlab.layout import Rect, runs
 from kvlab.plan import Segment
 from kvlab.schedule import Chunk, cut_rect
 from kvlab.state import CacheState
-from kvlab.transports import ChunkFailed, Transport, cuda_ipc
+from kvlab.transports import ChunkFailed, RankContext, Transport, cuda_ipc
+from kvlab.transports.deadline import wait_until
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -157,10 +158,10 @@ class Ipc(Transport):
                 raise RuntimeError(f"transport=ipc: {what} not within {timeout:g} s") from e
             raise self.failed(c, f"{what} not within {timeout:g} s or peer gone", e) from e
 
-    def connect(self, executor) -> None:
-        super().connect(executor)
+    def connect(self, ctx: RankContext) -> None:
+        super().connect(ctx)
         self.store = dist.distributed_c10d._get_default_store()
-        cache = executor.cache
+        cache = ctx.cache
         if self.sending:
             flags = {}
             if self.gpu:
@@ -195,7 +196,7 @@ class Ipc(Transport):
     def _warm_up(self) -> None:
         """Load the copy path's kernel before the clock starts: one token of the first pool copied onto
         itself, which changes no byte."""
-        ex = self.executor
+        ex = self.ctx
         store = next(iter(ex.cache.pools.values()))
         p = store.pool
         rect = Rect(p.name, p.layers.start, p.layers.start + 1, p.heads.start, p.heads.start + 1, 0, 1, 1)
@@ -247,12 +248,12 @@ class Ipc(Transport):
     def opened(self, req) -> None:
         if self.seqs is None:  # the counter's value for each unit: units are published in this rank's order
             self.seqs, units = {}, 0
-            for c in self.executor.chunks:
+            for c in self.ctx.chunks:
                 layers = self.seqs.setdefault(c.request, {})
                 if c.ready_layer not in layers:
                     units += 1
                     layers[c.ready_layer] = units
-        tables = self.executor.cache.tables[req.id]
+        tables = self.ctx.cache.tables[req.id]
         seq = self.seqs[req.id]
         self.store.set(f"ipc/t/{req.id}/{self.rank}", json.dumps(
             {"tables": {name: [t.base, list(t.host)] for name, t in tables.items()}, "seq": seq}))
@@ -269,13 +270,13 @@ class Ipc(Transport):
 
     def _last_chunks(self) -> dict[tuple[int, int], int]:
         if self.last is None:
-            self.last = {(c.request, c.src): i for i, c in enumerate(self.executor.chunks)}
+            self.last = {(c.request, c.src): i for i, c in enumerate(self.ctx.chunks)}
         return self.last
 
     def _mark(self):
         """A ctx rank's marks are host times: a GPU event it recorded while a gen rank copies would
         switch the shared GPU to the ctx process's context in the middle of the copy."""
-        return self.executor.clock.host() if self.sending else self.executor.clock.mark()
+        return self.ctx.clock.host() if self.sending else self.ctx.clock.mark()
 
     def start(self, i: int, c: Chunk, rec):
         posted = self._mark()
@@ -287,9 +288,9 @@ class Ipc(Transport):
                 if self.flags is not None:  # ordered on the device: the host does not wait
                     value = self.seqs[c.request][c.ready_layer]
                     for g in range(self.setup.gen.size):
-                        cuda_ipc.write_value(self.executor.stream.cuda_stream, self.flags.data_ptr() + 8 * g, value)
+                        cuda_ipc.write_value(self.ctx.stream.cuda_stream, self.flags.data_ptr() + 8 * g, value)
                 elif self.gpu:
-                    self.executor.stream.synchronize()
+                    self.ctx.stream.synchronize()
                 self.store.set(f"ipc/r/{c.request}/{self.rank}/{c.ready_layer}", "1")
                 done.add(c.ready_layer)
         return i, c, posted
@@ -325,7 +326,7 @@ class Ipc(Transport):
                         before, at = self.unconfirmed
                         self._wait(before, "ready on the ctx rank", at)
                     value = self.unit_seq[(c.request, c.src)][c.ready_layer]
-                    cuda_ipc.wait_value(self.executor.stream.cuda_stream, self.peer_flags[c.src], value)
+                    cuda_ipc.wait_value(self.ctx.stream.cuda_stream, self.peer_flags[c.src], value)
                     self.unconfirmed = (key, c)
                 else:
                     self._wait(key, "ready on the ctx rank", c)
@@ -339,7 +340,7 @@ class Ipc(Transport):
                 event = None
                 if self.gpu:
                     event = torch.cuda.Event()
-                    event.record(self.executor.stream)
+                    event.record(self.ctx.stream)
                 self.unacked.append((event, c.request, c.src))
                 self.tables.pop((c.request, c.src), None)
                 self.seen = {u for u in self.seen if u[:2] != (c.request, c.src)}
@@ -359,12 +360,12 @@ class Ipc(Transport):
         for event, rid, src in self.unacked:
             mine = request is None or rid == request
             if mine and wait and event is not None:
-                while not event.query():  # a device wait on a dead ctx rank's counter would never end
-                    if time.time() > deadline:
-                        self._release()
-                        raise ChunkFailed(f"request {rid} with ctx{src}: its copies not done within {timeout:g} s "
-                                          "(the ctx rank never published it)", rid)
-                    time.sleep(50e-6)
+                def late(rid=rid, src=src) -> ChunkFailed:
+                    self._release()  # a device wait on a dead ctx rank's counter would never end
+                    return ChunkFailed(f"request {rid} with ctx{src}: its copies not done within {timeout:g} s "
+                                       "(the ctx rank never published it)", rid)
+
+                wait_until(event.query, deadline, late)
             if mine and (wait or event is None or event.query()):
                 if self.unconfirmed is not None and self.unconfirmed[1].request == rid \
                         and self.unconfirmed[1].src == src:
@@ -383,7 +384,7 @@ class Ipc(Transport):
             self._acks(wait=False)  # pulls that did complete: their ctx ranks may free those blocks
             if self.gpu:  # queued copies may still read a ctx pool that is about to be freed
                 self._release()
-                self.executor.stream.synchronize()
+                self.ctx.stream.synchronize()
 
     def aborted(self) -> None:
         # a failed wait for a ctx rank's key leaves the device wait for its previous unit queued (its chunk
@@ -391,10 +392,10 @@ class Ipc(Transport):
         # on the same stream, would wait behind it forever
         if not self.sending and self.gpu:
             self._release()
-            self.executor.stream.synchronize()
+            self.ctx.stream.synchronize()
 
     def _pull(self, i: int, c: Chunk, rec) -> None:
-        ex = self.executor
+        ex = self.ctx
         t0 = ex.clock.mark()
         src_bytes, src_blocks = self.peers[c.src][c.rect.pool]
         if c.src not in self.src_pools:

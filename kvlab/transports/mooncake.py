@@ -60,12 +60,15 @@ from kvlab import mooncake
 from kvlab.errors import ConfigError
 from kvlab.layout import runs
 from kvlab.schedule import Chunk, Staging
-from kvlab.staging import PerChunkBuffers
 from kvlab.state import CacheState
+from kvlab.transports import Transport
 from kvlab.transports.nixl import SPIN_S, Backoff, coalesce
-from kvlab.transports.p2p import P2P, narrow
+from kvlab.transports.p2p import narrow
+from kvlab.transports.staged import ChunkStaging
 
 MODES = ("direct", "staged")
+LAND_POLL_S = 2.5e-4  # gen: between two looks for a chunk's key in the store
+PROBE_S = 0.25  # between two probes of a peer's engine while waiting on it
 
 
 @dataclass
@@ -106,13 +109,15 @@ class Peer:
     state: CacheState | None = None
 
 
-class Mooncake(P2P):
+class Mooncake(Transport):
     link_reference = "mooncake"  # kvlab.linkrate: raw writes of the run's chunk size between its pairs
-    has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else P2P.has)  # direct: no slots
+    # kvlab.figures: a ctx rank's chunks wait for a free staging slot, except in direct mode, which has none
+    has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else frozenset({"slots"}))
 
     def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", protocol: str = "auto",
                  pack_ctas: int | None = None):
         super().__init__(setup, side, rank, world_rank, device)
+        self.staging = None
         self.mode = mode
         self.protocol = protocol
         self.pack_ctas = pack_ctas
@@ -130,6 +135,7 @@ class Mooncake(P2P):
         self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
         self.told: set[tuple[int, int]] = set()  # gen, direct: (request, ctx rank) sent the block tables
         self.tables: dict[tuple[int, int], dict] = {}  # ctx, direct: (request, gen rank) -> its block tables
+        self.probed: dict[int, float] = {}  # peer -> when its engine was last asked whether it is there
         self.spin_s = SPIN_S if device.type == "cuda" else 0.0
         self.shut = False
         self.per_chunk = False
@@ -165,7 +171,8 @@ class Mooncake(P2P):
     # -- start-up ---------------------------------------------------------------------------
     def connect(self, executor) -> None:
         """Engine, registrations, session ids and pool addresses through the store, one write each way."""
-        self.executor = executor
+        Transport.connect(self, executor)  # the rank's context, read back as self.executor
+        executor = self.executor
         t = self.setup.transfer
         ctas = self.pack_ctas
         if ctas is None and self.device.type == "cuda":
@@ -173,15 +180,15 @@ class Mooncake(P2P):
             ctas = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.ops = narrow(executor.ops, ctas or t.pack_ctas)
         if self.mode == "staged" or (self.sending and executor.faults.flips):
-            self.staging = self._new_staging()
-        self.per_chunk = isinstance(self.staging, PerChunkBuffers)
+            self.staging = ChunkStaging(executor, self.ops)
+        self.per_chunk = self.staging is not None and self.staging.per_chunk
         self.wire = mooncake.protocol(self.protocol, self.device.type)
         self.te, self.session = mooncake.engine(self.wire, t.timeout_s)
         pools = executor.cache.pools
         self.probe = torch.zeros(64, dtype=torch.uint8, device=self.device)
         tensors = [s.storage for s in pools.values()] + [self.probe]
-        if self.staging is not None and hasattr(self.staging, "storage"):
-            tensors.append(self.staging.storage)
+        if self.staging is not None and self.staging.slots is not None:
+            tensors.append(self.staging.slots.storage)
         for x in tensors:
             self._register(x.data_ptr(), x.numel())
         self.store = dist.distributed_c10d._get_default_store()
@@ -308,7 +315,7 @@ class Mooncake(P2P):
         return self.tables[key]
 
     def start(self, i: int, c: Chunk, rec):
-        clock, faults = self.executor.clock, self.executor.faults
+        clock = self.executor.clock
         if not self.sending:
             if self.mode == "direct":
                 # the request's blocks are allocated at its first chunk here and stay until it is verified:
@@ -318,7 +325,7 @@ class Mooncake(P2P):
                     self.told.add((c.request, c.src))
                     h.notice = (f"mc/T/{c.src}/{c.dst}/{c.request}", self._block_tables(c.request))
             else:
-                buf, staged = self._buffer(i, c)
+                buf, staged = self.staging.buffer(i, c)
                 h = Landing(i, c, buf, staged, clock.mark())
                 if staged and self.per_chunk:
                     # the naive baseline's buffer is new memory: registered before it is announced (the peer's
@@ -334,18 +341,11 @@ class Mooncake(P2P):
         if self.mode == "direct":
             buf, staged = None, False
         else:
-            buf, staged = self._buffer(i, c)
+            buf, staged = self.staging.buffer(i, c)
             if staged:
-                self._copy(c, buf, rec)
-        if i in faults.flips:
-            if not staged:  # corrupt the message, not the cache: the same bytes may go to another gen rank
-                out = self.staging.get(i, c.nbytes)
-                if buf is None:
-                    self._copy(c, out, rec)
-                else:
-                    out.copy_(buf)
-                buf, staged = out, True
-            faults.flip(i, buf)
+                self.staging.copy(c, buf, rec)
+        if self.staging is not None:
+            buf, staged = self.staging.flip_outgoing(i, c, buf, staged, rec)
         w = Write(i, c, rec, buf, staged)
         if staged and self.per_chunk:
             self._register(buf.data_ptr(), buf.numel())
@@ -430,17 +430,11 @@ class Mooncake(P2P):
         deadline = time.time() + timeout
         wait = Backoff(self.spin_s)
         if not self.sending:
-            while True:
-                self._announce()
-                if self._take(self._key("D", c), c) is not None:
-                    break
-                if time.time() > deadline:
-                    raise self.failed(c, f"not done within {timeout:g} s or peer gone")
-                wait()
+            self._land(c, deadline)
             rec.wire.append((h.posted, self.executor.clock.mark()))
             self._flip_landed(h)
             if h.staged:
-                self._copy(c, h.buf, rec)
+                self.staging.copy(c, h.buf, rec)
                 if self.device.type == "cuda" and not self.per_chunk:
                     ev = torch.cuda.Event()
                     ev.record()
@@ -448,6 +442,8 @@ class Mooncake(P2P):
                 self._release(h)
             return not h.staged
         while not self.poll(h):
+            if h.ids is None:  # still waiting for the gen rank's room or block tables
+                self._alive(c, c.dst)
             if time.time() > deadline:
                 raise self.failed(c, f"not done within {timeout:g} s or peer gone")
             wait()
@@ -455,6 +451,31 @@ class Mooncake(P2P):
         if h.staged:
             self._release(h)
         return not h.staged
+
+    def _land(self, c: Chunk, deadline: float) -> None:
+        """Gen: until the ctx rank's key says the chunk's bytes are here, polling the store every ``LAND_POLL_S``
+        (each poll is a round trip to the store's host: no faster, so as not to take the cores the engine's
+        copies run on) and asking the ctx engine whether it is still there every ``PROBE_S``."""
+        key, timeout = self._key("D", c), self.setup.transfer.timeout_s
+        while True:
+            self._announce()
+            if self._take(key, c) is not None:
+                return
+            self._alive(c, c.src)
+            if time.time() > deadline:
+                raise self.failed(c, f"not done within {timeout:g} s or peer gone")
+            time.sleep(LAND_POLL_S)
+
+    def _alive(self, c: Chunk, peer: int) -> None:
+        """ChunkFailed if the peer's engine no longer answers (asked at most every ``PROBE_S``): a gen rank learns
+        of a ctx rank that is gone only so, since only the ctx rank writes."""
+        now = time.time()
+        if now - self.probed.get(peer, 0.0) < PROBE_S:
+            return
+        self.probed[peer] = now
+        rc = self.te.send_probe(self.peers[peer].session)
+        if rc != 0:
+            raise self.failed(c, f"peer gone: its engine does not answer (probe returned {rc})")
 
     def closed(self, request: int) -> None:
         """The request's block tables are no longer needed on either side (direct)."""

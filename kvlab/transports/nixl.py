@@ -44,7 +44,6 @@ on each gen rank they feed, ``transfer.slots`` in flight, after one untimed roun
 from __future__ import annotations
 
 import json
-import os
 import struct
 import time
 from collections import deque
@@ -58,13 +57,13 @@ from kvlab import nixl
 from kvlab.errors import ConfigError
 from kvlab.layout import runs
 from kvlab.schedule import Chunk, Staging
-from kvlab.staging import PerChunkBuffers
 from kvlab.state import CacheState
-from kvlab.transports.p2p import P2P, narrow
+from kvlab.transports import RankContext, Transport
+from kvlab.transports.deadline import SPIN_S, Backoff, spin_for, wait_until  # noqa: F401 -- SPIN_S, Backoff: for other transports
+from kvlab.transports.p2p import narrow
+from kvlab.transports.staged import ChunkStaging
 
 MODES = ("direct", "staged")
-POLL_S = 50e-6  # between polls: two busy ranks on two cores must not starve the one moving bytes
-SPIN_S = 2e-3  # on GPUs, polls without sleep at the start of a wait: the cores are not the ranks' bottleneck
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -81,19 +80,6 @@ def descs(addr: np.ndarray, length: np.ndarray, dev: int) -> np.ndarray:
     out = np.empty((len(addr), 3), dtype=np.uint64)
     out[:, 0], out[:, 1], out[:, 2] = addr, length, dev
     return out
-
-
-class Backoff:
-    """Between two polls of one wait: yield the core for the first ``spin_s``, then sleep ``POLL_S``."""
-
-    def __init__(self, spin_s: float):
-        self.until = time.perf_counter() + spin_s
-
-    def __call__(self) -> None:
-        if time.perf_counter() < self.until:
-            os.sched_yield()
-        else:
-            time.sleep(POLL_S)
 
 
 @dataclass
@@ -134,14 +120,15 @@ class Peer:
     state: CacheState | None = None
 
 
-class Nixl(P2P):
+class Nixl(Transport):
     link_reference = "nixl"  # kvlab.linkrate: raw NIXL WRITEs of the run's chunk size between its pairs
     polls = False  # its own notifications, not the pair groups' ops: finished when the executor must
-    has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else P2P.has)  # direct: no slots
+    has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else frozenset({"slots"}))
 
     def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", pack_ctas: int | None = None,
                  progress_thread: bool = False):
         super().__init__(setup, side, rank, world_rank, device)
+        self.staging: ChunkStaging | None = None  # direct mode stages nothing (but a chunk to corrupt)
         self.mode = mode
         self.pack_ctas = pack_ctas
         self.progress_thread = progress_thread
@@ -155,7 +142,7 @@ class Nixl(P2P):
         self.xfers: dict[tuple, object] = {}  # ctx: prepared slot-to-slot WRITEs, posted again per chunk
         self.told: set[tuple[int, int]] = set()  # gen, direct: (request, ctx rank) sent the block tables
         self.tables: dict[tuple[int, int], dict] = {}  # ctx, direct: (request, gen rank) -> its block tables
-        self.spin_s = SPIN_S if device.type == "cuda" else 0.0
+        self.spin_s = spin_for(device)
         self.shut = False  # close() has run
         self.per_chunk = False  # naive: a buffer per chunk, registered for that chunk only
         self.window = setup.transfer.slots  # chunk i uses slot i % slots
@@ -180,26 +167,26 @@ class Nixl(P2P):
         return self.staging.peak_bytes if self.staging is not None else 0
 
     # -- start-up ---------------------------------------------------------------------------
-    def connect(self, executor) -> None:
+    def connect(self, ctx: RankContext) -> None:
         """Agent, registrations, peers' metadata and memory through the store, one notification each way."""
-        self.executor = executor
+        self.ctx = ctx
         t = self.setup.transfer
         # NIXL's WRITE runs on copy engines (one node) or the NIC, not on SMs: unlike NCCL's sends, nothing
         # needs the SMs the pack/unpack kernels would leave free (transfer.pack_ctas is for p2p)
         ctas = self.pack_ctas
         if ctas is None and self.device.type == "cuda":
             ctas = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.ops = narrow(executor.ops, ctas or t.pack_ctas)
+        self.ops = narrow(ctx.ops, ctas or t.pack_ctas)
         # direct mode stages nothing, except a chunk that fault injection corrupts on its way out
-        if self.mode == "staged" or (self.sending and executor.faults.flips):
-            self.staging = self._new_staging()
-        self.per_chunk = isinstance(self.staging, PerChunkBuffers)
+        if self.mode == "staged" or (self.sending and ctx.faults.flips):
+            self.staging = ChunkStaging(ctx, self.ops)
+        self.per_chunk = self.staging is not None and self.staging.per_chunk
         me = f"{self.side}{self.rank}"
         self.agent = nixl.agent(me, self.progress_thread)
-        pools = executor.cache.pools
+        pools = ctx.cache.pools
         tensors = [s.storage for s in pools.values()]
-        if self.staging is not None and hasattr(self.staging, "storage"):
-            tensors.append(self.staging.storage)
+        if self.staging is not None and self.staging.slots is not None:
+            tensors.append(self.staging.slots.storage)
         self.regs = nixl.register(self.agent, tensors)
         store = dist.distributed_c10d._get_default_store()
         info = {"pools": {n: (s.storage.data_ptr(), s.num_blocks) for n, s in pools.items()},
@@ -235,7 +222,6 @@ class Nixl(P2P):
         buf = torch.empty(nbytes if mine else 1, dtype=torch.uint8, device=self.device)
         reg = self.agent.register_memory(buf)
         dev, mem = nixl.device_id(buf), nixl.mem_type(buf)
-        wait = Backoff(self.spin_s)
 
         def late(what: str) -> RuntimeError:
             return RuntimeError(f"nixl link reference: {what} not done within {timeout:g} s")
@@ -265,11 +251,9 @@ class Nixl(P2P):
                     self.agent.get_xfer_descs(descs(dst, one, peer.dev), mem), peer.agent) for _ in range(window)]
 
             def done(x, deadline: float) -> None:
-                while (state := self.agent.check_xfer_state(x)) == "PROC":
-                    if time.time() > deadline:
-                        raise late("a WRITE")
-                    wait()
-                if state != "DONE":
+                wait_until(lambda: self.agent.check_xfer_state(x) != "PROC", deadline, lambda: late("a WRITE"),
+                           spin_s=self.spin_s)
+                if self.agent.check_xfer_state(x) != "DONE":
                     raise late("a WRITE")
 
             def rounds(tag: bytes, count: int) -> None:
@@ -309,16 +293,18 @@ class Nixl(P2P):
         return self.inbox.pop(key + b"@" + agent.encode(), None)
 
     def _await(self, key: bytes, agent: str, deadline: float, err) -> bytes:
-        wait = Backoff(self.spin_s)
-        while True:
+        got: list[bytes] = []
+
+        def arrived() -> bool:
             self._announce()
             self._poll()
-            got = self._take(key, agent)
-            if got is not None:
-                return got
-            if time.time() > deadline:
-                raise err()
-            wait()
+            payload = self._take(key, agent)
+            if payload is not None:
+                got.append(payload)
+            return bool(got)
+
+        wait_until(arrived, deadline, err, spin_s=self.spin_s)
+        return got[0]
 
     @staticmethod
     def _key(kind: bytes, c: Chunk) -> bytes:
@@ -330,13 +316,13 @@ class Nixl(P2P):
         return r.mem.cpu().numpy(), r.wire.cpu().numpy(), r.length.cpu().numpy()
 
     def _own_runs(self, c: Chunk):
-        store = self.executor.cache.pools[c.rect.pool]
-        table = self.executor.cache.tables[c.request][c.rect.pool]
+        store = self.ctx.cache.pools[c.rect.pool]
+        table = self.ctx.cache.tables[c.request][c.rect.pool]
         return self._rank_runs(store.pool, store.num_blocks, c, torch.tensor(table.host), table.base)
 
     def _block_tables(self, request: int) -> bytes:
         """The gen rank's block tables of a request, every pool: all a ctx rank needs to address its chunks."""
-        return json.dumps({name: [t.base, *t.host] for name, t in self.executor.cache.tables[request].items()}
+        return json.dumps({name: [t.base, *t.host] for name, t in self.ctx.cache.tables[request].items()}
                           ).encode()
 
     def _landing(self, c: Chunk, peer: Peer) -> dict | None:
@@ -351,7 +337,7 @@ class Nixl(P2P):
         return self.tables[key]
 
     def start(self, i: int, c: Chunk, rec):
-        clock, faults = self.executor.clock, self.executor.faults
+        clock = self.ctx.clock
         if not self.sending:
             if self.mode == "direct":
                 # the request's blocks are allocated at its first chunk here and stay until it is verified:
@@ -363,7 +349,7 @@ class Nixl(P2P):
                 self.unannounced.append(h)
                 self._announce()
                 return h
-            buf, staged = self._buffer(i, c)
+            buf, staged = self.staging.buffer(i, c)
             h = Landing(i, c, buf, staged, clock.mark(),
                         notice=self._key(b"R", c) + b" " + struct.pack("<QQ", buf.data_ptr(), buf.numel()))
             if staged and self.per_chunk:
@@ -379,18 +365,11 @@ class Nixl(P2P):
         if self.mode == "direct":
             buf, staged = None, False
         else:
-            buf, staged = self._buffer(i, c)
+            buf, staged = self.staging.buffer(i, c)
             if staged:
-                self._copy(c, buf, rec)
-        if i in faults.flips:
-            if not staged:  # corrupt the message, not the cache: the same bytes may go to another gen rank
-                out = self.staging.get(i, c.nbytes)
-                if buf is None:
-                    self._copy(c, out, rec)
-                else:
-                    out.copy_(buf)
-                buf, staged = out, True
-            faults.flip(i, buf)
+                self.staging.copy(c, buf, rec)
+        if self.staging is not None:
+            buf, staged = self.staging.flip_outgoing(i, c, buf, staged, rec)
         w = Write(i, c, rec, buf, staged)
         if staged and self.per_chunk:
             w.reg = self.agent.register_memory(buf)
@@ -440,7 +419,7 @@ class Nixl(P2P):
         """WRITE a chunk to where ``room`` says: staged, the gen slot's (address, bytes[, key]); direct, the gen
         rank's block tables of the request."""
         c = w.chunk
-        storage = self.executor.cache.pools[c.rect.pool].storage
+        storage = self.ctx.cache.pools[c.rect.pool].storage
         dev, mem = nixl.device_id(storage), nixl.mem_type(storage)
         if self.mode == "staged":
             addr, n = struct.unpack("<QQ", room[:16])
@@ -473,7 +452,7 @@ class Nixl(P2P):
                 if key:
                     self.xfers[key] = w.xfer
             w.kept = key is not None
-            w.posted = self.executor.clock.mark()
+            w.posted = self.ctx.clock.mark()
             if self.agent.transfer(w.xfer, self._key(b"D", c)) == "ERR":
                 raise RuntimeError("NIXL refused the WRITE")
         except Exception as e:  # noqa: BLE001 - NIXL's errors are plain Exceptions (remote disconnect, ...)
@@ -485,32 +464,30 @@ class Nixl(P2P):
         late = lambda: self.failed(c, f"not done within {timeout:g} s or peer gone")  # noqa: E731
         if not self.sending:
             self._await(self._key(b"D", c), self.peers[c.src].agent, deadline, late)
-            rec.wire.append((h.posted, self.executor.clock.mark()))
+            rec.wire.append((h.posted, self.ctx.clock.mark()))
             self._flip_landed(h)
             if h.staged:
-                self._copy(c, h.buf, rec)
+                self.staging.copy(c, h.buf, rec)
                 if self.device.type == "cuda" and not self.per_chunk:
                     ev = torch.cuda.Event()
                     ev.record()
                     self.after_unpack[h.index % self.window] = ev
                 self._release(h)
             return not h.staged
-        wait = Backoff(self.spin_s)
-        while True:
+        def written() -> bool:
             self._pump()
-            if h.xfer is not None:
-                try:
-                    state = self.agent.check_xfer_state(h.xfer)
-                except Exception as e:  # noqa: BLE001
-                    raise self.failed(c, "WRITE failed", e) from e
-                if state == "DONE":
-                    break
-                if state == "ERR":
-                    raise self.failed(c, "WRITE failed")
-            if time.time() > deadline:
-                raise late()
-            wait()
-        rec.wire.append((h.posted, self.executor.clock.mark()))
+            if h.xfer is None:
+                return False
+            try:
+                state = self.agent.check_xfer_state(h.xfer)
+            except Exception as e:  # noqa: BLE001
+                raise self.failed(c, "WRITE failed", e) from e
+            if state == "ERR":
+                raise self.failed(c, "WRITE failed")
+            return state == "DONE"
+
+        wait_until(written, deadline, late, spin_s=self.spin_s)
+        rec.wire.append((h.posted, self.ctx.clock.mark()))
         if not h.kept:
             h.xfer.release()
         h.xfer = None
@@ -531,14 +508,14 @@ class Nixl(P2P):
 
     def _flip_landed(self, h: Landing) -> None:
         """Fault injection on the gen rank: bytes of the message inverted where they landed."""
-        offsets = self.executor.faults.flips.get(h.index, [])
+        offsets = self.ctx.faults.flips.get(h.index, [])
         if not offsets:
             return
         if h.buf is not None:
-            self.executor.faults.flip(h.index, h.buf)
+            self.ctx.faults.flip(h.index, h.buf)
             return
         mem, wire, _ = self._own_runs(h.chunk)  # runs come in wire order
-        storage = self.executor.cache.pools[h.chunk.rect.pool].storage
+        storage = self.ctx.cache.pools[h.chunk.rect.pool].storage
         for j in offsets:
             k = np.searchsorted(wire, j, side="right") - 1
             at = int(mem[k] + j - wire[k])

@@ -33,10 +33,9 @@ import torch
 import torch.distributed as dist
 
 from kvlab import devices
-from kvlab.layout import first_byte
-from kvlab.schedule import Chunk, Staging
-from kvlab.staging import PerChunkBuffers, SlotPool
-from kvlab.transports import Transport
+from kvlab.schedule import Chunk
+from kvlab.transports import RankContext, Transport
+from kvlab.transports.staged import ChunkStaging
 
 
 def pair_groups(setup) -> dict[tuple[int, int], dist.ProcessGroup]:
@@ -151,19 +150,13 @@ class P2P(Transport):
     def peak_staging_bytes(self) -> int:
         return self.staging.peak_bytes if self.staging is not None else 0
 
-    def connect(self, executor) -> None:
-        super().connect(executor)
+    def connect(self, ctx: RankContext) -> None:
+        super().connect(ctx)
         t = self.setup.transfer
         self.groups = pair_groups(self.setup)
         # the staging is allocated after the device-memory baseline: it is the transfer's extra memory
-        self.staging = self._new_staging()
-        self.ops = narrow(executor.ops, t.pack_ctas)
+        self.staging = ChunkStaging(ctx, narrow(ctx.ops, t.pack_ctas))
         warm_up(self.groups, self.world_rank, self.device)  # after the baseline: NCCL's buffers count as extra
-
-    def _new_staging(self):
-        t = self.setup.transfer
-        return (PerChunkBuffers(self.device) if t.strategy.staging == Staging.per_chunk
-                else SlotPool(t.slots, t.slot_bytes, self.device))
 
     def _peer(self, c: Chunk) -> int:
         return self.setup.world_rank("gen" if self.sending else "ctx", c.dst if self.sending else c.src)
@@ -171,42 +164,13 @@ class P2P(Transport):
     def _group(self, c: Chunk):
         return self.groups[(self.setup.world_rank("ctx", c.src), self.setup.world_rank("gen", c.dst))]
 
-    def _buffer(self, i: int, c: Chunk) -> tuple[torch.Tensor, bool]:
-        """(buffer, staged): the pool itself when the chunk lies there in wire order, else staging."""
-        cache = self.executor.cache
-        if c.ctx_in_place if self.sending else c.gen_in_place:
-            # the shape is in wire order (schedule, from both states); it lies there when the chunk's
-            # blocks are consecutive in this side's table. Either way the message is the same.
-            store = cache.pools[c.rect.pool]
-            table = cache.tables[c.request][c.rect.pool]
-            tpb = store.pool.tokens_per_block
-            ids = table.host[c.rect.t0 // tpb - table.base:(c.rect.t1 - 1) // tpb - table.base + 1]
-            if all(b == ids[0] + k for k, b in enumerate(ids)):
-                start = first_byte(store.pool, store.num_blocks, c.rect, ids[0])
-                return store.storage[start:start + c.nbytes], False
-        return self.staging.get(i, c.nbytes), True
-
-    def _copy(self, c: Chunk, buf: torch.Tensor, rec) -> None:
-        cache, clock = self.executor.cache, self.executor.clock
-        store = cache.pools[c.rect.pool]
-        table = cache.tables[c.request][c.rect.pool]
-        t0 = clock.mark()
-        if self.sending:
-            self.ops.pack(store.storage, store.pool, store.num_blocks, c.rect, table.ids, table.base, buf)
-        else:
-            self.ops.unpack(buf, store.pool, store.num_blocks, c.rect, table.ids, table.base, store.storage)
-        rec.pack.append((t0, clock.mark()))
-
     def start(self, i: int, c: Chunk, rec) -> Posted:
-        faults = self.executor.faults
-        buf, staged = self._buffer(i, c)
+        buf, staged = self.staging.buffer(i, c)
         if self.sending and staged:
-            self._copy(c, buf, rec)
-        if self.sending and i in faults.flips:
-            if not staged:  # corrupt the message, not the cache: the same bytes may go to another gen rank
-                buf, staged = self.staging.get(i, c.nbytes).copy_(buf), True
-            faults.flip(i, buf)
-        posted = self.executor.clock.mark()
+            self.staging.copy(c, buf, rec)
+        if self.sending:
+            buf, staged = self.staging.flip_outgoing(i, c, buf, staged, rec)
+        posted = self.ctx.clock.mark()
         try:
             work = post(buf, self._peer(c), self._group(c), send=self.sending)
         except RuntimeError as e:  # gloo refuses to post to a peer whose connection is gone
@@ -230,11 +194,11 @@ class P2P(Transport):
                     raise f.watch.error
         except RuntimeError as e:
             raise self.failed(c, f"not done within {timeout:g} s or peer gone", e) from e
-        rec.wire.append((f.posted, f.watch.done if f.watch is not None else self.executor.clock.mark()))
+        rec.wire.append((f.posted, f.watch.done if f.watch is not None else self.ctx.clock.mark()))
         if not self.sending:
-            self.executor.faults.flip(f.index, f.buf)
+            self.ctx.faults.flip(f.index, f.buf)
             if f.staged:
-                self._copy(c, f.buf, rec)
+                self.staging.copy(c, f.buf, rec)
         if f.staged:
             self.staging.put(f.buf)
         return not f.staged
