@@ -35,7 +35,10 @@ ctx rank deletes it when read), ``mc/T/<ctx>/<gen>/<request>`` (direct: the gen 
 in the gen rank's memory; the gen rank deletes it when seen). The ctx rank ``polls``: the executor sees
 each completion, and the key goes out, when it happens. Every wait polls with the deadline
 ``transfer.timeout_s``; a write to a gen rank that is gone fails at once (the engine reports the broken
-connection), and a store that is gone (rank 0) fails the call.
+connection), a rank waiting on a peer asks the peer's engine whether it is there every ``PROBE_S``
+(``send_probe``: a gen rank learns so that a ctx rank is gone, since only ctx ranks write), and a store
+that is gone (rank 0) fails the call. A gen rank polls its keys every ``LAND_POLL_S``, not faster: each
+poll is a round trip to the store's host, on the cores the engine's copies run on.
 
 On GPUs nothing blocks the host on the device: a chunk is written once the event recorded after its
 pack (or its layers' writes) has completed (the engine does not follow CUDA streams), and a gen slot is
