@@ -94,6 +94,8 @@ class PagedCache:
         ``storage_of(pool name, bytes)``: where a pool lives (a transport's choice), zeroed device memory by default."""
         self.state, self.device = state, device
         self.tick = lambda: None  # called per fill/verify piece: long requests still show progress
+        self.contents = expected  # a rectangle's bytes in wire order: the hash fill, or a model's (check=decode)
+        self.after_verify = None  # called with (request, ops, errors) after its byte check, before its release
         self.pools: dict[str, PoolStore] = {}
         self.tables: dict[int, dict[str, BlockTable]] = {}
         # fill's and verification's two scratch pieces (expected and packed bytes), allocated with the pools,
@@ -163,7 +165,7 @@ class PagedCache:
                 rect = replace(rect, l0=i, l1=i + 1)
             for piece in self._pieces(rect, store.pool):
                 self.tick()
-                data = expected(req.id, store.pool, piece, out=self._buffers(piece.nbytes(store.pool.rows))[0])
+                data = self.contents(req.id, store.pool, piece, out=self._buffers(piece.nbytes(store.pool.rows))[0])
                 ops.unpack(data, store.pool, store.num_blocks, piece, table.ids, table.base, store.storage)
 
     def verify(self, req: Request, segments: list[Segment], ops) -> list[str]:
@@ -175,7 +177,7 @@ class PagedCache:
             for piece in self._pieces(seg.rect, store.pool):
                 self.tick()
                 want, got = self._buffers(piece.nbytes(store.pool.rows))
-                expected(req.id, store.pool, piece, out=want)
+                self.contents(req.id, store.pool, piece, out=want)
                 ops.pack(store.storage, store.pool, store.num_blocks, piece, table.ids, table.base, got)
                 if same_bytes(got, want):
                     continue
@@ -185,6 +187,8 @@ class PagedCache:
                     f"request {req.id}: {bad.numel()} wrong bytes from ctx{seg.src}, first at pool {at['pool']} "
                     f"layer {at['layer']} component {at['component']} head {at['head']} token {at['token']} "
                     f"byte {at['byte']}")
+        if self.after_verify is not None:
+            self.after_verify(req, ops, errors)
         return errors
 
     def _block_view(self, store: PoolStore, block: int) -> torch.Tensor:

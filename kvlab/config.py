@@ -24,6 +24,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from kvlab import paths
 from kvlab.checks import check_config
+from kvlab.decode_spec import CheckSpec
 from kvlab.errors import ConfigError, positive, require
 from kvlab.link_spec import LinkSpec
 from kvlab.parallel import SideSpec
@@ -149,6 +150,7 @@ class Setup:
     fault: FaultSpec = field(default_factory=FaultSpec)
     logger: LoggerSpec = field(default_factory=LoggerSpec)
     cost: CostSpec = field(default_factory=CostSpec)
+    check: CheckSpec = field(default_factory=CheckSpec)  # what the gen side checks: bytes, or decode from them
     serving: ServingSpec = field(default_factory=ServingSpec)  # SLOs and percentiles of the serving report
     link: LinkSpec = field(default_factory=LinkSpec)  # kvlab link's message sizes and repeats
     transport: Any = None  # the group's node (conf/transport/; None: auto); a TransportSpec once built
@@ -160,6 +162,7 @@ class Setup:
     repeat: int = 0
 
     def __post_init__(self):
+        object.__setattr__(self, "model", self.check.model_for(self.model))  # check=decode: its model's cache
         model, ctx, gen = self.model, self.ctx, self.gen
         ctx.validate_for(model)
         gen.validate_for(model)
@@ -205,6 +208,7 @@ class Setup:
         check_gpu(self.prefill)
         require(self.prefill.kind != "gpu" or self.device != "cpu", "device", self.device,
                 "prefill=gpu computes on the ctx ranks' GPUs; use device=cuda (or auto), or prefill=sim")
+        self.check.validate(self)
         self.transport.cls().check(self)  # what only the chosen transport knows it cannot serve
 
     @property
@@ -420,6 +424,7 @@ def register() -> None:
     cs.store(group="workload", name="base_workload", node=schema(WorkloadSpec))
     cs.store(group="prefill", name="base_prefill", node=schema(PrefillSpec))
     cs.store(group="logger", name="base_logger", node=schema(LoggerSpec))
+    cs.store(group="check", name="base_check", node=schema(CheckSpec))
 
 
 register()

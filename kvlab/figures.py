@@ -68,6 +68,7 @@ DISPLAY = {
     "x": (1, "{:.3f}", "x"),
     "req/s": (1, "{:,.3f}", "req/s"),
     "bool": (1, "{}", ""),
+    "logit": (1, "{:.4g}", ""),
 }
 
 
@@ -110,6 +111,19 @@ def _sum(parts, attr: str):
 
 def _since(t: float | None, t0: float | None) -> float | None:
     return None if t is None or t0 is None else t - t0
+
+
+def _decoded(r, attr: str):
+    """check=decode: ``attr`` of the request's decode result (kvlab.records.DecodeResult), on the gen rank
+    that decoded it; None without one."""
+    d = next((p.decode for p in r.gen if getattr(p, "decode", None) is not None), None)
+    return None if d is None else getattr(d, attr)
+
+
+def _over_rows(name: str, reduce):
+    """A run figure reducing the rows' present values (None when no row has one: absent, not zero)."""
+    return lambda run: (lambda vs: reduce(vs) if vs else None)([getattr(r, name) for r in run.rows
+                                                                 if getattr(r, name) is not None])
 
 
 class Parts:
@@ -339,6 +353,23 @@ TABLE: tuple[Figure, ...] = (
            run_default=0),
     Figure("cache_bytes", "B", "The largest KV cache of one rank.", "max over ranks",
            run=lambda run: max((p.cache for p in run.peaks), default=0), run_default=0),
+    # -- check=decode (kvlab.decode_check): the moved cache decoded, against a run that never left one process
+    Figure("byte_check_failures", "count", "Gen ranks whose byte check of the request failed (check=decode: "
+           "against the reference's own cache).", "the decoding gen rank's count of its group's failed checks",
+           request=lambda r: _decoded(r, "byte_failures"), run=_over_rows("byte_check_failures", sum),
+           column="byte fails"),
+    Figure("decode_tokens", "count", "Greedy tokens decoded from the moved cache.", "check.tokens per decoded request",
+           request=lambda r: _decoded(r, "tokens"), run=_over_rows("decode_tokens", sum), column="decoded"),
+    Figure("decode_tokens_equal", "count", "Of the decoded tokens, those equal to the reference's.",
+           "counted on the decoding gen rank", request=lambda r: _decoded(r, "equal"),
+           run=_over_rows("decode_tokens_equal", sum), column="tokens ="),
+    Figure("decode_max_logit_diff", "logit", "Largest |logit difference| from the reference over the decoded steps.",
+           "max over the steps; the run: over every request", request=lambda r: _decoded(r, "max_logit_diff"),
+           run=_over_rows("decode_max_logit_diff", max), column="max |dlogit|"),
+    Figure("decode_first_divergent", "count", "First decode step whose token or logits differ from the reference's "
+           "(beyond check.tolerance); absent when none does.", "the first such step; the run: the earliest",
+           request=lambda r: _decoded(r, "first_divergent"), run=_over_rows("decode_first_divergent", min),
+           column="diverges at"),
 )
 
 BY_NAME = {f.name: f for f in TABLE}

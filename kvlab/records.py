@@ -99,6 +99,18 @@ def _with_figures(level: str):
 
 
 @dataclass
+class DecodeResult:
+    """check=decode: one request decoded from its moved cache against the reference (kvlab.decode_check)."""
+
+    tokens: int = 0  # greedy tokens decoded from the moved cache
+    equal: int = 0  # of them, equal to the reference's
+    max_logit_diff: float | None = None  # largest |logit difference| over the steps
+    first_divergent: int | None = None  # first step whose token or logits differ (beyond check.tolerance)
+    byte_failures: int = 0  # gen ranks whose byte check of the request failed
+    layers: list[int] = field(default_factory=list)  # layers whose rebuilt cache differs from the reference's
+
+
+@dataclass
 class RankPart:
     request: int
     isl: int
@@ -130,6 +142,7 @@ class RankPart:
     in_loop: list[str] = field(default_factory=list)  # ["verify"] when the check ran inside the transfer loop
     # peer's side-local rank -> bytes this rank moved with it (empty in parts that do not record it)
     peer_bytes: dict[int, int] = field(default_factory=dict)
+    decode: DecodeResult | None = None  # check=decode, on the gen rank that decoded the request
     schema: int = SCHEMA
 
     @property

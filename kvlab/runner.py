@@ -148,6 +148,11 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
                          report.stale_s(setup))
     board.gone = lambda r: marked_dead(run_dir, r)
     cache.tick = board.beat
+    if setup.check.decode:  # the decode model's own cache instead of the hash fill; before the clock
+        from kvlab.decode_check import DecodeCheck
+
+        decode_check = DecodeCheck(setup, side, rank, requests, dist.distributed_c10d._get_default_store())
+        decode_check.prepare(cache, board.beat)
     executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat)
     executor.connect()  # after the baseline: what the transport allocates (slots, NCCL's buffers) is extra
@@ -182,6 +187,8 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         if rec.end is None:
             rec.end = clock.mark()
     parts = [metrics.resolve(r, clock, setup.model.num_layers) for r in records]
+    if setup.check.decode:
+        decode_check.finish(parts, board.beat)
 
     part = PartFile(
         rank=world_rank, side=side, side_rank=rank, parts=parts, failures=failures, errors=errors,

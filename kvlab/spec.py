@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvlab import arrivals
+from kvlab.decode_spec import DecodeModel
 from kvlab.errors import positive, require
 
 
@@ -108,10 +109,13 @@ class ModelSpec:
     window: int = 0  # sliding window in tokens, 0 for none
     local_per_global: int = 0  # sliding layers per full layer; 0 with window>0: every layer slides
     dims: ModelDims = field(default_factory=ModelDims)  # what a layer computes: the prefill's time model needs it
+    decode: DecodeModel = field(default_factory=DecodeModel)  # check=decode's model (kvlab.decode_spec)
 
     def __post_init__(self):
         if isinstance(self.dims, dict):  # as a preset's YAML spells it
             object.__setattr__(self, "dims", ModelDims(**self.dims))
+        if isinstance(self.decode, dict):
+            object.__setattr__(self, "decode", DecodeModel(**self.decode))
         require(bool(self.name), "model.name", self.name, "must be a non-empty name")
         positive("model.num_layers", self.num_layers)
         require(self.attention in (Attention.gqa, Attention.mla), "model.attention", self.attention,
@@ -270,9 +274,14 @@ class FaultSpec:
     flip_rank: int = -1  # world rank whose messages get bytes inverted (x ^ 0xFF) in flight
     flip_at: tuple[int, ...] = ()
     unwritten_layer: int = -1  # global layer ctx ranks never write: its chunks carry what the blocks held before
+    # tokens every sliding-window segment leaves out, from the first one the next token attends to: the bytes
+    # sent all verify, and the decode check (check=decode) must still fail
+    window_trim: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "flip_at", tuple(self.flip_at))
+        require(isinstance(self.window_trim, int) and self.window_trim >= 0, "fault.window_trim", self.window_trim,
+                "must be 0 (off) or a number of tokens")
         require(isinstance(self.unwritten_layer, int) and self.unwritten_layer >= -1, "fault.unwritten_layer",
                 self.unwritten_layer, "must be -1 (off) or a global layer")
         for name, r in self.ranks.items():
