@@ -32,8 +32,10 @@ import torch
 from kvlab import hf_models
 from kvlab.plan import Request
 from kvlab.records import DecodeResult, RankPart
+from kvlab.spec import Kind
 
 KEY = "kvlab/decode/"
+COMPONENTS = {Kind.kv: ("K", "V"), Kind.mla: ("latent and RoPE",), Kind.indexer: ("fp8 values", "scales")}
 CACHE_ENV = "KVLAB_DECODE_CACHE"  # where references are kept; ~/.cache/kvlab/decode by default
 FORMAT = 1  # of a reference file: bump when what it holds changes
 
@@ -229,10 +231,17 @@ class DecodeCheck:
             return result, None
         what = (f"the prefill's first token {first} is not the reference's {ref.first}" if first != ref.first
                 else f"diverges from the reference at step {result.first_divergent}")
-        where = ("; its cache differs from the reference's in " + ", ".join(
-            f"layer {d['layer']} ({d['pool']} component {d['component']}: {d['tokens']} token(s) from token "
-            f"{d['token']})" for d in diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
-            if diffs else "; its cache equals the reference's in every token decoding reads")
+        by_layer: dict[tuple, list[dict]] = {}
+        for d in diffs:
+            by_layer.setdefault((d["layer"], d["pool"]), []).append(d)
+        named = []
+        for (layer, pool), ds in by_layer.items():
+            comps = ", ".join(COMPONENTS[hf_models.pool_spec(self.model, pool).kind][d["component"]] for d in ds)
+            named.append(f"layer {layer} ({pool} {comps}: {max(d['tokens'] for d in ds)} token(s) from token "
+                         f"{min(d['token'] for d in ds)})")
+        where = ("; its cache differs from the reference's in " + ", ".join(named[:4])
+                 + (f" and {len(named) - 4} more layers" if len(named) > 4 else "")
+                 if named else "; its cache equals the reference's in every token decoding reads")
         verdict = (f"; byte check failed on {', '.join(failed_bytes)}" if failed_bytes
                    else "; byte check passed on every gen rank")
         return result, (f"request {r.id}: decode from the moved cache {what} ({result.equal}/{result.tokens} tokens "

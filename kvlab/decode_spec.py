@@ -148,3 +148,24 @@ class CheckSpec:
 
         if importlib.util.find_spec("transformers") is None:
             raise ConfigError("check", "decode", "needs transformers; pip install -e '.[decode]'")
+
+
+def check_line(rows) -> str | None:
+    """One line on the decode check and the byte check side by side, from the merged rows (kvlab.records.RequestRow);
+    None for a run without check=decode."""
+    decoded = [r for r in rows if getattr(r, "decode_tokens", None) is not None]
+    if not decoded:
+        return None
+    good = [r for r in decoded if r.decode_first_divergent is None and r.decode_tokens_equal == r.decode_tokens]
+    bad = [r for r in decoded if r not in good]
+    bytes_ok = [r for r in decoded if not r.byte_check_failures]
+    diff = max(r.decode_max_logit_diff for r in decoded)
+    out = (f"check=decode: {len(good)}/{len(rows)} requests decode as the reference"
+           + (" (" + ", ".join(f"request {r.request} from step {r.decode_first_divergent}" for r in bad[:4])
+              + (" ..." if len(bad) > 4 else "") + ")" if bad else "")
+           + f"; {sum(r.decode_tokens_equal for r in decoded)}/{sum(r.decode_tokens for r in decoded)} tokens equal, "
+           f"max |logit difference| {diff:.4g}; byte check passed on {len(bytes_ok)}/{len(decoded)}")
+    hidden = [r.request for r in bad if not r.byte_check_failures]
+    if hidden:
+        out += f" (requests {hidden}: every byte sent verified, and decoding still diverged)"
+    return out

@@ -373,6 +373,9 @@ TABLE: tuple[Figure, ...] = (
 )
 
 BY_NAME = {f.name: f for f in TABLE}
+# columns the terminal shows only in runs that have them
+OPTIONAL_COLUMNS = frozenset({"byte_check_failures", "decode_tokens", "decode_tokens_equal", "decode_max_logit_diff",
+                              "decode_first_divergent"})
 
 
 def request_figures() -> list[Figure]:

@@ -55,6 +55,7 @@ def hf_config(model: ModelSpec):
     """The transformers config of ``model``'s decode model (``model`` as ``kvlab.decode_spec.tiny`` made it)."""
     import transformers as tf
 
+    tf.logging.set_verbosity_error()  # the tiny configs' RoPE notes are not the run's business
     d = model.decode
     common = dict(hidden_size=d.hidden_size, num_hidden_layers=model.num_layers, num_attention_heads=d.q_heads,
                   intermediate_size=d.intermediate_size, vocab_size=d.vocab_size,
@@ -108,9 +109,6 @@ def _model_class(family: str):
 @functools.lru_cache(maxsize=2)
 def build(model: ModelSpec, seed: int):
     """(transformers model in bf16, eval mode, its config): weights drawn from ``seed``."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # the tiny configs' RoPE notes are not the run's business
     cfg = hf_config(model)
     g = torch.random.fork_rng()
     with g, one_thread():

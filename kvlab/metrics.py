@@ -17,6 +17,7 @@ from rich.table import Table
 
 from kvlab import figures, serving
 from kvlab.clock import Clock
+from kvlab.decode_spec import check_line
 from kvlab.records import Env, Link, Peak, RankPart, RequestRow, Summary, TimelineRow
 
 
@@ -240,7 +241,8 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
     c, g = summary.ctx, summary.gen
     t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx tp{c['tp']} pp{c['pp']} dp{c['dp']} -> "
                     f"gen tp{g['tp']} pp{g['pp']} dp{g['dp']}, {summary.device}")
-    cols = figures.columns()
+    cols = [f for f in figures.columns()
+            if f.name not in figures.OPTIONAL_COLUMNS or any(getattr(r, f.name) is not None for r in rows)]
     for col in ("request", "tokens", *(f.column for f in cols), "verified"):
         t.add_column(col, justify="right")
     shown = rows if len(rows) <= limit else rows[: limit - 1]
@@ -273,5 +275,8 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
         console.print(serving.table(summary.serving))
         console.print(f"{summary.arrival} arrivals, prefill={summary.prefill}; "
                       + "; ".join(serving.report_lines(summary)), markup=False, highlight=False)
+    check = check_line(rows)
+    if check:
+        console.print(check, markup=False, highlight=False)
     console.print(f"peak staging {summary.peak_staging_bytes / 2**20:,.2f} MiB per rank, "
                   f"peak extra device memory {summary.peak_extra_device_bytes / 2**20:,.2f} MiB")

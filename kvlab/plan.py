@@ -47,7 +47,9 @@ def _overlap(a: range, b: range) -> range:
     return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
-def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request) -> list[Segment]:
+def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_trim: int = 0) -> list[Segment]:
+    """``window_trim`` (fault.window_trim): sliding-window segments leave out that many tokens from the first one
+    the next token attends to (and the window's older tokens before it)."""
     req.validate(ctx, gen)
     # a head split the specs cannot make would silently leave heads out of the cover
     ctx.validate_for(model)
@@ -60,6 +62,8 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request) -> list[S
         for gp in CacheState(model, gen, dst).pools():
             spec = gp.spec
             t0 = window_start(spec, req.isl, tile)
+            if window_trim and spec.window:
+                t0 = min(req.isl - 1, max(0, req.isl - spec.window + 1) + window_trim)
             for c_pp in range(ctx.pp):
                 stage = ctx.stage_layers(model, c_pp)
                 local = [i for i in gp.layers if spec.layers[i] in stage]

@@ -128,7 +128,7 @@ def chunks_of(order: list[Chunk], setup: Setup, world_rank: int) -> list[Chunk]:
 def plan_run(setup) -> tuple[list, dict, list[Chunk]]:
     """(requests, segments by request, global chunk order): pure, the same on every rank."""
     requests = make_requests(setup)
-    segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r) for r in requests}
+    segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r, setup.fault.window_trim) for r in requests}
     schedules = [schedule(setup.model, setup.ctx, setup.gen, segments[r.id], setup.transfer.strategy,
                           setup.chunk_cap) for r in requests]
     times = prefill.times_for(setup, requests)
