@@ -117,8 +117,10 @@ def _raw_rank(rank: int, port: int, sizes: list[int], window: int, device: str, 
                      "verified": store.get(f"checked{size}") == b"1"})
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
-    store.set(f"bye{rank}", "1")
-    store.wait([f"bye{1 - rank}"])
+    if rank == 1:
+        store.set("bye", "1")
+    else:  # the store's host leaves last
+        store.wait(["bye"])
 
 
 def raw_curve(sizes: list[int], window: int, device: str) -> list[dict]:
@@ -151,12 +153,19 @@ def one_run(over: list[str]) -> dict:
         s = run_transfer(over, Path(tmp))
         rows = [json.loads(x) for x in (Path(tmp) / "results.jsonl").read_text().splitlines()]
     link = s.get("link") or {}
-    return {"verified": s["verified"], "bytes": s["bytes"], "gbps": s["gbps"], "link_gbps": s.get("link_gbps"),
+    return {"verified": s["verified"], "bytes": s["total_bytes"], "gbps": s["gbps"], "link_gbps": s.get("link_gbps"),
             "link_ratio": s.get("link_ratio"), "link_reference": link.get("reference"),
             "link_gbps_min": link.get("gbps_min"), "link_gbps_max": link.get("gbps_max"),
             "message_bytes": link.get("message_bytes"), "chunks": rows[0]["chunks"],
             "descriptors": rows[0]["descriptors"], "peak_staging_bytes": s["peak_staging_bytes"],
             "wall_s": time.time() - t0}
+
+
+def why(e: BaseException) -> str:
+    """One line: a refused config (kvlab.errors.ConfigError, e.g. the host's memory on a loaded machine) as kvlab
+    prints it, anything else with its type."""
+    text = " ".join(str(a) for a in e.args) or type(e).__name__
+    return f"{type(e).__name__}: {text.splitlines()[0]}"
 
 
 def commit() -> str | None:
@@ -193,9 +202,29 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4, help="raw curve: writes in flight")
     ap.add_argument("--curve-only", action="store_true")
     ap.add_argument("--table", metavar="JSON", help="print the markdown tables of a report, run nothing")
+    ap.add_argument("--redo-failed", metavar="JSON", help="run again the cases of a report that failed (a run that "
+                    "could not start on a loaded machine), replacing their rows in place, and nothing else")
     args = ap.parse_args()
     if args.table:
         print(markdown(json.loads(Path(args.table).read_text())))
+        return
+    if args.redo_failed:
+        path = Path(args.redo_failed)
+        report = json.loads(path.read_text())
+        for i, row in enumerate(report["runs"]):
+            if "error" not in row:
+                continue
+            over = dict(transports(report["device"] == "cuda"))[row["transport"]]
+            new = {"model": row["model"], "isl": row["isl"], "transport": row["transport"]}
+            try:
+                new |= one_run(common(report["device"] == "cuda") + over
+                               + [f"model={row['model']}", f"workload.isl={row['isl']}"])
+            except Exception as e:  # noqa: BLE001
+                new["error"] = why(e)
+            new["redone"] = dt.datetime.now().isoformat(timespec="seconds")
+            report["runs"][i] = new
+            path.write_text(json.dumps(report, indent=1) + "\n")
+        print(markdown(report))
         return
     from kvlab import mooncake
 
@@ -220,7 +249,7 @@ def main() -> None:
                 try:
                     row |= one_run(common(args.gpu) + over + [f"model={model}", f"workload.isl={isl}"])
                 except Exception as e:  # noqa: BLE001 - one failed case is a row, not the end of the table
-                    row["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    row["error"] = why(e)
                 report["runs"].append(row)
                 print(label, {k: row.get(k) for k in ("gbps", "link_gbps", "link_ratio", "descriptors", "error")},
                       flush=True)
