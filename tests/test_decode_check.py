@@ -210,7 +210,6 @@ def test_decode_run_end_to_end(kvlab_cli, tmp_path):
     res, summary, rows, out = run_decode(kvlab_cli, tmp_path, "model=tiny_gqa", "ctx.tp=2", "gen.tp=1",
                                          "workload.isl=64", "workload.requests=2", "check.tokens=4")
     assert_decodes_as_reference(res, summary, rows, out, 2, 4)
-    assert "tokens =" in res.stdout
 
 
 LAYOUTS = {
