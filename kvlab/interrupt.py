@@ -13,9 +13,11 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PR_SET_PDEATHSIG = 1
+_starting = None  # quiet_until_ready's AtOnce, until ready()
 
 
 class Interrupted(BaseException):
@@ -70,6 +72,17 @@ def quiet_until_ready(last_words) -> None:
 
     for s in SIGNALS:
         signal.signal(s, leave)
+    global _starting
+    _starting = AtOnce(last_words)  # a signal during a slow import in C: the handler above would wait for it
+    _starting.start()
+
+
+def ready() -> None:
+    """The rank's own handlers take over from ``quiet_until_ready``'s."""
+    global _starting
+    if _starting is not None:
+        _starting.end()
+        _starting = None
 
 
 def die_with_parent(parent: int) -> None:
@@ -81,3 +94,50 @@ def die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+class AtOnce:
+    """A rank's start-up (joining, handshake, link reference, the barrier before the clock) blocks in
+    collectives that return only at their own timeout, and Python runs a signal's handler only when the
+    call returns: a rank told to stop there would sit out the whole ``transfer.timeout_s``. Between
+    ``start`` and ``end``, a thread woken by the signal itself (``signal.set_wakeup_fd``, written by the C
+    handler whatever the main thread is doing) ends the rank within moments, after ``last_words(signal
+    name)`` and every ``cleanups`` entry (what would outlive the process: files)."""
+
+    def __init__(self, last_words):
+        self.last_words = last_words
+        self.cleanups: list = []
+        self.active = threading.Event()
+        self.fds: tuple[int, int] | None = None
+        self.previous = -1
+
+    def start(self) -> None:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self.fds = (r, w)
+        self.previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self.active.set()
+        threading.Thread(target=self._watch, args=(r,), name="stop-at-once", daemon=True).start()
+
+    def _watch(self, r: int) -> None:
+        while (data := os.read(r, 1)) and data[0] not in SIGNALS:  # a signal's number; b"": end() closed it
+            pass
+        os.close(r)
+        if not data or not self.active.is_set():
+            return
+        try:
+            for clean in self.cleanups:
+                with contextlib.suppress(Exception):
+                    clean()
+            self.last_words(name(data[0]))
+        finally:
+            os._exit(1)  # what a rank stopped before its transfers returns (kvlab.runner)
+
+    def end(self) -> None:
+        """From here the transfer loop sees signals itself (it returns to Python between its polls)."""
+        if self.fds is None:
+            return
+        self.active.clear()
+        signal.set_wakeup_fd(self.previous)
+        os.close(self.fds[1])
+        self.fds = None

@@ -33,7 +33,7 @@ from kvlab.config import build
 from kvlab.cost import predict_run
 from kvlab.errors import ConfigError
 from kvlab.executor import Executor, Stopped
-from kvlab.interrupt import ignore
+from kvlab.interrupt import AtOnce, ignore, ready
 from kvlab.ops import get_ops
 from kvlab.preflight import preflight
 from kvlab.progress import Progress
@@ -66,6 +66,15 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     stopped before its transfers, it writes an empty one."""
     previous = {s: signal.signal(s, _stop) for s in STOP_SIGNALS}
     world_rank = int(os.environ.get("RANK", 0))
+
+    def last_words(signame: str) -> None:
+        if read_part(run_dir, world_rank) is None:
+            write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
+                f"rank {world_rank}: stopped by {signame} before its transfers"]))
+
+    at_once = AtOnce(last_words)
+    ready()
+    at_once.start()
     try:
         try:
             setup = build(cfg)
@@ -75,7 +84,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
                 print(f"kvlab: error: {e}", file=sys.stderr)
             return 2
         try:
-            return _worker(setup, run_dir, world_rank, device)
+            return _worker(setup, run_dir, world_rank, device, at_once)
         except ConfigError as e:
             if world_rank == 0:
                 print(f"kvlab: error: {e}", file=sys.stderr)
@@ -90,24 +99,26 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
                 f"rank {world_rank}: {why} before its transfers"]))
         return 1
     finally:
+        at_once.end()
         for s, h in previous.items():
             signal.signal(s, h)
 
 
-def _worker(setup, run_dir: Path, world_rank: int, device: torch.device) -> int:
+def _worker(setup, run_dir: Path, world_rank: int, device: torch.device, at_once: AtOnce) -> int:
     side_spec, rank = setup.side_of(world_rank)
     side = side_spec.name
     state = CacheState(setup.model, side_spec, rank)
     transport.handshake(state)
     mover = transports.create(setup, side, rank, world_rank, device)
+    at_once.cleanups.append(mover.leave)
     try:
-        return _transfer(setup, run_dir, world_rank, device, side, rank, state, mover)
+        return _transfer(setup, run_dir, world_rank, device, side, rank, state, mover, at_once)
     finally:
         mover.close()  # unmapped and unlinked also after a failure
 
 
 def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side: str, rank: int,
-              state: CacheState, mover) -> int:
+              state: CacheState, mover, at_once: AtOnce) -> int:
 
     requests, segments, order = plan_run(setup)
     needed = preflight(setup, requests, order, world_rank)  # the same checks on every rank: all stop or none
@@ -166,6 +177,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         torch.cuda.reset_peak_memory_stats(device)
     executor.gpu_prefill, executor.prefill_alone = gpu_prefill, alone
     dist.barrier()
+    at_once.end()  # the loop returns to Python between its waits: a signal from here on is Stopped there
     clock = executor.clock = Clock(device)  # started right after the barrier: one epoch for every rank
     board.watch()
 

@@ -405,3 +405,39 @@ def test_rank_killed_with_sigkill_ends_the_run_in_seconds(victim, tmp_path, kvla
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["silent_ranks"] == [victim] and not summary["verified"], (summary, err)
     assert summary["errors"][0] == f"{name} (rank {victim}) sent no report: its process ended (the launcher saw it)"
+
+
+@pytest.mark.slow
+def test_a_rank_told_to_stop_while_joining_ends_at_once(tmp_path, kvlab_cli):
+    """Two ranks of a three-rank job wait in the rendezvous for a third that never comes, a wait that ends
+    only at its own timeout (here 300 s) in C++, where Python's signal handlers cannot run: SIGTERM must
+    end a rank within moments all the same, with its part file saying so, whatever phase of its start-up
+    it was in (slow imports included)."""
+    from kvlab.launch import free_port
+    from kvlab.records import read_part
+
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(compose(["transfer.timeout_s=300", *QUIET]),
+                                                            resolve=True))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "kvlab.worker", str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for r in (0, 1)]
+    try:
+        time.sleep(15)  # past the imports on an idle machine: both wait for rank 2
+        for p in procs:
+            assert p.poll() is None, p.communicate()
+        procs[1].send_signal(signal.SIGTERM)
+        procs[1].wait(timeout=60)  # far inside the rendezvous' 300 s
+        procs[0].send_signal(signal.SIGTERM)
+        procs[0].wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r in (0, 1):
+        part = read_part(tmp_path, r)
+        assert part is not None and len(part.errors) == 1, part
+        assert re.fullmatch(rf"rank {r}: stopped by SIGTERM (while starting|before its transfers)", part.errors[0])

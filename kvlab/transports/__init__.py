@@ -219,6 +219,10 @@ class Transport(ABC):
         """The loop failed (after ``abandon`` of every chunk still in flight): let go of anything the device
         still waits for, so that the checks of the requests that did finish can run."""
 
+    def leave(self) -> None:  # noqa: B027 -- an optional step of the protocol
+        """The rank is ending at once, from another thread (stopped during start-up, kvlab.interrupt.AtOnce):
+        remove what would outlive the process (files); nothing that waits."""
+
     def close(self) -> None:  # noqa: B027 -- an optional step of the protocol
         """Protocol step 10: free what ``connect`` and ``pool_storage`` made; idempotent."""
 

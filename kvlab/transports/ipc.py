@@ -224,6 +224,9 @@ class Ipc(Transport):
                 pass
         self.files.clear()
 
+    def leave(self) -> None:
+        self._unlink()
+
     def _release(self) -> None:
         """Let this gen rank's stream past every device wait it queued (the run is ending or failing; a
         dead ctx rank never writes its counter): the copies behind them read stale bytes, which no one
