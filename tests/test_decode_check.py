@@ -224,6 +224,7 @@ GQA_ONLY = {"tp1->tp4 duplicated heads"}  # MLA replicates its latent over TP: n
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # every example is a run of its own: rank processes, the model's prefill and decode
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(family=st.sampled_from(sorted(FAMILIES)), transfer=st.sampled_from(["chunked", "layerwise", "zerocopy"]),
        layout=st.sampled_from(sorted(LAYOUTS)), transport=st.sampled_from(["p2p", "p2p", "ipc"]))
