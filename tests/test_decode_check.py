@@ -273,3 +273,13 @@ def test_a_flipped_byte_fails_both_checks(kvlab_cli, tmp_path):
     assert row["byte_check_failures"] == 1 and row["decode_first_divergent"] == 0
     assert "wrong bytes" in row["error"] and "layer 0 (kv K: 1 token(s) from token 0)" in row["error"]
     assert "byte check failed on gen0" in row["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, transfer", [("gpt_oss_120b", "chunked"), ("deepseek_v32", "zerocopy")])
+def test_decode_over_nixl(kvlab_cli, tmp_path, model, transfer):
+    pytest.importorskip("nixl_cu13", reason='the nixl extra is not installed (pip install -e ".[nixl]")')
+    res, summary, rows, out = run_decode(kvlab_cli, tmp_path, f"model={model}", "transport=nixl",
+                                         f"transfer={transfer}", "ctx.tp=2", "gen.tp=1", "workload.isl=96",
+                                         "workload.requests=2", "check.tokens=4")
+    assert_decodes_as_reference(res, summary, rows, out, 2, 4)
