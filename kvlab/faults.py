@@ -1,4 +1,4 @@
-"""Fault injection (``fault:`` in the config): a rank that dies or stalls at a chosen chunk, bytes
+"""Fault injection (``fault:`` in the config): a rank that dies, stalls or freezes at a chosen chunk, bytes
 flipped in flight, and a layer the prefill never writes (what a chunk sent before its layer was
 computed would carry), so that tests can show that failures end cleanly and corruption is caught.
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class RankFaults:
     kill_at: int = -1
     stall_at: int = -1
     stall_s: float = 0.0
+    freeze_at: int = -1
     flips: dict[int, list[int]] = field(default_factory=dict)  # chunk index -> byte offsets inside its message
     unwritten_layer: int = -1  # a ctx rank's prefill skips writing this layer: as if its chunks left too early
 
@@ -40,6 +42,10 @@ class RankFaults:
             os._exit(KILLED_EXIT)  # no cleanup, no report: as abrupt as a crash
         if index == self.stall_at:
             time.sleep(self.stall_s)
+        if index == self.freeze_at:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)  # until someone resumes or kills it
 
     def flip(self, index: int, buf: torch.Tensor) -> list[int]:
         """Invert the chosen bytes of chunk ``index``'s message in ``buf``; returns the offsets flipped."""
@@ -64,7 +70,7 @@ def locate_flip(chunks: list[Chunk], offset: int) -> tuple[int, int]:
 def check(setup, order: list[Chunk]) -> None:
     """ConfigError for a fault position the run never reaches (the same on every rank)."""
     f = setup.fault
-    for name in ("kill", "stall"):
+    for name in ("kill", "stall", "freeze"):
         r, at = getattr(f, f"{name}_rank"), getattr(f, f"{name}_at_chunk")
         if r >= 0:
             n = len(chunks_of(order, setup, r))
@@ -85,6 +91,8 @@ def for_rank(f: FaultSpec, world_rank: int, mine: list[Chunk]) -> RankFaults:
         out.kill_at = f.kill_at_chunk
     if f.stall_rank == world_rank:
         out.stall_at, out.stall_s = f.stall_at_chunk, float(f.stall_s)
+    if f.freeze_rank == world_rank:
+        out.freeze_at = f.freeze_at_chunk
     if f.flip_rank == world_rank:
         for x in f.flip_at:
             i, j = locate_flip(mine, x)

@@ -84,7 +84,8 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                 env[CONFIG_ENV] = config_yaml
             procs.append(subprocess.Popen([sys.executable, "-m", "kvlab.worker", str(run_dir)], env=env,
                                           preexec_fn=functools.partial(die_with_parent, os.getpid())))
-        first, deadline, stopped, died, told, nudge_at = None, None, [], [], None, None
+        first, deadline, stopped, died, told, nudge_at, exit_at = None, None, [], [], None, None, None
+        frozen_killed: list[int] = []
         while True:
             codes = [p.poll() for p in procs]
             now = time.time()
@@ -99,6 +100,14 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                 break
             if first is not None and codes[0] in (0, 1):
                 deadline = min(deadline, now + 5.0)
+            if first is None and any(c is not None for c in codes):
+                # others reported and left: one still running past the grace waits on a peer that will never
+                # answer, and one frozen (SIGSTOP: its sockets stay open, nobody sees it die) cannot report
+                # anything: it goes at once
+                exit_at = exit_at if exit_at is not None else now
+                frozen = [r for r, c in enumerate(codes) if c is None and _stopped(procs[r].pid)]
+                last = exit_at + (death_grace_s if frozen else grace_s)
+                deadline = last if deadline is None else min(deadline, last)
             if nudge_at is not None and now > nudge_at and told is None:
                 # a rank without a part file yet is stuck on a peer that is gone or has given up: stop it
                 # (it writes its part). The others that reported go too: a send blocked in C++ on a peer
@@ -119,8 +128,14 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                         p.kill()
             if told is None and deadline is not None and now > deadline:
                 stopped = [r for r, p in enumerate(procs) if p.poll() is None]
-                for r in stopped:
-                    procs[r].send_signal(signal.SIGTERM)
+                for r in stopped:  # a frozen rank would not see a SIGTERM until it is resumed
+                    if _stopped(procs[r].pid):
+                        frozen_killed.append(r)
+                        died.append(r)  # it reported nothing: the launcher's merge stands in for it
+                        records.mark_dead(run_dir, r)
+                        procs[r].kill()
+                    else:
+                        procs[r].send_signal(signal.SIGTERM)
                 for r in stopped:
                     try:
                         procs[r].wait(timeout=stop_wait_s)
@@ -144,15 +159,33 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
     if signals:
         return Outcome(128 + signals[0], signals[0], died)
     for r, p in enumerate(procs):
-        if r in stopped:
+        if r in frozen_killed:
+            print(f"kvlab: rank {r} ({names[r]}) was frozen (stopped by a signal, its connections open) while the "
+                  "others ended; killed it", file=sys.stderr)
+            if not records.part_path(run_dir, r).exists():
+                records.write_part(run_dir, records.PartFile(rank=r, side="", side_rank=-1, errors=[
+                    f"rank {r}: frozen (stopped by a signal); killed by the launcher"]))
+        elif r in stopped and first is None:
+            print(f"kvlab: rank {r} ({names[r]}) was still running {grace_s:g} s after the others had ended; "
+                  f"stopped it", file=sys.stderr)
+        elif r in stopped:
             print(f"kvlab: rank {r} ({names[r]}) was still running after rank {first} ({names[first]}) failed; "
                   f"stopped it", file=sys.stderr)
         elif p.returncode not in (0, 1, 2):
             print(f"kvlab: rank {r} ({names[r]}) died: {_describe(p.returncode)}", file=sys.stderr)
     if first is None:
-        return Outcome(0)
+        return Outcome(1, None, died) if stopped else Outcome(0)
     code = procs[first].returncode
     return Outcome(code if code > 0 else 1, None, died)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): Linux's /proc state T or t."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] in ("T", "t")
 
 
 def _describe(code: int) -> str:

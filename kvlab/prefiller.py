@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from kvlab import prefill
 from kvlab.transports import ChunkFailed
+from kvlab.transports.deadline import call_within
 
 POLL_S = 0.05  # how often a blocked wait looks at the halt flag (a stop, a failed loop)
 LEAD = 2  # prefill=gpu: layers queued ahead of the GPU (enough to keep it busy between launches)
@@ -216,10 +217,14 @@ class Prefiller:
             return
         key = f"prefill/{req.id}/{me.dp}/{me.pp}"
         store = dist.distributed_c10d._get_default_store()
-        if store.add(key, 1) == len(peers) + 1:
+        timeout = x.setup.transfer.timeout_s
+        try:  # a frozen store host never answers: the add alone would wait forever
+            count = call_within(store.add, key, 1, timeout_s=timeout, what="the store's host (rank 0)")
+        except (TimeoutError, RuntimeError) as e:
+            raise ChunkFailed(f"request {req.id}: tensor-parallel peers' prefill not counted: {e}", req.id) from e
+        if count == len(peers) + 1:
             store.set(key + "/all", "1")
             return
-        timeout = x.setup.transfer.timeout_s
         deadline = time.time() + timeout
         while True:  # in short waits: a stopped loop must not leave this thread behind
             try:

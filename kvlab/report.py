@@ -32,6 +32,7 @@ from pathlib import Path
 from kvlab import figures, metrics
 from kvlab.records import Env, PartFile, marked_dead, read_part, write_run
 from kvlab.schedule import Chunk, Ready
+from kvlab.transports.deadline import call_within
 
 PREFIX = "kvlab/"
 
@@ -99,7 +100,8 @@ class Board:
         if self.broken is not None:
             return None
         try:
-            return fn(*args)
+            # a frozen host (stopped, not dead) keeps the connection open and never answers
+            return call_within(fn, *args, timeout_s=self.stale_s, what="the store's host (rank 0)")
         except Exception as e:  # the store's host is gone: every later call would fail the same way
             self.broken = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             return None

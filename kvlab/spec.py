@@ -271,6 +271,10 @@ class FaultSpec:
     stall_rank: int = -1  # world rank that sleeps stall_s just before posting chunk stall_at_chunk
     stall_at_chunk: int = -1
     stall_s: float = 0.0
+    # world rank that stops itself (SIGSTOP) just before posting chunk freeze_at_chunk: alive, its connections
+    # open, silent; nobody sees it die
+    freeze_rank: int = -1
+    freeze_at_chunk: int = -1
     flip_rank: int = -1  # world rank whose messages get bytes inverted (x ^ 0xFF) in flight
     flip_at: tuple[int, ...] = ()
     unwritten_layer: int = -1  # global layer ctx ranks never write: its chunks carry what the blocks held before
@@ -286,7 +290,7 @@ class FaultSpec:
                 self.unwritten_layer, "must be -1 (off) or a global layer")
         for name, r in self.ranks.items():
             require(isinstance(r, int) and r >= -1, f"fault.{name}_rank", r, "must be -1 (off) or a world rank")
-        for name in ("kill", "stall"):
+        for name in ("kill", "stall", "freeze"):
             on, at = getattr(self, f"{name}_rank") >= 0, getattr(self, f"{name}_at_chunk")
             require(at >= 0 if on else at == -1, f"fault.{name}_at_chunk", at,
                     f"set it to the chunk (>= 0) at which fault.{name}_rank acts" if on
@@ -303,7 +307,7 @@ class FaultSpec:
 
     @property
     def ranks(self) -> dict[str, int]:
-        return {"kill": self.kill_rank, "stall": self.stall_rank, "flip": self.flip_rank}
+        return {"kill": self.kill_rank, "stall": self.stall_rank, "freeze": self.freeze_rank, "flip": self.flip_rank}
 
     @property
     def active(self) -> bool:

@@ -121,6 +121,24 @@ def test_stalled_rank_is_left_behind_and_the_run_ends(tmp_path, kvlab_cli):
     assert set(stalled["failures"].values()) == {"ctx1: stopped by SIGTERM"}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 2], ids=["ctx0-hosting-the-store", "gen0"])
+def test_a_frozen_rank_ends_the_run(rank, tmp_path, kvlab_cli):
+    """A rank stopped by SIGSTOP mid-transfer is alive with its connections open: nobody sees it die, and
+    rank 0 also hosts the store every rank's bookkeeping goes through. The others give up on it within
+    their deadlines, the launcher kills it (it cannot report), and the run ends with the requests named."""
+    p = kvlab_cli("run", f"hydra.run.dir={tmp_path}", *QUIET, *FAULTY, f"fault.freeze_rank={rank}",
+                  "fault.freeze_at_chunk=24", timeout=HANG_S)
+    assert p.returncode == 1, p.stderr
+    name = {0: "ctx0", 2: "gen0"}[rank]
+    assert f"rank {rank} ({name}) was frozen" in p.stderr and "killed it" in p.stderr, p.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary["verified"] and summary["failed_requests"], summary
+    assert any(re.search(r"request \d+", e) for e in summary["errors"]), summary["errors"]
+    frozen = json.loads((tmp_path / "parts" / f"rank{rank}.json").read_text())
+    assert frozen["errors"] == [f"rank {rank}: frozen (stopped by a signal); killed by the launcher"]
+
+
 # -- corruption ----------------------------------------------------------------------------------
 def _coords(pool_spec, rect, j: int) -> dict:
     """Logical coordinates of byte ``j`` of a chunk's message, from the wire order (kvlab.layout):

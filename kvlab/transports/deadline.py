@@ -10,6 +10,7 @@ cores would starve the one moving bytes, it sleeps ``POLL_S`` between polls.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -47,3 +48,26 @@ def wait_until(done: Callable[[], bool], deadline: float, fail: Callable[[], Bas
         if between is not None:
             between()
         wait()
+
+
+def call_within(fn: Callable, *args, timeout_s: float, what: str):
+    """``fn(*args)`` on a thread of its own, waited for at most ``timeout_s``: for calls without a deadline of
+    their own (a store request to a host that is frozen, not gone, never returns: its connection stays open).
+    TimeoutError names ``what``; the call, if it ever returns, is dropped."""
+    box: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 -- raised on the caller's thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"within: {what}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{what} did not return within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
