@@ -13,7 +13,7 @@ Two parts:
     python scripts/mooncake_bench.py --out results/mooncake_cpu.json     # CPU: TCP over loopback (2 cores)
     python scripts/mooncake_bench.py --gpu --out results/mooncake_h200.json
         # one GPU, every rank on it: mooncake over nvlink_intra (the CUDA-13 wheel) next to transport=ipc,
-        # and a local copy_ of the same bytes as the curve's ceiling
+        # whose in-run reference is a local copy_ of the same bytes
     python scripts/mooncake_bench.py --table results/mooncake_cpu.json   # print the markdown tables
 
 The JSON keeps the load average before and after, the commit measured, the wheel and the wall time.
@@ -183,8 +183,9 @@ def markdown(report: dict) -> str:
     out += ["", "| model | tokens | transport | GB/s | own reference GB/s (range) | ratio | chunks | descriptors "
             "| verified |", "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | :---: |"]
     for r in report.get("runs", []):
-        if "error" in r:
-            out.append(f"| {r['model']} | {r['isl']} | {r['transport']} | failed: {r['error']} | | | | | |")
+        if "error" in r or r.get("gbps") is None:
+            out.append(f"| {r['model']} | {r['isl']} | {r['transport']} | failed: {r.get('error', 'no figure')} "
+                       "| | | | | |")
             continue
         rng = (f"{r['link_gbps']:.2f} ({r['link_gbps_min']:.2f}-{r['link_gbps_max']:.2f})" if r["link_gbps"]
                else "")
@@ -202,8 +203,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4, help="raw curve: writes in flight")
     ap.add_argument("--curve-only", action="store_true")
     ap.add_argument("--table", metavar="JSON", help="print the markdown tables of a report, run nothing")
-    ap.add_argument("--redo-failed", metavar="JSON", help="run again the cases of a report that failed (a run that "
-                    "could not start on a loaded machine), replacing their rows in place, and nothing else")
+    ap.add_argument("--redo-failed", metavar="JSON", help="run again the cases of a report that failed or did not "
+                    "arrive verified (a run that could not start on a loaded machine), replacing their rows in place")
     args = ap.parse_args()
     if args.table:
         print(markdown(json.loads(Path(args.table).read_text())))
@@ -212,7 +213,7 @@ def main() -> None:
         path = Path(args.redo_failed)
         report = json.loads(path.read_text())
         for i, row in enumerate(report["runs"]):
-            if "error" not in row:
+            if "error" not in row and row.get("verified"):
                 continue
             over = dict(transports(report["device"] == "cuda"))[row["transport"]]
             new = {"model": row["model"], "isl": row["isl"], "transport": row["transport"]}
