@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.layout import Rect
-from kvlab.spec import Kind
+from kvlab.spec import KINDS
 from kvlab.state import RankPool
 
-_KIND = {Kind.kv: 1, Kind.mla: 2, Kind.indexer: 3}
 _MASK = 0xFFFFFFFF
 _STEP = 0x9E3779B1  # golden-ratio multiplier of the byte position
 _PIECE_BYTES = 1 << 20  # expected bytes computed per step: stays in cache
@@ -42,7 +41,7 @@ def row_seeds(request: int, pool: RankPool, rect: Rect, comp: int, device) -> to
     layers = _layers(pool.spec.layers, str(device))[rect.l0:rect.l1]
     heads = torch.arange(rect.h0, rect.h1, device=device, dtype=torch.int64)
     tokens = torch.arange(rect.t0, rect.t1, device=device, dtype=torch.int64)
-    key = int(mix(torch.tensor(request * 0x9E3779B1 + _KIND[pool.spec.kind] * 0x7F4A7C15 + comp * 0x6A09E667,
+    key = int(mix(torch.tensor(request * 0x9E3779B1 + KINDS[pool.spec.kind].fill_tag * 0x7F4A7C15 + comp * 0x6A09E667,
                                dtype=torch.int64)))
     v = mix(key + layers[:, None, None] * 0x3C6EF372)
     v = mix(v + heads[None, :, None] * 0xBB67AE85)

@@ -8,8 +8,10 @@ every cache kind kvlab knows, so plan, schedule and the kernels never special-ca
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -39,11 +41,24 @@ ROPE_DIM = 64  # MLA's decoupled rotary part of each query/key head (DeepSeek-V2
 
 
 @dataclass(frozen=True)
+class KindDef:
+    """A cache kind as data: everything outside this table sees only the pools it makes (components of
+    ``heads`` planes of token rows), so adding a kind is one entry here (and a model file that has it)."""
+
+    name: str
+    replicated: bool  # identical on every TP rank: never split by heads (MLA's latent, the indexer keys)
+    fill_tag: int  # its number in the fill hash (kvlab.fill): bytes delivered into another kind's pool are caught
+    # (heads, elements per token per head of each component, their dtypes) of its pools for a model whose cache
+    # is stored in a dtype; None where the model has no such cache
+    shape: Callable[[ModelSpec, str], tuple[int, tuple[int, ...], tuple[str, ...]] | None]
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     """Layers that share a cache kind and window, before any parallel split."""
 
     name: str
-    kind: Kind
+    kind: Kind | str  # a key of KINDS
     layers: tuple[int, ...]  # global layer ids, ascending
     window: int  # 0: full attention
     heads: int  # kv heads (GQA) or 1 (MLA latent, indexer)
@@ -52,8 +67,7 @@ class PoolSpec:
 
     @property
     def replicated(self) -> bool:
-        """MLA latents and indexer keys are identical on every TP rank: never split by heads."""
-        return self.kind != Kind.kv
+        return KINDS[self.kind].replicated
 
     def comp_row_bytes(self) -> tuple[int, ...]:
         return tuple(n * DTYPE_BYTES[d] for n, d in zip(self.comp_elems, self.comp_dtypes))
@@ -151,17 +165,17 @@ class ModelSpec:
         pools = []
         for window, layers in sorted(by_window.items()):
             suffix = f"_w{window}" if window else ""
-            if self.attention == Attention.gqa:
-                pools.append(PoolSpec(f"kv{suffix}", Kind.kv, tuple(layers), window, self.kv_heads,
-                                      (self.head_dim, self.head_dim), (dtype, dtype)))
-            else:
-                pools.append(PoolSpec(f"mla{suffix}", Kind.mla, tuple(layers), window, 1,
-                                      (self.mla_dim,), (dtype,)))
-                if self.indexer:
-                    scales = math.ceil(INDEXER_HEAD_DIM / INDEXER_QUANT_BLOCK)
-                    pools.append(PoolSpec(f"indexer{suffix}", Kind.indexer, tuple(layers), window, 1,
-                                          (INDEXER_HEAD_DIM, scales), ("fp8", "fp32")))
+            for kind in KINDS.values():
+                shape = kind.shape(self, dtype)
+                if shape is not None:
+                    pools.append(PoolSpec(f"{kind.name}{suffix}", kind.name, tuple(layers), window, *shape))
         return tuple(pools)
+
+    @classmethod
+    def cache_fields(cls) -> tuple[str, ...]:
+        """The fields that decide the cache's shape (what two sides must agree on): all but the name and what
+        only the prefill's time model and the decode check read."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("name", "dims", "decode"))
 
     @property
     def tp_heads(self) -> int:
@@ -176,6 +190,20 @@ class ModelSpec:
         """Bytes of one request's cache over all layers and heads, windowed layers capped at their window."""
         return sum(p.token_bytes() * len(p.layers) * (min(isl, p.window) if p.window else isl)
                    for p in self.pools(dtype))
+
+
+def _indexer_shape(m: ModelSpec, dtype: str):
+    return (1, (INDEXER_HEAD_DIM, math.ceil(INDEXER_HEAD_DIM / INDEXER_QUANT_BLOCK)), ("fp8", "fp32")) \
+        if m.indexer else None
+
+
+KINDS: dict[str, KindDef] = {  # in the order a model's pools are listed
+    "kv": KindDef("kv", False, 1, lambda m, dtype: (m.kv_heads, (m.head_dim, m.head_dim), (dtype, dtype))
+                     if m.attention == Attention.gqa else None),
+    "mla": KindDef("mla", True, 2, lambda m, dtype: (1, (m.mla_dim,), (dtype,))
+                      if m.attention == Attention.mla else None),
+    "indexer": KindDef("indexer", True, 3, _indexer_shape),  # fp8 values, then their fp32 scales
+}
 
 
 # ---------------------------------------------------------------- the other config groups

@@ -115,8 +115,7 @@ def check_compatible(a: dict, b: dict, names: tuple[str, str] = ("ctx", "gen")) 
     ranks of one side, which must also agree on their side's parallelism).
     """
     am, bm = a["model"], b["model"]
-    for key in ("num_layers", "attention", "kv_heads", "head_dim", "mla_dim", "indexer", "window",
-                "local_per_global"):
+    for key in ModelSpec.cache_fields():
         if am[key] != bm[key]:
             raise ConfigError(f"model.{key}", f"{am[key]} ({names[0]}) vs {bm[key]} ({names[1]})",
                               "both sides must serve the same model")
