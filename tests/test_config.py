@@ -47,7 +47,7 @@ def test_deepseek_v3_latent():
 def test_deepseek_v32_indexer():
     m = build(compose(["model=deepseek_v32"])).model
     assert (m.attention, m.num_layers, m.mla_dim, m.indexer) == (Attention.mla, 61, 576, True)
-    pools = {p.kind.value: p for p in m.pools()}
+    pools = {p.kind: p for p in m.pools()}
     assert set(pools) == {"mla", "indexer"}
     assert pools["indexer"].layers == pools["mla"].layers == tuple(range(61))
     # 128 fp8 values + one fp32 scale per 128 values, per token per layer, whatever the cache dtype
@@ -84,7 +84,7 @@ def test_tiny_presets_match_their_comments():
     swa = build(compose(["model=tiny_swa"])).model
     assert {p.window: len(p.layers) for p in swa.pools()} == {0: 3, 64: 3}
     dsa = build(compose(["model=tiny_dsa"])).model
-    assert [p.kind.value for p in dsa.pools()] == ["mla", "indexer"]
+    assert [p.kind for p in dsa.pools()] == ["mla", "indexer"]
 
 
 @pytest.mark.parametrize("parallel", sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")))

@@ -198,7 +198,7 @@ def pools_by_name(case: Case) -> dict:
 
 def elements(case: Case, rect) -> tuple[str, list[int], range]:
     p = pools_by_name(case)[rect.pool]
-    return p.kind.value, [p.layers[i] for i in range(rect.l0, rect.l1)], range(rect.h0, rect.h1)
+    return p.kind, [p.layers[i] for i in range(rect.l0, rect.l1)], range(rect.h0, rect.h1)
 
 
 def rect_bytes(case: Case, rect) -> int:
@@ -217,7 +217,7 @@ def check_pools_partition_layers(model: ModelSpec, dtype: str) -> None:
         assert list(p.layers) == sorted(p.layers)
         for layer in p.layers:
             assert window_of(model, layer) == p.window
-            seen[(p.kind.value, layer)] += 1
+            seen[(p.kind, layer)] += 1
     assert seen == {(k, layer): 1 for k in kinds(model) for layer in range(model.num_layers)}
 
 
