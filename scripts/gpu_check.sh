@@ -3,13 +3,17 @@
 # need two skip and only the ipc benchmark runs (ctx and gen on the same GPU); on two, bench.py too.
 #   bash scripts/gpu_check.sh [--serving] [--no-tests] [--no-bench] [--jobs N] [--quick]   (from the repository root)
 # --serving: also scripts/serving_bench.py, alone and under a CUDA MPS daemon
+# --mooncake: also scripts/mooncake_bench.py --gpu (Mooncake's CUDA-13 wheel in .whl/, without NIXL's: carry limit)
 # --jobs N: the GPU tests in N pytest-xdist workers (the image has it), then the failed ones again alone
 # A GPU machine without a package index gets the pure-Python wheels its image lacks from .whl/, made
 # beforehand on a machine with one:  pip wheel --no-deps -w .whl hydra-core omegaconf "antlr4-python3-runtime==4.9.*"
 # and, for the nixl tests and scripts/nixl_bench.py, NIXL's wheel for the GPU machine's Python (without it they skip):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
-serving=0; rest=(); for a in "$@"; do if [ "$a" = "--serving" ]; then serving=1; else rest+=("$a"); fi; done
+serving=0; mooncake=0; rest=()
+for a in "$@"; do
+  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; *) rest+=("$a");; esac
+done
 set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
 mkdir -p "$out"
@@ -49,4 +53,7 @@ if [ $serving = 1 ]; then
     echo quit | $mps; trap - EXIT
   fi
 fi
+true
+[ $mooncake = 1 ] && timeout 300 python3 scripts/mooncake_bench.py --gpu --out "$out/mooncake_h200.json" 2>&1 \
+  | tee "$out/mooncake.log" | tail -30
 true
