@@ -81,6 +81,9 @@ class Executor:
         self.strategy = t.strategy
         self.window = t.slots
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # GPUs: block tables and checks, which must not queue behind a device wait on the transfer stream for a
+        # peer that died (a copy from host memory, a host sync there, would wait forever)
+        self.aside = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.progress = progress
         self.records: dict[int, RequestRecord] = {}
         self.faults = faults or RankFaults()
@@ -91,7 +94,8 @@ class Executor:
         self.stopped = False  # told to stop from outside: nobody is left to report to
         self.transfer_peak = 0  # allocator peak of the transfer alone (fill and verify excluded)
         self.untracked_kept = 0  # device bytes fill and verify allocated and kept (their caches): not the transfer's
-        self.unverified: deque[tuple[Request, list[Segment]]] = deque()  # finished, blocks still held
+        # finished, blocks still held: (request, its segments here, its landing event on GPUs)
+        self.unverified: deque[tuple[Request, list[Segment], object]] = deque()
         self.looping = False
         self.prefiller: Prefiller | None = None  # a ctx rank's prefill thread (kvlab.prefiller), made by run
         self.requests: dict[int, Request] = {}
@@ -103,7 +107,7 @@ class Executor:
     def connect(self) -> None:
         """The transport's start-up (pair groups, staging, mapped pools); before the clock starts."""
         self.rank_ctx = RankContext(self.setup, self.side, self.rank, self.world_rank, self.device, self.cache,
-                                    self.ops, self.stream, self.faults, self._clock)
+                                    self.ops, self.stream, self.faults, self._clock, aside=self.aside)
         self.transport.connect(self.rank_ctx)
 
     @property
@@ -147,7 +151,7 @@ class Executor:
         else:
             while True:
                 try:
-                    self.cache.allocate(req)
+                    self._allocate_aside(req)
                     break
                 except MemoryError:
                     if not self.unverified:
@@ -166,7 +170,11 @@ class Executor:
         if self.sending:
             self._release(req.id)
         else:
-            self.unverified.append((req, [s for s in segments if s.dst == self.rank]))
+            landed = None
+            if self.stream is not None:  # its bytes are in once the work queued so far on the stream has run
+                landed = torch.cuda.Event()
+                landed.record(self.stream)
+            self.unverified.append((req, [s for s in segments if s.dst == self.rank], landed))
 
     def _release(self, rid: int) -> None:
         with self.prefiller.cond if self.prefiller is not None else contextlib.nullcontext():
@@ -174,10 +182,36 @@ class Executor:
         if self.prefiller is not None:
             self.prefiller.released()
 
-    def _verify(self, req: Request, mine: list[Segment]) -> None:
+    def _allocate_aside(self, req: Request) -> None:
+        """A gen rank's blocks for ``req``, their tables uploaded on the aside stream (the transfer stream waits
+        for them on the device)."""
+        if self.aside is None:
+            self.cache.allocate(req)
+            return
+        with torch.cuda.stream(self.aside):
+            tables = self.cache.allocate(req)
+            done = torch.cuda.Event()
+            done.record(self.aside)
+        self.stream.wait_event(done)
+        for t in tables.values():
+            t.ids.record_stream(self.stream)
+
+    def _verify(self, req: Request, mine: list[Segment], landed=None) -> None:
         rec = self.records[req.id]
         t0 = time.perf_counter()
-        with self.untracked():
+        # on a stream of its own, after the request's own copies only: the transfer stream may hold a device
+        # wait for a ctx rank that died (ipc), which the check must not queue behind
+        on = torch.cuda.stream(self.aside) if self.aside is not None else contextlib.nullcontext()
+        if landed is not None:
+            # a device wait for a dead ctx rank's data queued before the request's last copies holds them
+            # forever: the check's host sync would too, so it waits here, under the deadline
+            timeout = self.setup.transfer.timeout_s
+            wait_until(landed.query, time.time() + timeout, lambda: ChunkFailed(
+                f"{self.side}{self.rank}: request {req.id}'s copies not done within {timeout:g} s (work queued "
+                "before them waits for a ctx rank's data that never came)", req.id))
+        with self.untracked(), on:
+            if landed is not None:
+                self.aside.wait_event(landed)
             rec.errors += self.cache.verify(req, mine, self.ops)
         rec.verify_s = time.perf_counter() - t0
         if self.looping:
@@ -187,7 +221,12 @@ class Executor:
     def verify_finished(self) -> None:
         """Verify every finished request still waiting (after the loop: off the clock)."""
         while self.unverified:
-            self._verify(*self.unverified.popleft())
+            req, *rest = self.unverified.popleft()
+            try:
+                self._verify(req, *rest)
+            except ChunkFailed as e:  # its bytes never all landed: failed, not checked
+                self.failures[req.id] = str(e)
+                self.cache.release(req.id)
 
     def _allocated(self, c: Chunk) -> bool:
         return c.request in self.prefiller.progress
@@ -333,7 +372,7 @@ class Executor:
     def _unverified_failed(self, e: Stopped) -> None:
         """Told to stop: nobody will wait for the finished requests' verification."""
         while self.unverified:
-            req, _ = self.unverified.popleft()
+            req, *_ = self.unverified.popleft()
             self.failures[req.id] = f"{self.side}{self.rank}: {e} before verification"
             self.cache.release(req.id)
 

@@ -144,6 +144,21 @@ class RankContext:
     faults: RankFaults
     clock: Clock | None = None
     chunks: list[Chunk] = field(default_factory=list)
+    aside: torch.cuda.Stream | None = None  # GPUs: for small uploads that must not queue behind ``stream``
+
+    def upload(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """``values`` (block ids, say) as a tensor on the device, without queueing behind the side stream: a
+        copy from host memory waits for its stream's earlier work, and a device wait there for a peer that
+        died never ends. The copy goes on ``aside``; ``stream`` waits for it on the device."""
+        if self.aside is None:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        with torch.cuda.stream(self.aside):
+            out = torch.tensor(values, dtype=dtype, device=self.device)
+            done = torch.cuda.Event()
+            done.record(self.aside)
+        self.stream.wait_event(done)
+        out.record_stream(self.stream)
+        return out
 
     @property
     def timeout_s(self) -> float:

@@ -266,7 +266,7 @@ class Ipc(Transport):
         if key not in self.tables:
             self._wait(f"ipc/t/{c.request}/{c.src}", "the block table from the ctx rank", c)
             got = json.loads(self.store.get(f"ipc/t/{c.request}/{c.src}"))
-            self.tables[key] = {name: (base, torch.tensor(ids, dtype=torch.int64, device=self.device))
+            self.tables[key] = {name: (base, self.ctx.upload(ids))
                                 for name, (base, ids) in got["tables"].items()}
             self.unit_seq[key] = {int(layer): v for layer, v in got["seq"].items()}
         return self.tables[key][c.rect.pool]
