@@ -199,11 +199,6 @@ class Transport(ABC):
     def pool_storage(self, pool: str, nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
-    @property
-    def executor(self) -> RankContext | None:
-        """The rank's context under its earlier name (a transport written against it keeps working)."""
-        return self.ctx
-
     def connect(self, ctx: RankContext) -> None:
         """Protocol step 4: pair groups, staging, registrations, mappings (they count as the transfer's memory)."""
         self.ctx = ctx

@@ -64,7 +64,7 @@ from kvlab.errors import ConfigError
 from kvlab.layout import runs
 from kvlab.schedule import Chunk, Staging
 from kvlab.state import CacheState
-from kvlab.transports import Transport
+from kvlab.transports import RankContext, Transport
 from kvlab.transports.nixl import SPIN_S, Backoff, coalesce
 from kvlab.transports.p2p import narrow
 from kvlab.transports.staged import ChunkStaging
@@ -172,22 +172,21 @@ class Mooncake(Transport):
         return self.staging.peak_bytes if self.staging is not None else 0
 
     # -- start-up ---------------------------------------------------------------------------
-    def connect(self, executor) -> None:
+    def connect(self, ctx: RankContext) -> None:
         """Engine, registrations, session ids and pool addresses through the store, one write each way."""
-        Transport.connect(self, executor)  # the rank's context, read back as self.executor
-        executor = self.executor
+        super().connect(ctx)
         t = self.setup.transfer
         ctas = self.pack_ctas
         if ctas is None and self.device.type == "cuda":
             # the engine's writes run on copy engines or the NIC, not on SMs: the kernels may take them all
             ctas = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.ops = narrow(executor.ops, ctas or t.pack_ctas)
-        if self.mode == "staged" or (self.sending and executor.faults.flips):
-            self.staging = ChunkStaging(executor, self.ops)
+        self.ops = narrow(ctx.ops, ctas or t.pack_ctas)
+        if self.mode == "staged" or (self.sending and ctx.faults.flips):
+            self.staging = ChunkStaging(ctx, self.ops)
         self.per_chunk = self.staging is not None and self.staging.per_chunk
         self.wire = mooncake.protocol(self.protocol, self.device.type)
         self.te, self.session = mooncake.engine(self.wire, t.timeout_s)
-        pools = executor.cache.pools
+        pools = ctx.cache.pools
         self.probe = torch.zeros(64, dtype=torch.uint8, device=self.device)
         tensors = [s.storage for s in pools.values()] + [self.probe]
         if self.staging is not None and self.staging.slots is not None:
@@ -298,13 +297,13 @@ class Mooncake(Transport):
         return r.mem.cpu().numpy(), r.wire.cpu().numpy(), r.length.cpu().numpy()
 
     def _own_runs(self, c: Chunk):
-        store = self.executor.cache.pools[c.rect.pool]
-        table = self.executor.cache.tables[c.request][c.rect.pool]
+        store = self.ctx.cache.pools[c.rect.pool]
+        table = self.ctx.cache.tables[c.request][c.rect.pool]
         return self._rank_runs(store.pool, store.num_blocks, c, torch.tensor(table.host), table.base)
 
     def _block_tables(self, request: int) -> str:
         """The gen rank's block tables of a request, every pool: all a ctx rank needs to address its chunks."""
-        return json.dumps({name: [t.base, *t.host] for name, t in self.executor.cache.tables[request].items()})
+        return json.dumps({name: [t.base, *t.host] for name, t in self.ctx.cache.tables[request].items()})
 
     def _landing(self, c: Chunk) -> dict | None:
         """Ctx, direct: the gen rank's block tables of the chunk's request, once they have arrived."""
@@ -318,7 +317,7 @@ class Mooncake(Transport):
         return self.tables[key]
 
     def start(self, i: int, c: Chunk, rec):
-        clock = self.executor.clock
+        clock = self.ctx.clock
         if not self.sending:
             if self.mode == "direct":
                 # the request's blocks are allocated at its first chunk here and stay until it is verified:
@@ -403,10 +402,10 @@ class Mooncake(Transport):
                 src = w.buf.data_ptr() + dwire
             else:
                 smem, _, _ = self._own_runs(c)
-                src = self.executor.cache.pools[c.rect.pool].storage.data_ptr() + smem
+                src = self.ctx.cache.pools[c.rect.pool].storage.data_ptr() + smem
             src, dst, length = coalesce(np.asarray(src, dtype=np.int64), base_addr + dmem, length)
         w.rec.descriptors += len(length)
-        w.posted = self.executor.clock.mark()
+        w.posted = self.ctx.clock.mark()
         w.ids = self._submit(peer.session, src, dst, length)
         if w.ids is None:
             raise self.failed(c, "the engine refused the write")
@@ -424,7 +423,7 @@ class Mooncake(Transport):
         except RuntimeError as e:
             raise self.failed(w.chunk, "write failed", e) from e
         if complete:
-            w.done = self.executor.clock.mark()
+            w.done = self.ctx.clock.mark()
             self._set(self._key("D", w.chunk), "", w.chunk)
         return complete
 
@@ -434,7 +433,7 @@ class Mooncake(Transport):
         wait = Backoff(self.spin_s)
         if not self.sending:
             self._land(c, deadline)
-            rec.wire.append((h.posted, self.executor.clock.mark()))
+            rec.wire.append((h.posted, self.ctx.clock.mark()))
             self._flip_landed(h)
             if h.staged:
                 self.staging.copy(c, h.buf, rec)
@@ -493,14 +492,14 @@ class Mooncake(Transport):
 
     def _flip_landed(self, h: Landing) -> None:
         """Fault injection on the gen rank: bytes of the message inverted where they landed."""
-        offsets = self.executor.faults.flips.get(h.index, [])
+        offsets = self.ctx.faults.flips.get(h.index, [])
         if not offsets:
             return
         if h.buf is not None:
-            self.executor.faults.flip(h.index, h.buf)
+            self.ctx.faults.flip(h.index, h.buf)
             return
         mem, wire, _ = self._own_runs(h.chunk)  # runs come in wire order
-        storage = self.executor.cache.pools[h.chunk.rect.pool].storage
+        storage = self.ctx.cache.pools[h.chunk.rect.pool].storage
         for j in offsets:
             k = np.searchsorted(wire, j, side="right") - 1
             at = int(mem[k] + j - wire[k])
