@@ -220,7 +220,7 @@ def test_direct_merges_runs_that_continue_on_both_sides(tmp_path):
 
 
 def test_coalesce_merges_only_runs_contiguous_on_both_sides():
-    from kvlab.transports.nixl import coalesce
+    from kvlab.transports.direct import coalesce
 
     src = np.array([0, 10, 20, 100, 110], dtype=np.int64)
     dst = np.array([500, 510, 600, 610, 620], dtype=np.int64)

@@ -61,11 +61,11 @@ import torch.distributed as dist
 
 from kvlab import mooncake
 from kvlab.errors import ConfigError
-from kvlab.layout import runs
 from kvlab.schedule import Chunk, Staging
 from kvlab.state import CacheState
 from kvlab.transports import RankContext, Transport
-from kvlab.transports.nixl import SPIN_S, Backoff, coalesce
+from kvlab.transports.deadline import spin_for, wait_until
+from kvlab.transports.direct import block_tables, coalesce, flip_landed, own_runs, rank_runs
 from kvlab.transports.p2p import narrow
 from kvlab.transports.staged import ChunkStaging
 
@@ -139,7 +139,7 @@ class Mooncake(Transport):
         self.told: set[tuple[int, int]] = set()  # gen, direct: (request, ctx rank) sent the block tables
         self.tables: dict[tuple[int, int], dict] = {}  # ctx, direct: (request, gen rank) -> its block tables
         self.probed: dict[int, float] = {}  # peer -> when its engine was last asked whether it is there
-        self.spin_s = SPIN_S if device.type == "cuda" else 0.0
+        self.spin_s = spin_for(device)
         self.shut = False
         self.per_chunk = False
         self.window = setup.transfer.slots
@@ -262,11 +262,10 @@ class Mooncake(Transport):
                 time.sleep(1e-4)
 
     def _wait_ids(self, ids: list, deadline: float) -> bool:
-        wait = Backoff(self.spin_s)
-        while not self._progress(ids):
-            if time.time() > deadline:
-                return False
-            wait()
+        try:
+            wait_until(lambda: self._progress(ids), deadline, TimeoutError, spin_s=self.spin_s)
+        except TimeoutError:
+            return False
         return True
 
     # -- control keys -----------------------------------------------------------------------
@@ -292,19 +291,6 @@ class Mooncake(Transport):
         return got.decode() if isinstance(got, bytes) else got
 
     # -- chunks -----------------------------------------------------------------------------
-    def _rank_runs(self, state_pool, num_blocks: int, c: Chunk, ids: torch.Tensor, base: int):
-        r = runs(state_pool, num_blocks, c.rect, ids, base)
-        return r.mem.cpu().numpy(), r.wire.cpu().numpy(), r.length.cpu().numpy()
-
-    def _own_runs(self, c: Chunk):
-        store = self.ctx.cache.pools[c.rect.pool]
-        table = self.ctx.cache.tables[c.request][c.rect.pool]
-        return self._rank_runs(store.pool, store.num_blocks, c, torch.tensor(table.host), table.base)
-
-    def _block_tables(self, request: int) -> str:
-        """The gen rank's block tables of a request, every pool: all a ctx rank needs to address its chunks."""
-        return json.dumps({name: [t.base, *t.host] for name, t in self.ctx.cache.tables[request].items()})
-
     def _landing(self, c: Chunk) -> dict | None:
         """Ctx, direct: the gen rank's block tables of the chunk's request, once they have arrived."""
         key = (c.request, c.dst)
@@ -325,7 +311,7 @@ class Mooncake(Transport):
                 h = Landing(i, c, None, False, clock.mark())
                 if (c.request, c.src) not in self.told:
                     self.told.add((c.request, c.src))
-                    h.notice = (f"mc/T/{c.src}/{c.dst}/{c.request}", self._block_tables(c.request))
+                    h.notice = (f"mc/T/{c.src}/{c.dst}/{c.request}", block_tables(self.ctx, c.request))
             else:
                 buf, staged = self.staging.buffer(i, c)
                 h = Landing(i, c, buf, staged, clock.mark())
@@ -397,11 +383,11 @@ class Mooncake(Transport):
         else:
             base, ids = room[c.rect.pool]
             base_addr, blocks = peer.pools[c.rect.pool]
-            dmem, dwire, length = self._rank_runs(peer.state.pool(c.rect.pool), blocks, c, ids, base)
+            dmem, dwire, length = rank_runs(peer.state.pool(c.rect.pool), blocks, c, ids, base)
             if w.buf is not None:  # corrupted on its way out: from the staging copy, in wire order
                 src = w.buf.data_ptr() + dwire
             else:
-                smem, _, _ = self._own_runs(c)
+                smem, _, _ = own_runs(self.ctx, c)
                 src = self.ctx.cache.pools[c.rect.pool].storage.data_ptr() + smem
             src, dst, length = coalesce(np.asarray(src, dtype=np.int64), base_addr + dmem, length)
         w.rec.descriptors += len(length)
@@ -430,11 +416,10 @@ class Mooncake(Transport):
     def finish(self, h, rec) -> bool:
         c, timeout = h.chunk, self.setup.transfer.timeout_s
         deadline = time.time() + timeout
-        wait = Backoff(self.spin_s)
         if not self.sending:
             self._land(c, deadline)
             rec.wire.append((h.posted, self.ctx.clock.mark()))
-            self._flip_landed(h)
+            flip_landed(self.ctx, h.index, h.chunk, h.buf)
             if h.staged:
                 self.staging.copy(c, h.buf, rec)
                 if self.device.type == "cuda" and not self.per_chunk:
@@ -443,12 +428,15 @@ class Mooncake(Transport):
                     self.after_unpack[h.index % self.window] = ev
                 self._release(h)
             return not h.staged
-        while not self.poll(h):
+        def written() -> bool:
+            if self.poll(h):
+                return True
             if h.ids is None:  # still waiting for the gen rank's room or block tables
                 self._alive(c, c.dst)
-            if time.time() > deadline:
-                raise self.failed(c, f"not done within {timeout:g} s or peer gone")
-            wait()
+            return False
+
+        wait_until(written, deadline, lambda: self.failed(c, f"not done within {timeout:g} s or peer gone"),
+                   spin_s=self.spin_s)
         rec.wire.append((h.posted, h.done))
         if h.staged:
             self._release(h)
@@ -489,21 +477,6 @@ class Mooncake(Transport):
             self._unregister(h.reg)
             h.reg = 0
         self.staging.put(h.buf)
-
-    def _flip_landed(self, h: Landing) -> None:
-        """Fault injection on the gen rank: bytes of the message inverted where they landed."""
-        offsets = self.ctx.faults.flips.get(h.index, [])
-        if not offsets:
-            return
-        if h.buf is not None:
-            self.ctx.faults.flip(h.index, h.buf)
-            return
-        mem, wire, _ = self._own_runs(h.chunk)  # runs come in wire order
-        storage = self.ctx.cache.pools[h.chunk.rect.pool].storage
-        for j in offsets:
-            k = np.searchsorted(wire, j, side="right") - 1
-            at = int(mem[k] + j - wire[k])
-            storage[at:at + 1].bitwise_xor_(0xFF)
 
     def abandon(self, h) -> None:
         if isinstance(h, Write):

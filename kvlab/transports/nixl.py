@@ -55,25 +55,15 @@ import torch.distributed as dist
 
 from kvlab import nixl
 from kvlab.errors import ConfigError
-from kvlab.layout import runs
 from kvlab.schedule import Chunk, Staging
 from kvlab.state import CacheState
 from kvlab.transports import RankContext, Transport
-from kvlab.transports.deadline import SPIN_S, Backoff, spin_for, wait_until  # noqa: F401 -- SPIN_S, Backoff: for other transports
+from kvlab.transports.deadline import spin_for, wait_until
+from kvlab.transports.direct import block_tables, coalesce, flip_landed, own_runs, rank_runs
 from kvlab.transports.p2p import narrow
 from kvlab.transports.staged import ChunkStaging
 
 MODES = ("direct", "staged")
-
-
-def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs in wire order, neighbours that continue each other on both sides merged into one."""
-    if len(length) == 0:
-        return src, dst, length
-    brk = np.ones(len(length), dtype=bool)
-    brk[1:] = (src[1:] != src[:-1] + length[:-1]) | (dst[1:] != dst[:-1] + length[:-1])
-    first = np.flatnonzero(brk)
-    return src[first], dst[first], np.add.reduceat(length, first)
 
 
 def descs(addr: np.ndarray, length: np.ndarray, dev: int) -> np.ndarray:
@@ -311,20 +301,6 @@ class Nixl(Transport):
         return b"%s%d.%d" % (kind, c.request, c.seq)
 
     # -- chunks -----------------------------------------------------------------------------
-    def _rank_runs(self, state_pool, num_blocks: int, c: Chunk, ids: torch.Tensor, base: int):
-        r = runs(state_pool, num_blocks, c.rect, ids, base)
-        return r.mem.cpu().numpy(), r.wire.cpu().numpy(), r.length.cpu().numpy()
-
-    def _own_runs(self, c: Chunk):
-        store = self.ctx.cache.pools[c.rect.pool]
-        table = self.ctx.cache.tables[c.request][c.rect.pool]
-        return self._rank_runs(store.pool, store.num_blocks, c, torch.tensor(table.host), table.base)
-
-    def _block_tables(self, request: int) -> bytes:
-        """The gen rank's block tables of a request, every pool: all a ctx rank needs to address its chunks."""
-        return json.dumps({name: [t.base, *t.host] for name, t in self.ctx.cache.tables[request].items()}
-                          ).encode()
-
     def _landing(self, c: Chunk, peer: Peer) -> dict | None:
         """Ctx, direct: the gen rank's block tables of the chunk's request, once they have arrived."""
         key = (c.request, c.dst)
@@ -345,7 +321,7 @@ class Nixl(Transport):
                 h = Landing(i, c, None, False, clock.mark())
                 if (c.request, c.src) not in self.told:
                     self.told.add((c.request, c.src))
-                    h.notice = b"T%d " % c.request + self._block_tables(c.request)
+                    h.notice = b"T%d " % c.request + block_tables(self.ctx, c.request).encode()
                 self.unannounced.append(h)
                 self._announce()
                 return h
@@ -432,11 +408,11 @@ class Nixl(Transport):
         else:
             base, ids = room[c.rect.pool]
             base_addr, blocks = peer.pools[c.rect.pool]
-            dmem, dwire, length = self._rank_runs(peer.state.pool(c.rect.pool), blocks, c, ids, base)
+            dmem, dwire, length = rank_runs(peer.state.pool(c.rect.pool), blocks, c, ids, base)
             if w.buf is not None:  # corrupted on its way out: from the staging copy, in wire order
                 src = w.buf.data_ptr() + dwire
             else:
-                smem, _, _ = self._own_runs(c)
+                smem, _, _ = own_runs(self.ctx, c)
                 src = storage.data_ptr() + smem
             src, dst, length = coalesce(src, base_addr + dmem, length)
         w.rec.descriptors += len(length)
@@ -465,7 +441,7 @@ class Nixl(Transport):
         if not self.sending:
             self._await(self._key(b"D", c), self.peers[c.src].agent, deadline, late)
             rec.wire.append((h.posted, self.ctx.clock.mark()))
-            self._flip_landed(h)
+            flip_landed(self.ctx, h.index, h.chunk, h.buf)
             if h.staged:
                 self.staging.copy(c, h.buf, rec)
                 if self.device.type == "cuda" and not self.per_chunk:
@@ -505,21 +481,6 @@ class Nixl(Transport):
             self.agent.deregister_memory(h.reg)
             h.reg = None
         self.staging.put(h.buf)
-
-    def _flip_landed(self, h: Landing) -> None:
-        """Fault injection on the gen rank: bytes of the message inverted where they landed."""
-        offsets = self.ctx.faults.flips.get(h.index, [])
-        if not offsets:
-            return
-        if h.buf is not None:
-            self.ctx.faults.flip(h.index, h.buf)
-            return
-        mem, wire, _ = self._own_runs(h.chunk)  # runs come in wire order
-        storage = self.ctx.cache.pools[h.chunk.rect.pool].storage
-        for j in offsets:
-            k = np.searchsorted(wire, j, side="right") - 1
-            at = int(mem[k] + j - wire[k])
-            storage[at:at + 1].bitwise_xor_(0xFF)
 
     def abandon(self, h) -> None:
         if isinstance(h, Write):
