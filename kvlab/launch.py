@@ -101,13 +101,15 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
             if first is not None and codes[0] in (0, 1):
                 deadline = min(deadline, now + 5.0)
             if first is None and any(c is not None for c in codes):
-                # others reported and left: one still running past the grace waits on a peer that will never
-                # answer, and one frozen (SIGSTOP: its sockets stay open, nobody sees it die) cannot report
-                # anything: it goes at once
+                # others reported and left: a rank other than 0 (which merges and logs last) still running past
+                # the grace waits on a peer that will never answer, and a frozen one (SIGSTOP: its sockets stay
+                # open, nobody sees it die) cannot report anything: it goes at once
                 exit_at = exit_at if exit_at is not None else now
-                frozen = [r for r, c in enumerate(codes) if c is None and _stopped(procs[r].pid)]
-                last = exit_at + (death_grace_s if frozen else grace_s)
-                deadline = last if deadline is None else min(deadline, last)
+                running = [r for r, c in enumerate(codes) if c is None]
+                frozen = [r for r in running if _stopped(procs[r].pid)]
+                if frozen or running != [0]:
+                    last = exit_at + (death_grace_s if frozen else grace_s)
+                    deadline = last if deadline is None else min(deadline, last)
             if nudge_at is not None and now > nudge_at and told is None:
                 # a rank without a part file yet is stuck on a peer that is gone or has given up: stop it
                 # (it writes its part). The others that reported go too: a send blocked in C++ on a peer
