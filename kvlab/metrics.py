@@ -18,6 +18,7 @@ from rich.table import Table
 from kvlab import figures, serving
 from kvlab.clock import Clock
 from kvlab.decode_spec import check_line
+from kvlab.paths import provenance
 from kvlab.records import Env, Link, Peak, RankPart, RequestRow, Summary, TimelineRow
 
 
@@ -172,6 +173,7 @@ def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[
         repeat=setup.repeat,
         link=link,
         in_loop_requests={"verify": sum("verify" in r.in_loop for r in rows)},
+        provenance=provenance(),
         **figures.run_values(run, traits),
     )
 

@@ -19,3 +19,34 @@ def shipped(name: str) -> Path:
 CONF_DIR = shipped("conf")
 KERNELS_DIR = shipped("kernels")
 TRACES_DIR = shipped("traces")
+
+
+def provenance() -> dict:
+    """What a published figure needs beside it: the commit of the checkout kvlab runs from (with ``+dirty`` when
+    it has uncommitted changes; None from a wheel), the host, its load average when the run ended, and the
+    versions of what moved the bytes."""
+    import importlib.metadata
+    import os
+    import platform
+    import socket
+    import subprocess
+
+    commit = None
+    if (_PACKAGE.parent / ".git").exists():
+        try:
+            head = subprocess.run(["git", "-C", str(_PACKAGE.parent), "rev-parse", "HEAD"], capture_output=True,
+                                  text=True, timeout=5)
+            dirty = subprocess.run(["git", "-C", str(_PACKAGE.parent), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5)
+            if head.returncode == 0:
+                commit = head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        except (OSError, subprocess.SubprocessError):  # no git here: the commit is unknown, not an error
+            pass
+    versions = {"python": platform.python_version()}
+    for dist in ("kvlab", "torch", "nixl-cu13", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13",
+                 "transformers", "cuda-core"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"commit": commit, "host": socket.gethostname(), "load_avg": list(os.getloadavg()), "versions": versions}

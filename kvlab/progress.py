@@ -1,6 +1,7 @@
 """The terminal's progress bar over one rank's bytes (rank 0 shows it under ``logger.progress``)."""
 from __future__ import annotations
 
+import sys
 import time
 
 
@@ -8,7 +9,8 @@ class Progress:
     """A progress bar over this rank's bytes, shown only once the run has lasted a few seconds."""
 
     def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.done = total, enabled, 0
+        # a pipe or a file gets no bar: its redraws would be noise in a log
+        self.total, self.enabled, self.done = total, enabled and sys.stdout.isatty(), 0
         self.t0, self.bar, self.task = time.time(), None, None
 
     def __call__(self, nbytes: int) -> None:

@@ -315,6 +315,8 @@ class Summary:
     completed_requests: list[int] = field(default_factory=list)  # verified, in request order
     link: Link | None = None
     in_loop_requests: dict[str, int] = field(default_factory=dict)  # requests verified inside the loop
+    # commit (+dirty), host, load average at the end, versions (kvlab.paths.provenance)
+    provenance: dict[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA
 
 

@@ -78,3 +78,19 @@ def test_a_bench_report_round_trips(tmp_path):
                                                                ratio_to_raw=0.5)])
     records.write_bench(tmp_path / "b.json", rep)
     assert records.read_bench(tmp_path / "b.json") == rep
+
+
+def test_a_summary_says_where_and_from_what_it_was_measured():
+    import socket
+    import subprocess
+
+    import torch
+
+    from kvlab.paths import provenance
+
+    p = provenance()
+    assert p["host"] == socket.gethostname() and len(p["load_avg"]) == 3
+    assert p["versions"]["torch"] == torch.__version__ and p["versions"]["python"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent).stdout.strip()
+    assert head and p["commit"].split("+")[0] == head
