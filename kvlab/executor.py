@@ -183,18 +183,12 @@ class Executor:
             self.prefiller.released()
 
     def _allocate_aside(self, req: Request) -> None:
-        """A gen rank's blocks for ``req``, their tables uploaded on the aside stream (the transfer stream waits
-        for them on the device)."""
-        if self.aside is None:
-            self.cache.allocate(req)
-            return
-        with torch.cuda.stream(self.aside):
+        """A gen rank's blocks for ``req``, their tables uploaded beside the transfer stream (``uploading``)."""
+        with self.rank_ctx.uploading():
             tables = self.cache.allocate(req)
-            done = torch.cuda.Event()
-            done.record(self.aside)
-        self.stream.wait_event(done)
-        for t in tables.values():
-            t.ids.record_stream(self.stream)
+        if self.aside is not None:
+            for t in tables.values():
+                t.ids.record_stream(self.stream)
 
     def _verify(self, req: Request, mine: list[Segment], landed=None) -> None:
         rec = self.records[req.id]

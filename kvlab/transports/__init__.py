@@ -87,6 +87,7 @@ rows, summary, terminal and wandb, not zero.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from abc import ABC, abstractmethod
@@ -146,18 +147,26 @@ class RankContext:
     chunks: list[Chunk] = field(default_factory=list)
     aside: torch.cuda.Stream | None = None  # GPUs: for small uploads that must not queue behind ``stream``
 
-    def upload(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """``values`` (block ids, say) as a tensor on the device, without queueing behind the side stream: a
-        copy from host memory waits for its stream's earlier work, and a device wait there for a peer that
-        died never ends. The copy goes on ``aside``; ``stream`` waits for it on the device."""
+    @contextlib.contextmanager
+    def uploading(self):
+        """Host-to-device copies made inside (block tables, say) go on ``aside``, and ``stream`` waits for them
+        on the device: a copy from host memory waits for its stream's earlier work, and a device wait there for
+        a peer that died never ends. Tensors made inside and used on ``stream`` need ``record_stream`` there."""
         if self.aside is None:
-            return torch.tensor(values, dtype=dtype, device=self.device)
+            yield
+            return
         with torch.cuda.stream(self.aside):
-            out = torch.tensor(values, dtype=dtype, device=self.device)
+            yield
             done = torch.cuda.Event()
             done.record(self.aside)
         self.stream.wait_event(done)
-        out.record_stream(self.stream)
+
+    def upload(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """``values`` as a tensor on the device, without queueing behind ``stream`` (``uploading``)."""
+        with self.uploading():
+            out = torch.tensor(values, dtype=dtype, device=self.device)
+        if self.aside is not None:
+            out.record_stream(self.stream)
         return out
 
     @property
