@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from kvlab import linkrate, records
-from kvlab.staging import SlotPool
 from kvlab.transports.p2p import post
 
 Msg = namedtuple("Msg", "request src dst nbytes")  # what linkrate reads of a chunk
@@ -39,14 +38,15 @@ def order_for(pairs: list[tuple[int, int]], nbytes: int) -> list[Msg]:
 def wrong_bytes(setup, transport, world_rank: int, pairs, nbytes: int) -> int | None:
     """One checked message per pair: the bytes that arrived different from what the ctx rank sent (every rank
     gets the total); None where the reference moves no message between ranks."""
-    if transport.link_reference != "p2p" or not isinstance(transport.staging, SlotPool):
+    slots = transport.staging.slots if transport.link_reference == "p2p" else None
+    if slots is None:
         return None
     wrong = torch.zeros(1, dtype=torch.int64)
     for i, (c, g) in enumerate(pairs):
         cw, gw = setup.world_rank("ctx", c), setup.world_rank("gen", g)
         if world_rank not in (cw, gw):
             continue
-        buf = transport.staging.get(i, nbytes)
+        buf = slots.get(i, nbytes)
         want = (torch.arange(nbytes, dtype=torch.int64) * 7 + 31 * cw + gw).remainder(251).to(torch.uint8)
         if world_rank == cw:
             buf.copy_(want.to(buf.device))

@@ -177,6 +177,7 @@ def test_plot_link_ratio_draws_a_line_per_strategy_and_the_link():
                        "link_ratio": [0.3, 0.5, 0.7]})
     ax = plot_link_ratio(df).axes[0]
     lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    lines.update({c.get_label(): c.lines[0] for c in ax.containers})  # a strategy's medians, with range bars
     assert list(lines["chunked"].get_ydata()) == [0.5, 0.7]
     assert set(lines["raw link, same messages"].get_ydata()) == {1.0}
 
