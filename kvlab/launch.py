@@ -101,14 +101,11 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
             if first is not None and codes[0] in (0, 1):
                 deadline = min(deadline, now + 5.0)
             if first is None and any(c is not None for c in codes):
-                # others reported and left: a rank other than 0 (which merges and logs last) still running past
-                # the grace waits on a peer that will never answer, and a frozen one (SIGSTOP: its sockets stay
-                # open, nobody sees it die) cannot report anything: it goes at once
+                # others reported and left: a frozen rank (SIGSTOP: its sockets stay open, nobody sees it die)
+                # cannot report anything, and goes at once
                 exit_at = exit_at if exit_at is not None else now
-                running = [r for r, c in enumerate(codes) if c is None]
-                frozen = [r for r in running if _stopped(procs[r].pid)]
-                if frozen or running != [0]:
-                    last = exit_at + (death_grace_s if frozen else grace_s)
+                if any(c is None and _stopped(procs[r].pid) for r, c in enumerate(codes)):
+                    last = exit_at + death_grace_s
                     deadline = last if deadline is None else min(deadline, last)
             if nudge_at is not None and now > nudge_at and told is None:
                 # a rank without a part file yet is stuck on a peer that is gone or has given up: stop it
@@ -168,8 +165,8 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                 records.write_part(run_dir, records.PartFile(rank=r, side="", side_rank=-1, errors=[
                     f"rank {r}: frozen (stopped by a signal); killed by the launcher"]))
         elif r in stopped and first is None:
-            print(f"kvlab: rank {r} ({names[r]}) was still running {grace_s:g} s after the others had ended; "
-                  f"stopped it", file=sys.stderr)
+            print(f"kvlab: rank {r} ({names[r]}) was still running when a frozen rank was killed; stopped it",
+                  file=sys.stderr)
         elif r in stopped:
             print(f"kvlab: rank {r} ({names[r]}) was still running after rank {first} ({names[first]}) failed; "
                   f"stopped it", file=sys.stderr)
