@@ -75,6 +75,9 @@ def check_run(over: list[str], tmp: Path) -> None:
 @example(over=["workload.requests=8", "workload.concurrency=8", "transfer=layerwise"])
 @example(over=["model=tiny_gqa", "workload.arrival=poisson", "workload.rate=40", "workload.requests=12",
                "prefill.layer_ms=10"])
+@example(over=["transport=ipc", "ctx.tp=1", "ctx.pp=2", "gen.tp=3", "workload.requests=5",  # a gen rank held
+               "workload.concurrency=9", "workload.isl=2048", "transfer.slots=1", "transfer.slot_mib=1",  # its ack of
+               "workload.arrival=poisson", "prefill.layer_ms=0", "workload.rate=100"])  # a pull while it waited
 @example(over=["transfer=layerwise", "ctx.tp=1", "ctx.pp=2", "gen.tp=1", "workload.requests=8",  # a stage's share
                "workload.concurrency=1", "workload.isl=2048", "transfer.slots=1", "transfer.slot_mib=1",  # ends before
                "workload.arrival=poisson", "prefill.layer_ms=1", "workload.rate=100"])  # the model's last layer

@@ -158,6 +158,14 @@ class Ipc(Transport):
                 raise RuntimeError(f"transport=ipc: {what} not within {timeout:g} s") from e
             raise self.failed(c, f"{what} not within {timeout:g} s or peer gone", e) from e
 
+    def _wait_ctx(self, key: str, what: str, c: Chunk) -> None:
+        """A gen rank's wait for what a ctx rank publishes. That ctx rank may itself be waiting for this rank
+        to report pulls done (it frees a request's blocks only then, and publishes nothing meanwhile): every
+        pull whose copies are queued is reported before this rank blocks."""
+        if self.unacked and not self.store.check([key]):
+            self._acks(wait=True)
+        self._wait(key, what, c)
+
     def connect(self, ctx: RankContext) -> None:
         super().connect(ctx)
         self.store = dist.distributed_c10d._get_default_store()
@@ -264,7 +272,7 @@ class Ipc(Transport):
     def _table(self, c: Chunk) -> tuple[int, torch.Tensor]:
         key = (c.request, c.src)
         if key not in self.tables:
-            self._wait(f"ipc/t/{c.request}/{c.src}", "the block table from the ctx rank", c)
+            self._wait_ctx(f"ipc/t/{c.request}/{c.src}", "the block table from the ctx rank", c)
             got = json.loads(self.store.get(f"ipc/t/{c.request}/{c.src}"))
             self.tables[key] = {name: (base, self.ctx.upload(ids))
                                 for name, (base, ids) in got["tables"].items()}
@@ -327,12 +335,12 @@ class Ipc(Transport):
                     # published, so that a dead ctx rank is noticed within the deadline
                     if self.unconfirmed is not None:
                         before, at = self.unconfirmed
-                        self._wait(before, "ready on the ctx rank", at)
+                        self._wait_ctx(before, "ready on the ctx rank", at)
                     value = self.unit_seq[(c.request, c.src)][c.ready_layer]
                     cuda_ipc.wait_value(self.ctx.stream.cuda_stream, self.peer_flags[c.src], value)
                     self.unconfirmed = (key, c)
                 else:
-                    self._wait(key, "ready on the ctx rank", c)
+                    self._wait_ctx(key, "ready on the ctx rank", c)
                 self.seen.add(unit)
             self._acks(wait=False)
             self._pull(i, c, rec)
@@ -347,6 +355,8 @@ class Ipc(Transport):
                 self.unacked.append((event, c.request, c.src))
                 self.tables.pop((c.request, c.src), None)
                 self.seen = {u for u in self.seen if u[:2] != (c.request, c.src)}
+                if event is None:  # copied already: the ctx rank may free the blocks now
+                    self._acks(wait=False)
             # in flight from the copy's start (after the wait for the ctx rank's publish), not from the post:
             # a gen rank posts ahead of the data, and that wait is the prefill's, not the transfer's
             rec.wire.append((rec.pack[-1][0], done))
