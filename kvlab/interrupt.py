@@ -41,24 +41,44 @@ def name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+_pending: list[int] = []  # signals as_exit's handler took, kept in case what it raised was swallowed
+
+
 @contextlib.contextmanager
 def as_exit(what: str = ""):
-    """Within the block, SIGINT/SIGTERM end the process with one line and exit code 128 + signal."""
+    """Within the block, SIGINT/SIGTERM end the process with one line and exit code 128 + signal.
+
+    The handler raises where the main thread happens to be, which may be inside a library's import
+    that catches it (torch imports numpy under ``try``) or fails differently for it (a C extension half
+    loaded): a signal that came is remembered, and the block ends as interrupted however it ends,
+    at the latest at ``check_pending`` (the launcher's, before any rank starts) or at its own end."""
     def raise_it(signum, frame):
         for s in SIGNALS:
             signal.signal(s, ignore)  # one is enough
+        _pending.append(signum)
         raise Interrupted(signum)
 
+    _pending.clear()
     previous = {s: signal.signal(s, raise_it) for s in SIGNALS}
     try:
         yield
-    except (Interrupted, KeyboardInterrupt) as e:
-        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        check_pending()
+    except BaseException as e:
+        if not (_pending or isinstance(e, KeyboardInterrupt)):
+            raise
+        signum = _pending[0] if _pending else signal.SIGINT
         print(f"kvlab: interrupted by {name(signum)}{' ' + what if what else ''}", file=sys.stderr)
         raise SystemExit(128 + signum) from None
     finally:
+        _pending.clear()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def check_pending() -> None:
+    """Raise the signal ``as_exit`` took, if one came and what it raised was lost on the way."""
+    if _pending:
+        raise Interrupted(_pending[0])
 
 
 def quiet_until_ready(last_words) -> None:

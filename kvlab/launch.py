@@ -60,7 +60,9 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
     caller says it in one line).
     """
     from kvlab import records
-    from kvlab.interrupt import SIGNALS, die_with_parent
+    from kvlab.interrupt import SIGNALS, check_pending, die_with_parent
+
+    check_pending()  # a Ctrl-C taken while composing, and lost there, starts no rank
 
     port = free_port()
     names = names or [f"rank {r}" for r in range(world_size)]

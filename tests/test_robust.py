@@ -373,6 +373,25 @@ def test_interrupt_before_the_ranks_start_is_one_line(tmp_path, kvlab_cli):
     assert _one_line(err).startswith("kvlab: interrupted by SIGINT")
 
 
+@pytest.mark.parametrize("lost", ["swallowed", "turned into another error"])
+def test_a_signal_lost_inside_a_library_still_ends_the_block(lost, capsys):
+    """torch imports numpy under ``try``: Ctrl-C at that moment raised inside the import and was swallowed
+    there (the run went on to the end), or broke numpy's half-loaded C extension (an ImportError)."""
+    from kvlab import interrupt
+
+    with pytest.raises(SystemExit) as e, interrupt.as_exit("before any rank started"):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here, within moments
+        except BaseException:
+            if lost == "turned into another error":
+                raise ImportError("cannot load module more than once per process") from None
+        assert lost == "swallowed"
+    assert e.value.code == 130
+    assert capsys.readouterr().err == "kvlab: interrupted by SIGINT before any rank started\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # and the handlers are put back
+
+
 @pytest.mark.slow
 def test_killed_parent_takes_its_ranks_along(tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
