@@ -46,10 +46,24 @@ ALONE_LENGTHS = 4  # prompt lengths whose prefill=gpu runs alone first, as the r
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def _stop(signum, frame) -> None:
-    for s in STOP_SIGNALS:  # one is enough: let this rank write what it knows (a no-op, not SIG_IGN: a
-        signal.signal(s, ignore)  # signal already pending would otherwise raise "ignored due to race")
-    raise Stopped(f"stopped by {signal.Signals(signum).name}")
+class _Stop:
+    """The stop signals' handler: raises Stopped, saying which peers the launcher had found dead (it
+    stops a rank still waiting on a dead peer; the rank's requests then name the cause, not the signal)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.setup = None  # names the dead ranks once built
+
+    def __call__(self, signum, frame) -> None:
+        for s in STOP_SIGNALS:  # one is enough: let this rank write what it knows (a no-op, not SIG_IGN: a
+            signal.signal(s, ignore)  # signal already pending would otherwise raise "ignored due to race")
+        raise Stopped(f"stopped by {signal.Signals(signum).name}{self.dead()}")
+
+    def dead(self) -> str:
+        if self.setup is None:
+            return ""
+        gone = [w for w in range(self.setup.world_size) if marked_dead(self.run_dir, w)]
+        return "".join(f" after {report.rank_name(self.setup, w)} (rank {w}) died" for w in gone[:1])
 
 
 def _parent_merges() -> bool:
@@ -64,7 +78,8 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     SIGTERM or SIGINT (Ctrl-C, the local launcher stopping the run, or torchrun's agent after another
     rank failed) ends the transfers like a lost peer, so that this rank still writes its part file;
     stopped before its transfers, it writes an empty one."""
-    previous = {s: signal.signal(s, _stop) for s in STOP_SIGNALS}
+    stop = _Stop(run_dir)
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     world_rank = int(os.environ.get("RANK", 0))
 
     def last_words(signame: str) -> None:
@@ -77,7 +92,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     at_once.start()
     try:
         try:
-            setup = build(cfg)
+            setup = stop.setup = build(cfg)
             world_rank, device = transport.init(setup, setup.transfer.timeout_s)
         except ConfigError as e:
             if world_rank == 0:

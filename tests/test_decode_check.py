@@ -215,7 +215,7 @@ def test_decode_run_end_to_end(kvlab_cli, tmp_path):
 LAYOUTS = {
     "tp1->tp4 duplicated heads": ["ctx.tp=1", "gen.tp=4"],  # the presets' decode models have 2 kv heads
     "tp2->tp1": ["ctx.tp=2", "gen.tp=1"],
-    "pp2->pp3 uneven": ["ctx.tp=1", "ctx.pp=2", "gen.tp=1", "gen.pp=3", "gen.layer_split=[2,1,1]"],
+    "pp2->pp3 uneven": ["ctx.tp=1", "ctx.pp=2", "gen.tp=1", "gen.pp=3"],  # + a split of the model's layers
     "gen attention-DP": ["ctx.tp=1", "gen.tp=1", "gen.dp=2"],
     "tpb and layout": ["ctx.tp=1", "gen.tp=1", "ctx.tokens_per_block=16", "gen.tokens_per_block=8",
                        "gen.layout=layer_major"],
@@ -233,10 +233,14 @@ def test_families_over_strategies_transports_and_layouts(kvlab_cli, tmp_path_fac
     model = FAMILIES[family]
     if layout in GQA_ONLY and family.startswith("deepseek"):
         layout = "tp2->tp1"
+    parallel = list(LAYOUTS[layout])
+    if layout == "pp2->pp3 uneven":  # the decode models' layer counts differ by family
+        layers = setup_of(f"model={model}").model.num_layers
+        parallel.append(f"gen.layer_split=[{layers - 2},1,1]")
     tmp = tmp_path_factory.mktemp("decode")
     res, summary, rows, out = run_decode(kvlab_cli, tmp, f"model={model}", f"transfer={transfer}",
                                          f"transport={transport}", "workload.isl=96", "workload.requests=2",
-                                         "check.tokens=4", "transfer.slot_mib=0.05", *LAYOUTS[layout])
+                                         "check.tokens=4", "transfer.slot_mib=0.05", *parallel)
     assert_decodes_as_reference(res, summary, rows, out, 2, 4)
 
 
