@@ -506,16 +506,27 @@ class Mooncake(Transport):
         untimed round first): a ctx rank writes round-robin over its gen ranks, ``transfer.slots`` in flight as
         the transfer has (one for the naive baseline, as p2p's reference), and is done when its last write is
         complete, when the bytes are in the gen rank's memory; a gen rank moves nothing and times nothing. One
-        buffer of one message per rank, registered for this measure alone; every wait is bounded by
-        ``transfer.timeout_s``."""
+        message per rank, in the rank's largest pool where it holds one (registered at connect, before the peers
+        fetched each other's segments: a buffer registered later is unknown to a peer that already wrote to this
+        rank, and ``nvlink_intra`` refuses writes into it), else in a buffer registered for this measure alone.
+        What the writes cover in a gen rank's pool (its canaries included) is put back after the measure.
+        Every wait is bounded by ``transfer.timeout_s``."""
         mine = [(c, g) for c, g in pairs if (c if self.sending else g) == self.rank]
         window = self.setup.transfer.slots if self.setup.transfer.strategy.staging == Staging.slots else 1
         timeout = self.setup.transfer.timeout_s
-        buf = torch.zeros(nbytes if mine else 1, dtype=torch.uint8, device=self.device)  # pages mapped now
-        self._register(buf.data_ptr(), buf.numel())
+        pool = max((s.storage for s in self.ctx.cache.pools.values()), key=lambda x: x.numel(), default=None)
+        buf = kept = None
+        if pool is not None and pool.numel() >= nbytes:
+            addr = pool.data_ptr()
+            if not self.sending and mine:
+                kept = pool[:nbytes].clone()
+        else:
+            buf = torch.zeros(nbytes if mine else 1, dtype=torch.uint8, device=self.device)  # pages mapped now
+            self._register(buf.data_ptr(), buf.numel())
+            addr = buf.data_ptr()
         key = f"mc/link/gen{self.rank}"
         if not self.sending and mine:
-            self.store.set(key, str(buf.data_ptr()))
+            self.store.set(key, str(addr))
         dist.barrier()
         dst = {g: int(self.store.get(f"mc/link/gen{g}")) for _, g in mine} if self.sending else {}
 
@@ -526,7 +537,7 @@ class Mooncake(Transport):
                 if len(inflight) >= window:
                     if not self._wait_ids(inflight.popleft(), deadline):
                         raise RuntimeError(f"mooncake link reference: a write not done within {timeout:g} s")
-                ids = self._submit(self.peers[g].session, [buf.data_ptr()], [dst[g]], [nbytes])
+                ids = self._submit(self.peers[g].session, [addr], [dst[g]], [nbytes])
                 if ids is None:
                     raise RuntimeError(f"mooncake link reference: the engine refused a write to gen{g}")
                 inflight.append(ids)
@@ -546,5 +557,8 @@ class Mooncake(Transport):
             if not self.sending and mine:
                 self.store.delete_key(key)
         finally:
-            self._unregister(buf.data_ptr())
+            if kept is not None:
+                pool[:nbytes].copy_(kept)
+            if buf is not None:
+                self._unregister(buf.data_ptr())
         return seconds
