@@ -17,6 +17,11 @@ rebuilds the model's cache from them, decodes and compares tokens and logits wit
 A request that does not decode as the reference fails with one line naming the step, the layers
 whose cache differs from the reference's in the tokens decoding reads, and the byte check's verdict
 beside it.
+
+The models run on the rank's device, in bf16 on a GPU too, and the reference on the same kind of
+device: the gen side's decode then runs the same kernels on the same shapes as the reference, so
+that bytes that arrived whole decode to the same logits there as well (``check.tolerance`` admits
+a difference where a device's kernels are not deterministic).
 """
 from __future__ import annotations
 
@@ -76,17 +81,19 @@ def reference_key(model, check, ids: torch.Tensor) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def reference(model, check, ids: torch.Tensor, use_disk: bool = True) -> Reference:
-    """The reference of the prompt ``ids``, from the disk cache when it holds it (keyed by the decode model's
-    config, the seed, the prompt and the library versions), else computed and kept there."""
-    path = cache_dir() / f"{reference_key(model, check, ids)}.pt"
+def reference(model, check, ids: torch.Tensor, use_disk: bool = True, device="cpu") -> Reference:
+    """The reference of the prompt ``ids`` computed on ``device``'s kind, from the disk cache when it holds it
+    (keyed by the decode model's config, the seed, the prompt, the device kind and the library versions), else
+    computed and kept there."""
+    kind = torch.device(device).type
+    path = cache_dir() / f"{reference_key(model, check, ids)}{'' if kind == 'cpu' else '-' + kind}.pt"
     if use_disk and path.exists():
         try:
             d = torch.load(path, weights_only=True)
             return Reference(d["planes"], d["first"], d["tokens"], d["logits"])
         except Exception:  # noqa: BLE001 - a torn or stale file is recomputed
             pass
-    net, cfg = hf_models.build(model, check.seed)
+    net, cfg = hf_models.build(model, check.seed, str(device))
     isl = int(ids.shape[1])
     cache, last = hf_models.full_prefill(net, cfg, ids)
     planes = hf_models.pool_rows(model, cache)
@@ -135,13 +142,13 @@ class DecodeCheck:
             beat()
             ids = hf_models.prompt(self.check, self.model, r.id, r.isl)
             if self.side == "ctx":
-                net, cfg = hf_models.build(self.model, self.check.seed)
+                net, cfg = hf_models.build(self.model, self.check.seed, str(cache.device))
                 out, last = hf_models.full_prefill(net, cfg, ids)
                 self.planes[r.id] = hf_models.pool_rows(self.model, out)
                 if self.coord.tp == 0 and self.coord.pp == 0:
                     self.store.set(f"{KEY}first/{r.id}", str(int(last.argmax())))
             else:
-                ref = reference(self.model, self.check, ids)
+                ref = reference(self.model, self.check, ids, device=cache.device)
                 self.planes[r.id] = ref.planes
                 if self.lead:
                     self.refs[r.id] = ref
@@ -219,9 +226,9 @@ class DecodeCheck:
                     planes[name][c][l0:l1, h0:h1, t0:t1] = plane
         ref = self.refs[r.id]
         first = int(self.store.get(f"{KEY}first/{r.id}"))
-        net, cfg = hf_models.build(self.model, self.check.seed)
-        tokens, logits = hf_models.decode(net, hf_models.model_cache(self.model, cfg, planes, r.isl), first,
-                                          self.check.tokens)
+        net, cfg = hf_models.build(self.model, self.check.seed, str(self.cache.device))
+        tokens, logits = hf_models.decode(net, hf_models.model_cache(self.model, cfg, planes, r.isl,
+                                                                     self.cache.device), first, self.check.tokens)
         result = compare(tokens, logits, ref, self.check.tolerance)
         failed_bytes = [f"gen{g}" for g, p in sorted(payloads.items()) if not p["byte_ok"]]
         result.byte_failures = len(failed_bytes)

@@ -107,14 +107,15 @@ def _model_class(family: str):
 
 
 @functools.lru_cache(maxsize=2)
-def build(model: ModelSpec, seed: int):
-    """(transformers model in bf16, eval mode, its config): weights drawn from ``seed``."""
+def build(model: ModelSpec, seed: int, device: str = "cpu"):
+    """(transformers model in bf16, eval mode, its config) on ``device``: weights drawn from ``seed`` on the
+    CPU, so that every device holds the same ones."""
     cfg = hf_config(model)
     g = torch.random.fork_rng()
     with g, one_thread():
         torch.manual_seed(seed)
         net = _model_class(model.decode.family)(cfg)
-    return net.to(torch.bfloat16).eval(), cfg
+    return net.to(torch.bfloat16).to(device).eval(), cfg
 
 
 def prompt(check: CheckSpec, model: ModelSpec, request: int, isl: int) -> torch.Tensor:
@@ -155,12 +156,13 @@ def full_prefill(net, cfg, ids: torch.Tensor):
         if getattr(layer, "is_sliding", False):
             layer.activate_past_recording()
     with torch.no_grad(), one_thread():
-        out = net(input_ids=ids, past_key_values=cache, use_cache=True)
-    return cache, out.logits[0, -1].float()
+        out = net(input_ids=ids.to(net.device), past_key_values=cache, use_cache=True)
+    return cache, out.logits[0, -1].float().cpu()
 
 
 def pool_rows(model: ModelSpec, cache, dtype: str = "bf16") -> dict[str, list[torch.Tensor]]:
-    """Pool name -> per component uint8 ``[pool layers, heads, tokens, row bytes]``, from a prefill's cache."""
+    """Pool name -> per component uint8 ``[pool layers, heads, tokens, row bytes]`` in host memory, from a
+    prefill's cache."""
     out = {}
     for p in model.pools(dtype):
         layers = [cache.layers[g] for g in p.layers]
@@ -174,7 +176,7 @@ def pool_rows(model: ModelSpec, cache, dtype: str = "bf16") -> dict[str, list[to
         else:
             vals, scales = quantize(torch.stack([layer.indexer_keys[0] for layer in layers]))
             out[p.name] = [vals[:, None].contiguous().view(torch.uint8), scales[:, None].contiguous().view(torch.uint8)]
-    return out
+    return {name: [plane.cpu() for plane in planes] for name, planes in out.items()}
 
 
 def _tile_groups(rect: Rect) -> list[tuple[int, int, int]]:
@@ -221,10 +223,10 @@ def _bf16(plane: torch.Tensor) -> torch.Tensor:
     return plane.contiguous().view(torch.bfloat16)
 
 
-def model_cache(model: ModelSpec, cfg, rows: dict[str, list[torch.Tensor]], isl: int):
+def model_cache(model: ModelSpec, cfg, rows: dict[str, list[torch.Tensor]], isl: int, device="cpu"):
     """A fresh ``DynamicCache`` holding a prefill of ``isl`` tokens, from every pool's planes (tokens
     ``[0, isl)``; a sliding-window layer reads only its window's tail, which it keeps with the
-    prefill's length, as the model's own cache does)."""
+    prefill's length, as the model's own cache does), on ``device``."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=cfg)
@@ -241,7 +243,7 @@ def model_cache(model: ModelSpec, cfg, rows: dict[str, list[torch.Tensor]], isl:
             p, i = kinds[Kind.mla]
             row = _bf16(rows[p.name][0][i, 0])
             k, v = row[None, None, :, :-ROPE_DIM], row[None, None, :, -ROPE_DIM:]
-        k, v = k[:, :, :isl].contiguous(), v[:, :, :isl].contiguous()
+        k, v = k[:, :, :isl].contiguous().to(device), v[:, :, :isl].contiguous().to(device)
         if p.window:
             keep = p.window - 1  # what transformers' sliding layer keeps of a prefill
             layer.update(k[:, :, -keep:], v[:, :, -keep:])
@@ -252,7 +254,7 @@ def model_cache(model: ModelSpec, cfg, rows: dict[str, list[torch.Tensor]], isl:
             q, j = kinds[Kind.indexer]
             vals = rows[q.name][0][j, 0, :isl].contiguous().view(torch.float8_e4m3fn)
             scales = rows[q.name][1][j, 0, :isl].contiguous().view(torch.float32)
-            layer.update_indexer(dequantize(vals, scales)[None])
+            layer.update_indexer(dequantize(vals, scales)[None].to(device))
     return cache
 
 
@@ -272,12 +274,12 @@ def reference_cache(model: ModelSpec, cache, isl: int) -> None:
 
 
 def decode(net, cache, first: int, steps: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy decoding of ``steps`` tokens after ``first``: (tokens, logits [steps, vocab] in fp32)."""
+    """Greedy decoding of ``steps`` tokens after ``first``: (tokens, logits [steps, vocab] in fp32, on the CPU)."""
     tok, tokens, logits = first, [], []
     with torch.no_grad(), one_thread():
         for _ in range(steps):
-            out = net(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-            lg = out.logits[0, -1].float()
+            out = net(input_ids=torch.tensor([[tok]], device=net.device), past_key_values=cache, use_cache=True)
+            lg = out.logits[0, -1].float().cpu()
             logits.append(lg)
             tok = int(lg.argmax())
             tokens.append(tok)
