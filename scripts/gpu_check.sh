@@ -4,15 +4,16 @@
 #   bash scripts/gpu_check.sh [--serving] [--no-tests] [--no-bench] [--jobs N] [--quick]   (from the repository root)
 # --serving: also scripts/serving_bench.py, alone and under a CUDA MPS daemon
 # --mooncake: also scripts/mooncake_bench.py --gpu (Mooncake's CUDA-13 wheel in .whl/, without NIXL's: carry limit)
+# --decode: also check=decode on the GPU for the six families (transformers' wheel in .whl/), into decode_h200.json
 # --jobs N: the GPU tests in N pytest-xdist workers (the image has it), then the failed ones again alone
 # A GPU machine without a package index gets the pure-Python wheels its image lacks from .whl/, made
 # beforehand on a machine with one:  pip wheel --no-deps -w .whl hydra-core omegaconf "antlr4-python3-runtime==4.9.*"
 # and, for the nixl tests and scripts/nixl_bench.py, NIXL's wheel for the GPU machine's Python (without it they skip):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
-serving=0; mooncake=0; rest=()
+serving=0; mooncake=0; decode=0; rest=()
 for a in "$@"; do
-  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; *) rest+=("$a");; esac
+  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; *) rest+=("$a");; esac
 done
 set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
@@ -56,4 +57,28 @@ fi
 true
 [ $mooncake = 1 ] && timeout 300 python3 scripts/mooncake_bench.py --gpu --out "$out/mooncake_h200.json" 2>&1 \
   | tee "$out/mooncake.log" | tail -30
+true
+# check=decode with the models on the GPU in bf16 (ipc, ctx TP2 -> gen TP1 and PP2 for DeepSeek-V3.2 as in the
+# README's run, TP2 -> TP1 for the others): tokens equal and the largest logit difference per family
+if [ $decode = 1 ]; then
+  export KVLAB_DECODE_CACHE=$(mktemp -d)
+  for m in llama3_8b qwen3_235b deepseek_v3 deepseek_v32 gpt_oss_120b gemma3_27b; do
+    extra=(); [ $m = deepseek_v32 ] && extra=(gen.pp=2 transfer=layerwise)
+    timeout 240 python3 -m kvlab run check=decode device=cuda transport=ipc model=$m ctx.tp=2 gen.tp=1 \
+      workload.requests=4 logger=quiet "hydra.run.dir=$out/decode/$m" "${extra[@]}" 2>&1 | grep -E "check=decode|error" \
+      | sed "s/^/$m: /"
+  done
+  python3 - "$out" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+rows = {}
+for d in sorted((out / "decode").iterdir()):
+    s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+    rows[d.name] = {k: s.get(k) for k in ("verified", "requests", "decode_tokens", "decode_tokens_equal",
+                                          "decode_max_logit_diff", "decode_first_divergent", "byte_check_failures")}
+    rows[d.name]["device"] = s.get("provenance", {}).get("gpu") or s.get("device")
+(out / "decode_h200.json").write_text(json.dumps(rows, indent=1))
+print(json.dumps(rows, indent=1))
+PY
+fi
 true
