@@ -239,15 +239,40 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def help_overrides(command: str, search: list[str]) -> list[str]:
-    """Hydra's ``--help`` with kvlab's group list: the options a user can name, not the schemas behind them."""
+def help_overrides(command: str, search: list[str], overrides: list[str] = ()) -> list[str]:
+    """Hydra's ``--help`` with kvlab's group list (the options a user can name, not the schemas behind them) and
+    the config composed from ``overrides``, each field with its line of help (kvlab.config_help)."""
     from kvlab.config import CONF_DIR
 
     dirs = [CONF_DIR] + [Path(d) for s in search for d in re.findall(r"file://([^,\]\s'\"]+)", s)]
     names = sorted({*GROUPS, *(g.name for d in dirs if d.is_dir() for g in d.iterdir() if g.is_dir())})
     lines = [f"{g}: {', '.join(opts)}" for g in names if (opts := group_options(g, search))]
     text = HELP_TEMPLATE.format(command=command, what=COMMANDS[command], groups="\n".join(lines))
+    config = _annotated_config([*search, *overrides])
+    if config is not None:  # else Hydra's own dump of it
+        text = text.replace("$CONFIG", config.replace("$", "$$"))
     return [f"hydra.help.template={_quoted(text)}"]
+
+
+def _annotated_config(overrides: list[str]) -> str | None:
+    """The composed config as Hydra prints it, with every field's help beside it; None if it does not compose."""
+    from omegaconf import OmegaConf
+
+    from kvlab import config_help
+    from kvlab.config import CONF_DIR, compose
+
+    try:
+        full = compose(overrides, return_hydra_config=True)
+    except Exception:  # noqa: BLE001 -- Hydra says what is wrong when it composes the same again
+        return None
+    helps = {}
+    for group, option in full.hydra.runtime.choices.items():
+        path = CONF_DIR / group / f"{option}.yaml"
+        if "/" not in group and option and path.is_file() and "@package" not in path.read_text()[:200]:
+            helps.update(config_help.yaml_help(path, f"{group}."))
+    helps.update(config_help.field_help())  # the spec's own words come first
+    cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
+    return config_help.annotate(OmegaConf.to_yaml(cfg).rstrip(), helps)
 
 
 def _hydra_main(command: str):
@@ -325,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
             _fail(problem)
         given = list(args.overrides)
         if args.help:
-            given += help_overrides(command, search)
+            given += help_overrides(command, search, overrides)
         try:
             if running and not multirun and (command == "plan" or int(os.environ.get("RANK", 0)) == 0):
                 # one run per directory, locked before Hydra writes anything there; pinned, so that the
