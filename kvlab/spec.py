@@ -283,6 +283,10 @@ class CacheSpec:
                 self.capacity_tokens, "must be 0 (sized to the workload) or a positive number of tokens")
 
 
+# the failure classes of the transfer itself that fault.transfer injects (kvlab.faults says what each does)
+TRANSFER_FAULTS = ("drop_notice", "stuck", "reused_block", "torn_chunk", "wrong_request")
+
+
 @dataclass(frozen=True)
 class FaultSpec:
     """Faults injected on purpose, to test that failures end cleanly and corruption is caught.
@@ -309,6 +313,14 @@ class FaultSpec:
     # tokens every sliding-window segment leaves out, from the first one the next token attends to: the bytes
     # sent all verify, and the decode check (check=decode) must still fail
     window_trim: int = 0
+    # one of the transfer's own failure classes (kvlab.faults.CLASSES: a dropped notice, a transfer stuck in
+    # progress, a block reused before its transfer completed, a chunk half written by a dying sender, a notice
+    # for the wrong request), injected by world rank transfer_rank at its first chance from its chunk
+    # transfer_at_chunk on, through the transport's hooks; kvlab.faults.check refuses a class the transport
+    # cannot show, or a side where it does not arise
+    transfer: str = ""
+    transfer_rank: int = -1
+    transfer_at_chunk: int = -1
 
     def __post_init__(self):
         object.__setattr__(self, "flip_at", tuple(self.flip_at))
@@ -318,7 +330,11 @@ class FaultSpec:
                 self.unwritten_layer, "must be -1 (off) or a global layer")
         for name, r in self.ranks.items():
             require(isinstance(r, int) and r >= -1, f"fault.{name}_rank", r, "must be -1 (off) or a world rank")
-        for name in ("kill", "stall", "freeze"):
+        require(self.transfer in ("", *TRANSFER_FAULTS), "fault.transfer", self.transfer,
+                f"use one of {', '.join(TRANSFER_FAULTS)}, or '' (off)")
+        require(bool(self.transfer) == (self.transfer_rank >= 0), "fault.transfer_rank", self.transfer_rank,
+                "fault.transfer and fault.transfer_rank go together; set both or neither")
+        for name in ("kill", "stall", "freeze", "transfer"):
             on, at = getattr(self, f"{name}_rank") >= 0, getattr(self, f"{name}_at_chunk")
             require(at >= 0 if on else at == -1, f"fault.{name}_at_chunk", at,
                     f"set it to the chunk (>= 0) at which fault.{name}_rank acts" if on
@@ -335,7 +351,8 @@ class FaultSpec:
 
     @property
     def ranks(self) -> dict[str, int]:
-        return {"kill": self.kill_rank, "stall": self.stall_rank, "freeze": self.freeze_rank, "flip": self.flip_rank}
+        return {"kill": self.kill_rank, "stall": self.stall_rank, "freeze": self.freeze_rank, "flip": self.flip_rank,
+                "transfer": self.transfer_rank}
 
     @property
     def active(self) -> bool:

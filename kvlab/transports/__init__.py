@@ -79,6 +79,17 @@ control round trip. It also says whose ``rec.wire`` marks bracket a chunk in fli
 (kvlab.figures: ``busy_s``, delivered GB/s): the gen rank's for a pulling transport, else the
 ctx rank's.
 
+Fault injection (kvlab.faults): the transfer's failure classes (``fault.transfer``) are injected where they
+would happen, through hooks of ``ctx.faults`` the transport calls: ``notice(i, chunk)`` where it sends a
+notice of its own (a completion, an acknowledgement, an announcement): the chunk the notice names, or None
+where it is dropped; ``stuck(i, chunk)`` where it posts a chunk's bytes: true where they must never
+progress (post nothing, and let the chunk's wait run into its deadline); ``reuse(ctx, i, chunk)`` on a ctx
+rank before a chunk's bytes are read and on a gen rank once they have landed; ``torn(i, chunk)`` where a
+sender writes: write the first half (``ctx.faults.half`` of its runs), wait until it is there, then
+``die()`` before the notice. ``injects`` (class attribute) maps each class the transport's hooks show to
+the sides whose rank injects it, and ``cannot`` each class that does not arise with this transport to why;
+``kvlab.faults.check`` refuses the others. A transport without hooks injects none.
+
 ``has`` (class attribute): what the transport's runs have that the figures of some transports
 need (kvlab.figures, ``Figure.needs``): ``"slots"`` when a ctx rank's chunks wait for a free
 staging slot (``slot_wait_s``); a function of the transport's options where they decide it
@@ -188,6 +199,9 @@ class Transport(ABC):
     polls = False  # has ``poll``: completions are seen (and marked) without waiting
 
     has: frozenset[str] = frozenset()
+
+    injects: dict[str, frozenset[str]] = {}  # fault class -> the sides whose rank injects it (kvlab.faults)
+    cannot: dict[str, str] = {}  # fault class -> why it does not arise with this transport
 
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device):
         self.setup, self.side, self.rank, self.world_rank, self.device = setup, side, rank, world_rank, device

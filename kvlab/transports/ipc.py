@@ -95,6 +95,12 @@ def copy_pieces(rect: Rect, rows: tuple[int, ...], ops: str, piece_bytes: int = 
 class Ipc(Transport):
     polls = True  # ctx: a request's last chunk is done once every reader's ack is in the store
     pulls = True
+    # fault injection: a ctx rank's notice is a ready key, a gen rank's its pulled key; the gen rank moves the bytes
+    injects = {"drop_notice": frozenset({"ctx", "gen"}), "wrong_request": frozenset({"ctx", "gen"}),
+               "stuck": frozenset({"gen"}), "reused_block": frozenset({"ctx", "gen"})}
+    cannot = {"torn_chunk": "the ctx rank publishes a layer only once it is written and the gen rank copies it "
+                            "itself: no rank is left holding half a chunk it takes for whole (a ctx rank that dies "
+                            "is fault.kill_rank)"}
 
     def __init__(self, setup, side, rank, world_rank, device):
         super().__init__(setup, side, rank, world_rank, device)
@@ -295,6 +301,7 @@ class Ipc(Transport):
             self.readers.setdefault(c.request, set()).add(c.dst)
             done = self.published.setdefault(c.request, set())
             if c.ready_layer not in done:
+                self.ctx.faults.reuse(self.ctx, i, c)  # fault injection: before the gen ranks may read the bytes
                 # another process reads these bytes: the prefill's writes queued on our stream come first
                 if self.flags is not None:  # ordered on the device: the host does not wait
                     value = self.seqs[c.request][c.ready_layer]
@@ -302,7 +309,9 @@ class Ipc(Transport):
                         cuda_ipc.write_value(self.ctx.stream.cuda_stream, self.flags.data_ptr() + 8 * g, value)
                 elif self.gpu:
                     self.ctx.stream.synchronize()
-                self.store.set(f"ipc/r/{c.request}/{self.rank}/{c.ready_layer}", "1")
+                n = self.ctx.faults.notice(i, c)
+                if n is not None:
+                    self.store.set(f"ipc/r/{n.request}/{self.rank}/{n.ready_layer}", "1")
                 done.add(c.ready_layer)
         return i, c, posted
 
@@ -343,7 +352,12 @@ class Ipc(Transport):
                     self._wait_ctx(key, "ready on the ctx rank", c)
                 self.seen.add(unit)
             self._acks(wait=False)
+            if self.ctx.faults.stuck(i, c):  # fault injection: a copy that never completes
+                timeout = self.setup.transfer.timeout_s
+                wait_until(lambda: False, time.time() + timeout,
+                           lambda: self.failed(c, f"copy not done within {timeout:g} s"))
             self._pull(i, c, rec)
+            self.ctx.faults.reuse(self.ctx, i, c)  # fault injection: once the bytes have landed
             done = self._mark()
             if self._last_chunks()[(c.request, c.src)] == i:
                 # the ctx rank frees the blocks once they are reported pulled: report when the copies are done,
@@ -383,7 +397,10 @@ class Ipc(Transport):
                 if self.unconfirmed is not None and self.unconfirmed[1].request == rid \
                         and self.unconfirmed[1].src == src:
                     self.unconfirmed = None  # its copies ran: the counter was written; its key may be deleted
-                self.store.set(f"ipc/d/{rid}/{src}/{self.rank}", "1")
+                last = self._last_chunks()[(rid, src)]
+                n = self.ctx.faults.notice(last, self.ctx.chunks[last])
+                if n is not None:
+                    self.store.set(f"ipc/d/{n.request}/{src}/{self.rank}", "1")
             else:
                 keep.append((event, rid, src))
         self.unacked = keep

@@ -88,6 +88,7 @@ class Write:
     posted: object = None
     done: object = None  # the completion mark, set when it was seen
     reg: int = 0  # a per-chunk buffer's registered address (naive)
+    stuck: bool = False  # fault injection: posted, and never progresses
 
 
 @dataclass
@@ -116,6 +117,10 @@ class Mooncake(Transport):
     link_reference = "mooncake"  # kvlab.linkrate: raw writes of the run's chunk size between its pairs
     # kvlab.figures: a ctx rank's chunks wait for a free staging slot, except in direct mode, which has none
     has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else frozenset({"slots"}))
+    # fault injection: a ctx rank's notice is its done key, a gen rank's its room or block tables key
+    injects = {"drop_notice": frozenset({"ctx", "gen"}), "wrong_request": frozenset({"ctx", "gen"}),
+               "stuck": frozenset({"ctx"}), "reused_block": frozenset({"ctx", "gen"}),
+               "torn_chunk": frozenset({"ctx"})}
 
     def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", protocol: str = "auto",
                  pack_ctas: int | None = None):
@@ -311,7 +316,9 @@ class Mooncake(Transport):
                 h = Landing(i, c, None, False, clock.mark())
                 if (c.request, c.src) not in self.told:
                     self.told.add((c.request, c.src))
-                    h.notice = (f"mc/T/{c.src}/{c.dst}/{c.request}", block_tables(self.ctx, c.request))
+                    n = self.ctx.faults.notice(i, c)
+                    if n is not None:
+                        h.notice = (f"mc/T/{c.src}/{c.dst}/{n.request}", block_tables(self.ctx, c.request))
             else:
                 buf, staged = self.staging.buffer(i, c)
                 h = Landing(i, c, buf, staged, clock.mark())
@@ -322,10 +329,13 @@ class Mooncake(Transport):
                     h.reg = buf.data_ptr()
                 elif staged:
                     h.after = self.after_unpack.pop(i % self.window, None)  # the slot is free once that has run
-                h.notice = (self._key("R", c), f"{buf.data_ptr()} {buf.numel()}")
+                n = self.ctx.faults.notice(i, c)
+                if n is not None:
+                    h.notice = (self._key("R", n), f"{buf.data_ptr()} {buf.numel()}")
             self.unannounced.append(h)
             self._announce()
             return h
+        self.ctx.faults.reuse(self.ctx, i, c)  # fault injection: before the chunk's bytes are read
         if self.mode == "direct":
             buf, staged = None, False
         else:
@@ -390,6 +400,14 @@ class Mooncake(Transport):
                 smem, _, _ = own_runs(self.ctx, c)
                 src = self.ctx.cache.pools[c.rect.pool].storage.data_ptr() + smem
             src, dst, length = coalesce(np.asarray(src, dtype=np.int64), base_addr + dmem, length)
+        faults = self.ctx.faults
+        if faults.stuck(w.index, c):  # fault injection: posted, and never progresses
+            w.ids, w.stuck, w.posted = [], True, self.ctx.clock.mark()
+            return
+        if faults.torn(w.index, c):  # fault injection: half the bytes land, then the sender dies
+            ids = self._submit(peer.session, *faults.half(src, dst, length))
+            self._wait_ids(ids or [], time.time() + self.setup.transfer.timeout_s)
+            faults.die()
         w.rec.descriptors += len(length)
         w.posted = self.ctx.clock.mark()
         w.ids = self._submit(peer.session, src, dst, length)
@@ -402,7 +420,7 @@ class Mooncake(Transport):
         if w.done is not None:
             return True
         self._pump()
-        if w.ids is None:
+        if w.ids is None or w.stuck:
             return False
         try:
             complete = self._progress(w.ids)
@@ -410,7 +428,9 @@ class Mooncake(Transport):
             raise self.failed(w.chunk, "write failed", e) from e
         if complete:
             w.done = self.ctx.clock.mark()
-            self._set(self._key("D", w.chunk), "", w.chunk)
+            n = self.ctx.faults.notice(w.index, w.chunk)
+            if n is not None:
+                self._set(self._key("D", n), "", w.chunk)
         return complete
 
     def finish(self, h, rec) -> bool:
@@ -427,6 +447,7 @@ class Mooncake(Transport):
                     ev.record()
                     self.after_unpack[h.index % self.window] = ev
                 self._release(h)
+            self.ctx.faults.reuse(self.ctx, h.index, c)  # fault injection: once the bytes have landed
             return not h.staged
         def written() -> bool:
             if self.poll(h):

@@ -64,6 +64,7 @@ from kvlab.transports.p2p import narrow
 from kvlab.transports.staged import ChunkStaging
 
 MODES = ("direct", "staged")
+STUCK = object()  # fault injection: the WRITE of a chunk that never progresses (kvlab.faults: stuck)
 
 
 def descs(addr: np.ndarray, length: np.ndarray, dev: int) -> np.ndarray:
@@ -114,6 +115,10 @@ class Nixl(Transport):
     link_reference = "nixl"  # kvlab.linkrate: raw NIXL WRITEs of the run's chunk size between its pairs
     polls = False  # its own notifications, not the pair groups' ops: finished when the executor must
     has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else frozenset({"slots"}))
+    # fault injection: a ctx rank's notice is the WRITE's notification, a gen rank's its room or block tables
+    injects = {"drop_notice": frozenset({"ctx", "gen"}), "wrong_request": frozenset({"ctx", "gen"}),
+               "stuck": frozenset({"ctx"}), "reused_block": frozenset({"ctx", "gen"}),
+               "torn_chunk": frozenset({"ctx"})}
 
     def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", pack_ctas: int | None = None,
                  progress_thread: bool = False):
@@ -321,23 +326,28 @@ class Nixl(Transport):
                 h = Landing(i, c, None, False, clock.mark())
                 if (c.request, c.src) not in self.told:
                     self.told.add((c.request, c.src))
-                    h.notice = b"T%d " % c.request + block_tables(self.ctx, c.request).encode()
+                    n = self.ctx.faults.notice(i, c)
+                    if n is not None:
+                        h.notice = b"T%d " % n.request + block_tables(self.ctx, c.request).encode()
                 self.unannounced.append(h)
                 self._announce()
                 return h
             buf, staged = self.staging.buffer(i, c)
-            h = Landing(i, c, buf, staged, clock.mark(),
-                        notice=self._key(b"R", c) + b" " + struct.pack("<QQ", buf.data_ptr(), buf.numel()))
+            n = self.ctx.faults.notice(i, c)
+            h = Landing(i, c, buf, staged, clock.mark(), notice=b"" if n is None else
+                        self._key(b"R", n) + b" " + struct.pack("<QQ", buf.data_ptr(), buf.numel()))
             if staged and self.per_chunk:
                 # the naive baseline's buffer is new memory: registered now, and its partial metadata
                 # (the key the ctx agent needs to write into it) travels with the announcement
                 h.reg = self.agent.register_memory(buf)
-                h.notice += self.agent.get_partial_agent_metadata(h.reg, False)
+                if h.notice:
+                    h.notice += self.agent.get_partial_agent_metadata(h.reg, False)
             elif staged:
                 h.after = self.after_unpack.pop(i % self.window, None)  # the slot is free once that has run
             self.unannounced.append(h)
             self._announce()
             return h
+        self.ctx.faults.reuse(self.ctx, i, c)  # fault injection: before the chunk's bytes are read
         if self.mode == "direct":
             buf, staged = None, False
         else:
@@ -415,6 +425,12 @@ class Nixl(Transport):
                 smem, _, _ = own_runs(self.ctx, c)
                 src = storage.data_ptr() + smem
             src, dst, length = coalesce(src, base_addr + dmem, length)
+        faults = self.ctx.faults
+        if faults.stuck(w.index, c):  # fault injection: posted, and never progresses
+            w.xfer, w.posted = STUCK, self.ctx.clock.mark()
+            return
+        if faults.torn(w.index, c):  # fault injection: half the bytes land, then the sender dies
+            self._torn(c, *faults.half(src, dst, length), dev, mem, peer)
         w.rec.descriptors += len(length)
         # a WRITE between two slots is prepared once and posted again; any other (runs, a pool in place,
         # a per-chunk buffer) is prepared for this chunk and released when it is done
@@ -429,10 +445,21 @@ class Nixl(Transport):
                     self.xfers[key] = w.xfer
             w.kept = key is not None
             w.posted = self.ctx.clock.mark()
-            if self.agent.transfer(w.xfer, self._key(b"D", c)) == "ERR":
+            n = self.ctx.faults.notice(w.index, c)
+            # a dropped notice: a key no chunk waits for (NIXL keeps a prepared WRITE's last notification)
+            if self.agent.transfer(w.xfer, self._key(b"D", n) if n is not None else b"-") == "ERR":
                 raise RuntimeError("NIXL refused the WRITE")
         except Exception as e:  # noqa: BLE001 - NIXL's errors are plain Exceptions (remote disconnect, ...)
             raise self.failed(c, "WRITE failed", e) from e
+
+    def _torn(self, c: Chunk, src, dst, length, dev: int, mem: str, peer: Peer) -> None:
+        """fault.transfer=torn_chunk: WRITE these runs with no notification, wait until they have landed, die."""
+        x = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(descs(src, length, dev), mem),
+                                       self.agent.get_xfer_descs(descs(dst, length, peer.dev), mem), peer.agent)
+        self.agent.transfer(x)
+        wait_until(lambda: self.agent.check_xfer_state(x) != "PROC", time.time() + self.setup.transfer.timeout_s,
+                   lambda: self.failed(c, "half WRITE not done"), spin_s=self.spin_s)
+        self.ctx.faults.die()
 
     def finish(self, h, rec) -> bool:
         c, timeout = h.chunk, self.setup.transfer.timeout_s
@@ -449,10 +476,11 @@ class Nixl(Transport):
                     ev.record()
                     self.after_unpack[h.index % self.window] = ev
                 self._release(h)
+            self.ctx.faults.reuse(self.ctx, h.index, c)  # fault injection: once the bytes have landed
             return not h.staged
         def written() -> bool:
             self._pump()
-            if h.xfer is None:
+            if h.xfer is None or h.xfer is STUCK:
                 return False
             try:
                 state = self.agent.check_xfer_state(h.xfer)
@@ -486,7 +514,7 @@ class Nixl(Transport):
         if isinstance(h, Write):
             if h in self.waiting:
                 self.waiting.remove(h)
-            if h.xfer is not None and not h.kept:  # a prepared one is released in close
+            if h.xfer not in (None, STUCK) and not h.kept:  # a prepared one is released in close
                 try:
                     h.xfer.release()
                 except Exception:  # noqa: BLE001 - a WRITE to a dead peer may not be cancellable; the run ends

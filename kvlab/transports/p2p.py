@@ -124,6 +124,19 @@ class Completions:
         self.threads.clear()
 
 
+class Stuck:
+    """fault.transfer=stuck: an operation posted that never progresses. Its wait ends as a timed-out one
+    does, after the deadline it is given."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        s = timeout.total_seconds() if timeout is not None else self.timeout_s
+        time.sleep(s)
+        raise RuntimeError(f"timed out after {s:g} s: the operation made no progress")
+
+
 @dataclass
 class Posted:
     index: int
@@ -139,6 +152,14 @@ class P2P(Transport):
     link_reference = "p2p"  # kvlab.linkrate: raw messages over the same pair groups
     has = frozenset({"slots"})  # kvlab.figures: a ctx rank's chunks wait for a free staging slot
     polls = True
+    injects = {"stuck": frozenset({"ctx"}), "reused_block": frozenset({"ctx", "gen"})}
+    cannot = {
+        "drop_notice": "its only notice is the message itself (a message that never arrives is fault.transfer=stuck)",
+        "wrong_request": "its messages name no request: a pair's operations match in the one order both sides "
+                         "derive (another request's bytes in a message are fault.transfer=reused_block)",
+        "torn_chunk": "gloo and NCCL deliver a message whole or fail its operation (a sender that dies mid-message "
+                      "is fault.kill_rank)",
+    }
 
     def __init__(self, setup, side, rank, world_rank, device):
         super().__init__(setup, side, rank, world_rank, device)
@@ -165,6 +186,8 @@ class P2P(Transport):
         return self.groups[(self.setup.world_rank("ctx", c.src), self.setup.world_rank("gen", c.dst))]
 
     def start(self, i: int, c: Chunk, rec) -> Posted:
+        if self.sending:
+            self.ctx.faults.reuse(self.ctx, i, c)  # fault injection: before the chunk's bytes are read
         buf, staged = self.staging.buffer(i, c)
         if self.sending and staged:
             self.staging.copy(c, buf, rec)
@@ -172,7 +195,10 @@ class P2P(Transport):
             buf, staged = self.staging.flip_outgoing(i, c, buf, staged, rec)
         posted = self.ctx.clock.mark()
         try:
-            work = post(buf, self._peer(c), self._group(c), send=self.sending)
+            if self.sending and self.ctx.faults.stuck(i, c):
+                work = Stuck(max(self.setup.transfer.timeout_s, 1.0))
+            else:
+                work = post(buf, self._peer(c), self._group(c), send=self.sending)
         except RuntimeError as e:  # gloo refuses to post to a peer whose connection is gone
             raise self.failed(c, "posting failed", e) from e
         watch = None if self.device.type == "cuda" else self.completions.watch(self._peer(c), work)
@@ -199,6 +225,7 @@ class P2P(Transport):
             self.ctx.faults.flip(f.index, f.buf)
             if f.staged:
                 self.staging.copy(c, f.buf, rec)
+            self.ctx.faults.reuse(self.ctx, f.index, c)  # fault injection: once the bytes have landed
         if f.staged:
             self.staging.put(f.buf)
         return not f.staged
