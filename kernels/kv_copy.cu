@@ -89,9 +89,14 @@ __device__ __forceinline__ void copy_run(char* __restrict__ dst, const char* __r
 
 // The runs of one rectangle. Every size and offset is in bytes. ids_bytes: 4 (int32 block
 // table) or 8 (int64). l_off/h_off: the rectangle's first layer/head relative to the rank's
-// first held one. Counts and per-run sizes are int (the launcher checks they fit); memory
-// and wire offsets are 64-bit. 32-bit division keeps the run decoding cheap and off the
-// register budget. Tiles are numbered from the rectangle's first one (u = 0).
+// first held one. Each component has its own strides (RankPool.comp_strides: the layout's
+// order of block, layer, component, head and token made strides): byte x of the row of
+// (block b, layer l, head h, token n) lies at off + b*bs + l*ls + h*hs + n*ns + x. S is 1 where
+// every component keeps a head's token rows back to back (a run is a tile's rows), else T: each
+// run is then cut into S runs of one row (kvlab.layout.runs), those past a partial tile's end
+// empty. Counts and per-run sizes are int (the launcher checks they fit); memory and wire offsets
+// are 64-bit. 32-bit division keeps the run decoding cheap and off the register budget. Tiles are
+// numbered from the rectangle's first one (u = 0).
 struct Runs {
     char* pool;
     char* wire;
@@ -100,12 +105,12 @@ struct Runs {
     i64 num_blocks, block_base;
     int tpb, T;
     i64 t0, t1;
-    int l_off, nl, h_off, nh, ncomp, row0, row1;
-    i64 coff0, coff1, bs, ls;
+    int l_off, nl, h_off, nh, ncomp, row0, row1, S;
+    i64 off0, off1, bs0, bs1, ls0, ls1, hs0, hs1, ns0, ns1;
 
     __device__ __forceinline__ unsigned tiles() const { return (unsigned)((t1 - 1) / T - t0 / T + 1); }
 
-    __device__ __forceinline__ unsigned count() const { return tiles() * (unsigned)(nl * ncomp * nh); }
+    __device__ __forceinline__ unsigned count() const { return tiles() * (unsigned)(nl * ncomp * nh * S); }
 
     __device__ __forceinline__ i64 tile_start(unsigned u) const {
         const i64 ts = ((i64)u + t0 / T) * T;
@@ -119,31 +124,37 @@ struct Runs {
                               : (i64)__ldg(static_cast<const int*>(ids) + bi);
     }
 
-    // Run (tile u in block blk, layer-head j = l * nh + h, component c): its bytes at
-    // pool + *m and at wire + *w.
+    // Run (tile u in block blk, j = (l * nh + h) * S + k for layer l, head h and row k of the
+    // run when S > 1, component c): its bytes at pool + *m and at wire + *w; 0 bytes for a row
+    // past a partial tile's end.
     __device__ __forceinline__ int locate(unsigned u, i64 blk, unsigned j, unsigned c, i64* m, i64* w) const {
         // A bad block id would scatter into memory the pool does not own; fail loudly as torch's index checks do.
         if ((u64)blk >= (u64)num_blocks) __trap();
-        const unsigned l = j / (unsigned)nh, h = j - l * (unsigned)nh;
+        const unsigned k = j % (unsigned)S, lh = j / (unsigned)S;
+        const unsigned l = lh / (unsigned)nh, h = lh - l * (unsigned)nh;
         const i64 ts = tile_start(u);
         const i64 te = ((i64)u + t0 / T + 1) * T < t1 ? ((i64)u + t0 / T + 1) * T : t1;
         const int ntok = (int)(te - ts);
         const int row = c ? row1 : row0;
         const i64 bpl = (i64)nh * (row0 + (ncomp > 1 ? row1 : 0));  // wire bytes per token per layer
-        *w = (ts - t0) * nl * bpl + (i64)ntok * ((i64)l * bpl + (c ? (i64)nh * row0 : 0) + (i64)h * row);
-        *m = blk * bs + (i64)(l + l_off) * ls + (c ? coff1 : coff0) + (i64)(h + h_off) * tpb * row + (ts % tpb) * row;
-        return ntok * row;
+        *w = (ts - t0) * nl * bpl + (i64)ntok * ((i64)l * bpl + (c ? (i64)nh * row0 : 0) + (i64)h * row) +
+             (i64)k * row;
+        *m = blk * (c ? bs1 : bs0) + (i64)(l + l_off) * (c ? ls1 : ls0) + (c ? off1 : off0) +
+             (i64)(h + h_off) * (c ? hs1 : hs0) + ((ts % tpb) + k) * (c ? ns1 : ns0);
+        return S == 1 ? ntok * row : ((int)k < ntok ? row : 0);
     }
 
     // Run r (in wire order).
     __device__ __forceinline__ int get(unsigned r, i64* m, i64* w) const {
+        const unsigned k = r % (unsigned)S;
+        r /= (unsigned)S;
         const unsigned h = r % (unsigned)nh;
         unsigned q = r / (unsigned)nh;
         const unsigned c = q % (unsigned)ncomp;
         q /= (unsigned)ncomp;
         const unsigned l = q % (unsigned)nl;
         const unsigned u = q / (unsigned)nl;
-        return locate(u, block(u), l * (unsigned)nh + h, c, m, w);
+        return locate(u, block(u), (l * (unsigned)nh + h) * (unsigned)S + k, c, m, w);
     }
 };
 
@@ -179,9 +190,10 @@ __device__ __forceinline__ Plan plan(int T, int row, unsigned runs_per_tile) {
 template <bool PACK>
 __device__ __forceinline__ void kv_copy(const Runs& R) {
     const int lane = threadIdx.x & 31;
-    const unsigned runs_per_tile = (unsigned)(R.nl * R.nh);
-    const Plan p0 = plan(R.T, R.row0, runs_per_tile);
-    const Plan p1 = R.ncomp > 1 ? plan(R.T, R.row1, runs_per_tile) : Plan{0, 0, 0, 0};
+    const unsigned runs_per_tile = (unsigned)(R.nl * R.nh * R.S);
+    const int run_tokens = R.S == 1 ? R.T : 1;  // rows of a whole tile's run
+    const Plan p0 = plan(run_tokens, R.row0, runs_per_tile);
+    const Plan p1 = R.ncomp > 1 ? plan(run_tokens, R.row1, runs_per_tile) : Plan{0, 0, 0, 0};
     const unsigned per_tile = p0.items + p1.items;
     const unsigned n = R.tiles() * per_tile;
     const unsigned nwarps = (gridDim.x * blockDim.x) >> 5;
@@ -245,12 +257,12 @@ __device__ __forceinline__ void kv_copy(const Runs& R) {
 
 #define KV_PARAMS                                                                                                   \
     char *pool, char *wire, const void *ids, int ids_bytes, i64 num_blocks, i64 block_base, int tpb, int T, i64 t0, \
-        i64 t1, int l_off, int nl, int h_off, int nh, int ncomp, int row0, int row1, i64 coff0, i64 coff1, i64 bs,  \
-        i64 ls
+        i64 t1, int l_off, int nl, int h_off, int nh, int ncomp, int row0, int row1, int S, i64 off0, i64 off1,     \
+        i64 bs0, i64 bs1, i64 ls0, i64 ls1, i64 hs0, i64 hs1, i64 ns0, i64 ns1
 #define KV_RUNS                                                                                                  \
     Runs {                                                                                                       \
         pool, wire, ids, ids_bytes, num_blocks, block_base, tpb, T, t0, t1, l_off, nl, h_off, nh, ncomp, row0, \
-            row1, coff0, coff1, bs, ls                                                                          \
+            row1, S, off0, off1, bs0, bs1, ls0, ls1, hs0, hs1, ns0, ns1                                         \
     }
 
 extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) kv_pack(KV_PARAMS) { kv_copy<true>(KV_RUNS); }

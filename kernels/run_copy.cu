@@ -39,31 +39,38 @@ __device__ __forceinline__ void warp_copy(const V* __restrict__ s, V* __restrict
 }
 
 // Pool offset of a run on one side (kvlab.layout.runs): its block from the side's block table (int32
-// or int64; logical block base + i at index i), then the pool's strides (RankPool.strides and
-// comp_offsets), with the rectangle's first layer and head relative to those the rank holds. The
-// parameters stay in the kernel's parameter space: copied into registers they would spill.
-#define RUN_AT(P, ts, l, c, h, row)                                                                       \
-  ((P##ids64 ? ((const i64*)P##ids)[(ts) / P##tpb - P##base]                                           \
-             : (i64)((const int*)P##ids)[(ts) / P##tpb - P##base]) * P##bs +                           \
-   (i64)((l) + P##loff) * P##ls + ((c) ? P##coff1 : P##coff0) + (i64)((h) + P##hoff) * P##tpb * (row) + \
-   (i64)((ts) % P##tpb) * (row))
+// or int64; logical block base + i at index i), then the component's strides (RankPool.comp_strides:
+// the layout's order of block, layer, component, head and token), with the rectangle's first layer and
+// head relative to those the rank holds. The parameters stay in the kernel's parameter space: copied
+// into registers they would spill.
+#define RUN_AT(P, ts, k, l, c, h)                                                                       \
+  ((P##ids64 ? ((const i64*)P##ids)[(ts) / P##tpb - P##base]                                         \
+             : (i64)((const int*)P##ids)[(ts) / P##tpb - P##base]) * ((c) ? P##bs1 : P##bs0) +       \
+   (i64)((l) + P##loff) * ((c) ? P##ls1 : P##ls0) + ((c) ? P##off1 : P##off0) +                       \
+   (i64)((h) + P##hoff) * ((c) ? P##hs1 : P##hs0) + (i64)((ts) % P##tpb + (k)) * ((c) ? P##ns1 : P##ns0))
 
-// The two sides' parameters come flat (cuda.core passes scalars and pointers, not structs).
+#define SIDE_PARAMS(P)                                                                                  \
+  const void *P##ids, int P##ids64, int P##tpb, i64 P##base, i64 P##off0, i64 P##off1, i64 P##bs0,    \
+      i64 P##bs1, i64 P##ls0, i64 P##ls1, i64 P##hs0, i64 P##hs1, i64 P##ns0, i64 P##ns1, int P##loff, \
+      int P##hoff
+
+// The two sides' parameters come flat (cuda.core passes scalars and pointers, not structs). S: 1 where
+// both sides keep a head's token rows back to back (a run is a tile's rows), else the tile: each run is
+// then S runs of one row, those past a partial tile's end empty.
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MIN_BLOCKS)
-kv_copy_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
-             const void* s_ids, int s_ids64, int s_tpb, i64 s_base, i64 s_bs, i64 s_ls, i64 s_coff0, i64 s_coff1,
-             int s_loff, int s_hoff,
-             const void* d_ids, int d_ids64, int d_tpb, i64 d_base, i64 d_bs, i64 d_ls, i64 d_coff0, i64 d_coff1,
-             int d_loff, int d_hoff,
-             int tile, i64 t0, i64 t1, int nl, int nh, int ncomp, int row0, int row1, i64 nruns) {
+kv_copy_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, SIDE_PARAMS(s_),
+             SIDE_PARAMS(d_), int tile, i64 t0, i64 t1, int nl, int nh, int ncomp, int row0, int row1, int S,
+             i64 nruns) {
   // runs, tokens, layers and heads fit in int (the launcher checks): 32-bit division, no 64-bit subroutine
   const int lane = threadIdx.x & 31;
   const int nwarps = (gridDim.x * blockDim.x) >> 5;
   const int tt0 = (int)t0, tt1 = (int)t1, u0 = tt0 / tile;
 #pragma unroll 1
   for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < (int)nruns; r += nwarps) {
-    const int h = r % nh;
-    int x = r / nh;
+    const int k = r % S;
+    int x = r / S;
+    const int h = x % nh;
+    x /= nh;
     const int c = x % ncomp;
     x /= ncomp;
     const int l = x % nl;
@@ -71,9 +78,10 @@ kv_copy_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ 
     const int ts = u * tile > tt0 ? u * tile : tt0;
     const int te = (u + 1) * tile < tt1 ? (u + 1) * tile : tt1;
     const int row = c ? row1 : row0;
-    const int n = (te - ts) * row;
-    const unsigned char* sp = src + RUN_AT(s_, ts, l, c, h, row);
-    unsigned char* dp = dst + RUN_AT(d_, ts, l, c, h, row);
+    const int n = S == 1 ? (te - ts) * row : (k < te - ts ? row : 0);
+    if (n == 0) continue;
+    const unsigned char* sp = src + RUN_AT(s_, ts, k, l, c, h);
+    unsigned char* dp = dst + RUN_AT(d_, ts, k, l, c, h);
     const u64 a = ((u64)sp) | ((u64)dp) | (u64)n;
     if ((a & 15) == 0) {
       warp_copy<uint4>((const uint4*)sp, (uint4*)dp, n >> 4, lane);

@@ -112,7 +112,8 @@ class PagedCache:
             self.pools[pool.name] = PoolStore(pool, n, storage, alloc, canaries)
         for store in self.pools.values():
             for b in store.canaries:
-                self._block_view(store, b).copy_(self._canary(store, b))
+                for view, want in zip(self._block_view(store, b), self._canary(store, b)):
+                    view.copy_(want)
 
     @property
     def nbytes(self) -> int:
@@ -183,26 +184,23 @@ class PagedCache:
                     continue
                 bad = (got != want).nonzero()
                 at = locate(store.pool, piece, int(bad[0]))
+                block = table.host[at["token"] // store.pool.tokens_per_block - table.base]  # where it lies here
                 errors.append(
                     f"request {req.id}: {bad.numel()} wrong bytes from ctx{seg.src}, first at pool {at['pool']} "
                     f"layer {at['layer']} component {at['component']} head {at['head']} token {at['token']} "
-                    f"byte {at['byte']}")
+                    f"byte {at['byte']} (block {block})")
         if self.after_verify is not None:
             self.after_verify(req, ops, errors)
         return errors
 
-    def _block_view(self, store: PoolStore, block: int) -> torch.Tensor:
-        """All bytes of one block (every layer), as a strided view."""
-        bs, ls = store.pool.strides(store.num_blocks)
-        per = store.pool.block_layer_bytes
-        nl = len(store.pool.layers)
-        return store.storage.as_strided((nl, per), (ls, 1), block * bs)
+    def _block_view(self, store: PoolStore, block: int) -> list[torch.Tensor]:
+        """All bytes of one block (every layer), as strided views, one per component (``RankPool.block_views``)."""
+        return store.pool.block_views(store.storage, store.num_blocks, block)
 
-    def _canary(self, store: PoolStore, block: int) -> torch.Tensor:
-        """The known contents of canary block ``block``, [layers, bytes per layer]: a 32-bit hash of (block,
-        word) per 4 bytes, a piece at a time (a hash per byte over whole int64 arrays took 0.3 s per 4 MiB)."""
-        shape = (len(store.pool.layers), store.pool.block_layer_bytes)
-        n = shape[0] * shape[1]
+    def _canary(self, store: PoolStore, block: int) -> list[torch.Tensor]:
+        """The known contents of canary block ``block``, shaped as ``_block_view``'s views: a 32-bit hash of
+        (block, word) per 4 bytes, a piece at a time (a hash per byte over whole int64 arrays took 0.3 s per 4 MiB)."""
+        n = len(store.pool.layers) * store.pool.block_layer_bytes
         words = torch.empty((n + 3) // 4, dtype=torch.int32, device=self.device)
         seed = int(mix(torch.tensor(block * 0x2545F491 + 0x1234567, dtype=torch.int64)))
         piece = words.numel() if self.device.type == "cuda" else min(CANARY_PIECE_WORDS, words.numel())
@@ -210,12 +208,16 @@ class PagedCache:
         for a in range(0, words.numel(), x.numel()):
             m = min(x.numel(), words.numel() - a)
             words[a:a + m] = mix(x[:m] + (seed + a))  # the int32 store keeps the hash's low 32 bits
-        return words.view(torch.uint8)[:n].reshape(shape)
+        flat, out, off = words.view(torch.uint8)[:n], [], 0
+        for view in self._block_view(store, block):
+            out.append(flat[off:off + view.numel()].view(view.shape))
+            off += view.numel()
+        return out
 
     def check_canaries(self) -> list[str]:
         errors = []
         for name, store in self.pools.items():
             for b in store.canaries:
-                if not same_bytes(self._block_view(store, b), self._canary(store, b)):
+                if not all(torch.equal(v, w) for v, w in zip(self._block_view(store, b), self._canary(store, b))):
                     errors.append(f"{self.state.side.name}{self.state.rank}: canary block {b} of pool {name} changed")
         return errors

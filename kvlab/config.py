@@ -163,6 +163,8 @@ class Setup:
 
     def __post_init__(self):
         object.__setattr__(self, "model", self.check.model_for(self.model))  # check=decode: its model's cache
+        for side in ("ctx", "gen"):  # a block size left to the layout, made explicit for this model
+            object.__setattr__(self, side, getattr(self, side).resolved(self.model))
         model, ctx, gen = self.model, self.ctx, self.gen
         ctx.validate_for(model)
         gen.validate_for(model)

@@ -3,8 +3,10 @@
 Wire order of a rectangle (layers [l0,l1), heads [h0,h1), tokens [t0,t1)) with tile T:
 for each tile of T tokens (the first and last may be partial), for each layer, for each
 component, for each head: the tile's token rows of that (layer, component, head). Because
-T divides both sides' ``tokens_per_block``, every such *run* is contiguous in memory on
-both sides; pack and unpack are gathers and scatters of runs. A chunk needs no staging on
+T divides both sides' ``tokens_per_block``, every such *run* lies inside one block on both
+sides, contiguous where the layout keeps a head's token rows together, else as single rows
+(kvlab.engine_layouts; the plan uses T = 1 for such a pool, so that both sides' runs are the
+same rows); pack and unpack are gathers and scatters of runs. A chunk needs no staging on
 a side when its runs lie back to back in memory in wire order (``is_in_place``).
 
 Everything here is torch arithmetic on small index tensors: the torch reference ops and
@@ -56,13 +58,18 @@ class Runs:
 
 
 def runs(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, block_base: int) -> Runs:
-    """Runs of ``rect`` in ``pool``; ``block_ids[i]`` is the physical block of logical block ``block_base + i``."""
+    """Runs of ``rect`` in ``pool``; ``block_ids[i]`` is the physical block of logical block ``block_base + i``.
+
+    One run per (tile, layer, component, head), in wire order, where the pool keeps a head's token rows back
+    to back (``RankPool.token_runs``); else one per token row of it, in the same wire order (the NHD layouts,
+    K and V interleaved per token: the plan then sends the pool in tiles of one token, ``wire_tile``)."""
     dev = block_ids.device
     tpb, T = pool.tokens_per_block, rect.tile
-    bs, ls = pool.strides(num_blocks)
+    strides = pool.comp_strides(num_blocks)
     rows = pool.rows
     nh, nl = rect.n_heads, rect.n_layers
     bpl = nh * sum(rows)  # wire bytes per token per layer
+    split = not pool.token_runs and T > 1  # runs of one token row each
 
     u = torch.arange(rect.t0 // T, (rect.t1 - 1) // T + 1, device=dev, dtype=torch.int64)
     ts = torch.clamp(u * T, min=rect.t0)
@@ -77,21 +84,29 @@ def runs(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, b
     h_local = h + rect.h0 - pool.heads.start
     mems, wires, lens = [], [], []
     comp_wire = 0
-    for row, coff in zip(rows, pool.comp_offsets()):
+    for row, s in zip(rows, strides):
         # [tile, layer, head] for this component; components interleave per layer below
         w = (tile_wire[:, None, None]
              + ntok[:, None, None] * (l[None, :, None] * bpl + comp_wire + h[None, None, :] * row))
-        m = (blk[:, None, None] * bs + l_local[None, :, None] * ls + coff
-             + h_local[None, None, :] * tpb * row + (ts % tpb)[:, None, None] * row)
+        m = (blk[:, None, None] * s.block + l_local[None, :, None] * s.layer + s.offset
+             + h_local[None, None, :] * s.head + (ts % tpb)[:, None, None] * s.token)
         mems.append(m)
         wires.append(w)
         lens.append((ntok * row)[:, None, None].expand_as(m))
         comp_wire += nh * row
     # stack components between layer and head so that the flattened order is the wire order
-    mem = torch.stack(mems, dim=2).reshape(-1)
-    wire = torch.stack(wires, dim=2).reshape(-1)
-    length = torch.stack(lens, dim=2).reshape(-1)
-    return Runs(mem, wire, length)
+    mem = torch.stack(mems, dim=2)
+    wire = torch.stack(wires, dim=2)
+    length = torch.stack(lens, dim=2)
+    if split:  # each run becomes its tile's token rows: [tile, layer, comp, head, token]
+        k = torch.arange(T, device=dev, dtype=torch.int64)
+        keep = (k[None, :] < ntok[:, None])[:, None, None, None, :].expand(*mem.shape, T)
+        tok = torch.tensor([s.token for s in strides], device=dev, dtype=torch.int64)[None, None, :, None, None]
+        row = torch.tensor(rows, device=dev, dtype=torch.int64)[None, None, :, None, None]
+        mem = (mem[..., None] + k * tok)[keep]
+        wire = (wire[..., None] + k * row)[keep]
+        length = row.expand(*length.shape, T)[keep]
+    return Runs(mem.reshape(-1), wire.reshape(-1), length.reshape(-1))
 
 
 def is_in_place(r: Runs) -> bool:
@@ -102,10 +117,9 @@ def is_in_place(r: Runs) -> bool:
 
 def first_byte(pool: RankPool, num_blocks: int, rect: Rect, first_block: int) -> int:
     """Pool offset of the first byte of ``rect`` when its first token lies in physical block ``first_block``."""
-    bs, ls = pool.strides(num_blocks)
-    row = pool.rows[0]
-    return (first_block * bs + (rect.l0 - pool.layers.start) * ls + pool.comp_offsets()[0]
-            + (rect.h0 - pool.heads.start) * pool.tokens_per_block * row + rect.t0 % pool.tokens_per_block * row)
+    s = pool.comp_strides(num_blocks)[0]
+    return (s.offset + first_block * s.block + (rect.l0 - pool.layers.start) * s.layer
+            + (rect.h0 - pool.heads.start) * s.head + rect.t0 % pool.tokens_per_block * s.token)
 
 
 def identity_blocks(rect: Rect, tokens_per_block: int) -> tuple[torch.Tensor, int]:

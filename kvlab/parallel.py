@@ -8,16 +8,13 @@ ranks. PP splits layers evenly (earlier stages take the remainder) or by an expl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, replace
 
-from kvlab.errors import positive, require
+from kvlab.engine_layouts import LAYOUTS, NAMES, EngineLayout, Layout, layout_of
+from kvlab.errors import ConfigError, positive, require
 from kvlab.spec import DTYPE_BYTES, ModelSpec
 
-
-class Layout(str, Enum):
-    block_major = "block_major"  # [block][layer][comp][head][token][row]: the C++ engines' pools
-    layer_major = "layer_major"  # [layer][block][comp][head][token][row]: one tensor per layer
+__all__ = ["EngineLayout", "Layout", "RankCoord", "SideSpec"]
 
 
 @dataclass(frozen=True)
@@ -33,17 +30,24 @@ class SideSpec:
     tp: int = 1
     pp: int = 1
     dp: int = 1
-    tokens_per_block: int = 32
-    layout: Layout = Layout.block_major
+    # None: the layout's default (kvlab.engine_layouts); for a layout whose block size some cache kind fixes, left
+    # None until ``resolved`` for a model (a run's Setup holds it resolved); read it through ``block_tokens``
+    tokens_per_block: int | None = None
+    layout: str = "block_major"  # a Layout or an EngineLayout name (kvlab.engine_layouts); the enum member once built
     dtype: str = "bf16"
     layer_split: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        for f in ("tp", "pp", "dp", "tokens_per_block"):
+        for f in ("tp", "pp", "dp"):
             positive(f"{self.name}.{f}", getattr(self, f))
-        require(self.layout in (Layout.block_major, Layout.layer_major), f"{self.name}.layout", self.layout,
-                "use block_major or layer_major")
-        object.__setattr__(self, "layout", Layout(self.layout))
+        try:
+            object.__setattr__(self, "layout", layout_of(self.layout))
+        except ValueError:
+            raise ConfigError(f"{self.name}.layout", self.layout, f"use one of {', '.join(NAMES)}") from None
+        if self.tokens_per_block is not None:
+            positive(f"{self.name}.tokens_per_block", self.tokens_per_block)
+        elif not LAYOUTS[self.layout.value].fixed_tpb:  # the layout's default, whatever the model
+            object.__setattr__(self, "tokens_per_block", LAYOUTS[self.layout.value].default_tpb)
         require(self.dtype in DTYPE_BYTES, f"{self.name}.dtype", self.dtype, f"use one of {', '.join(DTYPE_BYTES)}")
         if self.layer_split is not None:
             object.__setattr__(self, "layer_split", tuple(self.layer_split))
@@ -63,8 +67,41 @@ class SideSpec:
     def rank(self, dp: int, pp: int, tp: int) -> int:
         return dp * self.pp * self.tp + pp * self.tp + tp
 
+    def block_tokens(self, model: ModelSpec) -> int:
+        """Tokens per block: as set, else what the layout fixes for this model's pools, else its default."""
+        if self.tokens_per_block is not None:
+            return self.tokens_per_block
+        return LAYOUTS[self.layout.value].block_tokens({p.kind for p in model.pools(self.dtype)})[0]
+
+    def resolved(self, model: ModelSpec) -> SideSpec:
+        """This side with its block size made explicit for ``model`` (what a run's Setup holds)."""
+        return self if self.tokens_per_block is not None else replace(self, tokens_per_block=self.block_tokens(model))
+
+    def validate_layout(self, model: ModelSpec) -> None:
+        """What the layout cannot hold of ``model``, or a block size its engine does not allow, in one line."""
+        d = LAYOUTS[self.layout.value]
+        field, value = f"{self.name}.layout", self.layout.value
+        holders = [n for n, x in LAYOUTS.items() if all(x.holds(p.kind) for p in model.pools(self.dtype))]
+        for p in model.pools(self.dtype):
+            if d.holds(p.kind):
+                continue
+            what = ("MLA latent (one 576-value row per token, no per-head K and V)" if p.kind == "mla"
+                    else "DeepSeek-V3.2 indexer keys" if p.kind == "indexer" else f"{p.kind} cache")
+            raise ConfigError(field, value, f"{d.engine} stores per-head K and V ({d.shape}) and has no place for "
+                              f"{model.name}'s {what}; for this model use one of {', '.join(holders)}")
+        kinds = {p.kind for p in model.pools(self.dtype)}
+        fixed, by = d.block_tokens(kinds)
+        n = self.block_tokens(model)
+        if by is not None:
+            require(n == fixed, f"{self.name}.tokens_per_block", n,
+                    f"{d.engine} ({value}) stores {model.name}'s {by} keys in blocks of {fixed} tokens; "
+                    f"use {fixed}, or leave it unset")
+        require(d.block_rule.allows(n), f"{self.name}.tokens_per_block", n,
+                f"{d.engine} ({value}) takes block sizes that are {d.block_rule.text}")
+
     def validate_for(self, model: ModelSpec) -> None:
         """Check what depends on the model; raises ConfigError naming the field before anything is allocated."""
+        self.validate_layout(model)
         n = model.num_layers
         require(self.pp <= n, f"{self.name}.pp", self.pp, f"{model.name} has {n} layers; use pp <= {n}")
         if self.layer_split is not None:

@@ -54,13 +54,13 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
     # a head split the specs cannot make would silently leave heads out of the cover
     ctx.validate_for(model)
     gen.validate_for(model)
-    tile = wire_tile(ctx, gen)
     segments = []
     for g_tp_pp in range(gen.pp * gen.tp):
         dst = req.gen_dp * gen.pp * gen.tp + g_tp_pp
         g = gen.coord(dst)
         for gp in CacheState(model, gen, dst).pools():
             spec = gp.spec
+            tile = wire_tile(ctx, gen, model, spec)  # per pool: one token where a side splits token rows
             t0 = window_start(spec, req.isl, tile)
             if window_trim and spec.window:
                 t0 = min(req.isl - 1, max(0, req.isl - spec.window + 1) + window_trim)

@@ -7,23 +7,46 @@ difference the transfer cannot bridge on both sides before any byte moves.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
+import torch
+
+from kvlab.engine_layouts import LAYOUTS, EngineLayout, Layout
 from kvlab.errors import ConfigError
-from kvlab.parallel import Layout, RankCoord, SideSpec
+from kvlab.parallel import RankCoord, SideSpec
 from kvlab.spec import ModelSpec, PoolSpec
 
 
 @dataclass(frozen=True)
+class CompStrides:
+    """Where component ``c`` of a pool lies: byte ``x`` of the row of (block b, held layer l, held head h,
+    token n of the block) is at ``offset + b*block + l*layer + h*head + n*token + x``."""
+
+    offset: int
+    block: int
+    layer: int
+    head: int
+    token: int
+    row: int
+
+    @property
+    def token_runs(self) -> bool:
+        """Whether a head's consecutive token rows lie back to back (a run may hold several tokens)."""
+        return self.token == self.row
+
+
+@dataclass(frozen=True)
 class RankPool:
-    """The part of a pool one rank holds, and its memory strides inside one (block, layer)."""
+    """The part of a pool one rank holds, and where its bytes lie: the layout's order of the dims block,
+    layer, component, head and token (kvlab.engine_layouts), made strides by ``comp_strides``."""
 
     spec: PoolSpec
     layers: range  # pool-local layer indices held by the rank (contiguous)
     heads: range  # global head ids held by the rank
     tokens_per_block: int
-    layout: Layout
+    layout: Layout | EngineLayout
 
     @property
     def name(self) -> str:
@@ -34,26 +57,67 @@ class RankPool:
         return self.spec.comp_row_bytes()
 
     @property
+    def order(self) -> str:
+        """The memory order of this pool's dims, outermost first (the row's bytes innermost)."""
+        return LAYOUTS[self.layout.value].order(str(getattr(self.spec.kind, "value", self.spec.kind)))
+
+    @property
     def block_layer_bytes(self) -> int:
         """Bytes of one block of one layer: every component, every held head, every token row."""
         return self.tokens_per_block * len(self.heads) * sum(self.rows)
 
+    @functools.lru_cache(maxsize=256)  # noqa: B019 -- pools are few, frozen and live as long as the process
+    def comp_strides(self, num_blocks: int) -> tuple[CompStrides, ...]:
+        """Every component's strides in a pool tensor of ``num_blocks`` blocks, from the layout's order: walking
+        the dims from the innermost out, each dim's stride is what lies inside it; the components, of
+        different row sizes, sit one after the other where ``C`` stands."""
+        rows = self.rows
+        size = {"B": num_blocks, "L": len(self.layers), "H": len(self.heads), "N": self.tokens_per_block}
+        ext, off = list(rows), [0] * len(rows)
+        strides: list[dict[str, int]] = [{} for _ in rows]
+        for d in reversed(self.order):
+            if d == "C":
+                acc = 0
+                for c in range(len(rows)):
+                    off[c] += acc
+                    acc += ext[c]
+                ext = [acc] * len(rows)
+                continue
+            for c in range(len(rows)):
+                strides[c][d] = ext[c]
+                ext[c] *= size[d]
+        return tuple(CompStrides(off[c], s["B"], s["L"], s["H"], s["N"], rows[c]) for c, s in enumerate(strides))
+
+    @property
+    def token_runs(self) -> bool:
+        """Whether every component's token rows of one head lie back to back (kvlab.layout.runs may then hold
+        several tokens per run); a property of the layout and the held heads, not of the block count."""
+        return all(s.token_runs for s in self.comp_strides(1))
+
+    def strides(self, num_blocks: int) -> tuple[int, int]:
+        """(block stride, layer stride) of the first component, in bytes (every component's: ``comp_strides``)."""
+        s = self.comp_strides(num_blocks)[0]
+        return s.block, s.layer
+
     def comp_offsets(self) -> tuple[int, ...]:
-        """Byte offset of each component inside one (block, layer): [comp][head][token][row]."""
+        """Byte offset of each component inside one (block, layer) of a block-major or layer-major pool:
+        [comp][head][token][row] (any layout: ``comp_strides``)."""
         out, acc = [], 0
         for row in self.rows:
             out.append(acc)
             acc += len(self.heads) * self.tokens_per_block * row
         return tuple(out)
 
-    def strides(self, num_blocks: int) -> tuple[int, int]:
-        """(block stride, layer stride) in bytes for a pool tensor of ``num_blocks`` blocks."""
-        if self.layout == Layout.block_major:
-            return len(self.layers) * self.block_layer_bytes, self.block_layer_bytes
-        return self.block_layer_bytes, num_blocks * self.block_layer_bytes
-
     def pool_bytes(self, num_blocks: int) -> int:
         return num_blocks * len(self.layers) * self.block_layer_bytes
+
+    def block_views(self, storage: torch.Tensor, num_blocks: int, block: int) -> list[torch.Tensor]:
+        """All bytes of one block (every layer), one strided view [layers, heads, tokens, row] per component."""
+        out = []
+        for s in self.comp_strides(num_blocks):
+            out.append(storage.as_strided((len(self.layers), len(self.heads), self.tokens_per_block, s.row),
+                                          (s.layer, s.head, s.token, 1), s.offset + block * s.block))
+        return out
 
     def held_start(self, isl: int) -> int:
         """First token whose block this rank holds for a prompt of ``isl`` tokens (windows keep only their tail)."""
@@ -86,7 +150,7 @@ class CacheState:
             local = [i for i, g in enumerate(p.layers) if g in stage]
             if local:
                 out.append(RankPool(p, range(local[0], local[-1] + 1), self.side.head_range(p.heads, c.tp),
-                                    self.side.tokens_per_block, self.side.layout))
+                                    self.side.block_tokens(self.model), self.side.layout))
         return tuple(out)
 
     def pool(self, name: str) -> RankPool:
@@ -103,9 +167,22 @@ class CacheState:
         return d
 
 
-def wire_tile(ctx: SideSpec, gen: SideSpec) -> int:
-    """Tokens per wire tile: a tile never crosses a block on either side."""
-    return math.gcd(ctx.tokens_per_block, gen.tokens_per_block)
+def side_pool(model: ModelSpec, side: SideSpec, pool: PoolSpec) -> RankPool:
+    """``pool`` as the first TP rank of ``side`` holds it, all its layers: for shape questions (token runs,
+    strides per block) that hold for every rank of the side alike."""
+    return RankPool(pool, range(len(pool.layers)), side.head_range(pool.heads, 0), side.block_tokens(model),
+                    side.layout)
+
+
+def wire_tile(ctx: SideSpec, gen: SideSpec, model: ModelSpec | None = None, pool: PoolSpec | None = None) -> int:
+    """Tokens per wire tile: a tile never crosses a block on either side. For ``pool`` of ``model``, one token
+    where either side does not keep a head's token rows back to back (the NHD layouts, K and V interleaved):
+    both sides' runs are then single rows, cut alike, whatever the other side's layout."""
+    if model is None:
+        return math.gcd(ctx.tokens_per_block, gen.tokens_per_block)
+    if pool is not None and not (side_pool(model, ctx, pool).token_runs and side_pool(model, gen, pool).token_runs):
+        return 1
+    return math.gcd(ctx.block_tokens(model), gen.block_tokens(model))
 
 
 def check_compatible(a: dict, b: dict, names: tuple[str, str] = ("ctx", "gen")) -> None:

@@ -38,7 +38,7 @@ class _Template:
     unit: int  # bytes per row
     rows: torch.Tensor  # int64 [n]: pool row of each wire row if the rect's blocks were 0, 1, 2, ...
     block: torch.Tensor  # int64 [n]: block of each wire row, relative to the rect's first block
-    block_rows: int  # rows per block stride
+    block_rows: torch.Tensor  # int64 [n]: rows per block stride of each wire row's component
 
 
 def _shape(pool: RankPool, rect: Rect) -> tuple[Rect, int]:
@@ -51,23 +51,22 @@ def _shape(pool: RankPool, rect: Rect) -> tuple[Rect, int]:
 
 @functools.lru_cache(maxsize=64)  # a segment's chunks share one or two shapes; rows can be MiBs
 def _template(pool: RankPool, num_blocks: int, shape: Rect) -> _Template:
-    tpb, T = pool.tokens_per_block, shape.tile
+    tpb = pool.tokens_per_block
     n_blocks = (shape.t1 - 1) // tpb + 1
-    r = runs(pool, num_blocks, shape, torch.arange(n_blocks, dtype=torch.int64), 0)
-    # block of each run: runs come tile by tile, n_layers * components * heads per tile
-    u = torch.arange(shape.t0 // T, (shape.t1 - 1) // T + 1, dtype=torch.int64)
-    tile_block = torch.clamp(u * T, min=shape.t0) // tpb
-    per_tile = r.length.numel() // u.numel()
-    block = tile_block.repeat_interleave(per_tile)
-    bs = pool.strides(num_blocks)[0]
-    rel = r.mem - block * bs
-    unit = functools.reduce(math.gcd, torch.cat([r.length, rel]).unique().tolist(), bs)
+    ar = torch.arange(n_blocks, dtype=torch.int64)
+    # each run's block and its component's block stride, from where it lands for three block tables
+    # (the runs' count and order do not depend on the table; their strides differ by layout and component)
+    r = runs(pool, num_blocks, shape, ar, 0)
+    one = runs(pool, num_blocks, shape, ar + 1, 0).mem - r.mem  # the block stride of each run
+    block = (runs(pool, num_blocks, shape, 2 * ar + 1, 0).mem - r.mem - one) // torch.clamp(one, min=1)
+    rel = r.mem - block * one
+    unit = functools.reduce(math.gcd, torch.cat([r.length, rel, one]).unique().tolist())
     n = r.length // unit
     starts = torch.cumsum(n, 0) - n
     total = int(n.sum())
     within = torch.arange(total, dtype=torch.int64) - starts.repeat_interleave(n)
     rows = (rel // unit).repeat_interleave(n) + within
-    return _Template(unit, rows, block.repeat_interleave(n), bs // unit)
+    return _Template(unit, rows, block.repeat_interleave(n), (one // unit).repeat_interleave(n))
 
 
 def _rows(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, block_base: int

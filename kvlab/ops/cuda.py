@@ -247,7 +247,7 @@ def _check_cuda(pool_bytes: torch.Tensor, pool: RankPool, rect: Rect, block_ids:
     if block_ids.numel() < need:
         raise ValueError(f"block table has {block_ids.numel()} blocks, tokens [{rect.t0}, {rect.t1}) need {need}")
     ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
-    nruns = ntiles * rect.n_layers * len(pool.rows) * rect.n_heads
+    nruns = ntiles * rect.n_layers * len(pool.rows) * rect.n_heads * _sub_runs(pool, T)
     # pieces of a run may overshoot it by up to 15 bytes each: 2^30-byte runs keep their offsets in int
     if nruns > _INT_MAX or T * max(pool.rows) > 2**30 or tpb > _INT_MAX or len(pool.rows) > 2:
         raise ValueError(f"rect {rect} exceeds the kernel's limits (2^31 runs, 2^30-byte runs, 2 components)")
@@ -268,15 +268,15 @@ def _launch(pack_dir: bool, pool_bytes, pool, num_blocks, rect, block_ids, block
     k_pack, k_unpack, _ = _kernels(index, tuning)
     block_ids = block_ids.contiguous()
 
-    rows, coffs = pool.rows, pool.comp_offsets()
-    bs, ls = pool.strides(num_blocks)
+    rows = pool.rows
     T = rect.tile
+    S = _sub_runs(pool, T)
     ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
     warps = tuning.threads // 32
     if tuning.bulk:
-        work = ntiles * rect.n_layers * len(rows) * rect.n_heads  # the bulk kernels take whole runs
+        work = ntiles * rect.n_layers * len(rows) * rect.n_heads * S  # the bulk kernels take whole runs
     else:
-        work = _work_items(T, rows, rect.n_layers * rect.n_heads, ntiles, tuning.unroll)
+        work = _work_items(T if S == 1 else 1, rows, rect.n_layers * rect.n_heads * S, ntiles, tuning.unroll)
     # the kernel's item counter and its stride (all warps of the grid) stay below 2^32 together
     if work > _INT_MAX:
         raise ValueError(f"rect {rect} makes {work} work items, more than the kernel's 2^31")
@@ -287,7 +287,6 @@ def _launch(pack_dir: bool, pool_bytes, pool, num_blocks, rect, block_ids, block
     i32, i64 = np.int32, np.int64
     extra = (i32(tuning.stages), i32(tuning.piece)) if tuning.bulk else ()
     row1 = rows[1] if len(rows) > 1 else 0
-    coff1 = coffs[1] if len(coffs) > 1 else 0
     # a non-owning wrapper of torch's stream: cuda.core deprecates passing foreign stream objects to launch
     stream = Stream.from_handle(torch.cuda.current_stream(pool_bytes.device).cuda_stream)
     # pointers as Python ints (cuda.core passes them as pointers), every scalar with its C type
@@ -295,7 +294,22 @@ def _launch(pack_dir: bool, pool_bytes, pool, num_blocks, rect, block_ids, block
            pool_bytes.data_ptr(), buf.data_ptr(), block_ids.data_ptr(), i32(block_ids.element_size()),
            i64(num_blocks), i64(block_base), i32(pool.tokens_per_block), i32(T), i64(rect.t0), i64(rect.t1),
            i32(rect.l0 - pool.layers.start), i32(rect.n_layers), i32(rect.h0 - pool.heads.start), i32(rect.n_heads),
-           i32(len(rows)), i32(rows[0]), i32(row1), i64(coffs[0]), i64(coff1), i64(bs), i64(ls), *extra)
+           i32(len(rows)), i32(rows[0]), i32(row1), i32(S), *_comp_params(pool, num_blocks), *extra)
+
+
+def _sub_runs(*pools_and_tile) -> int:
+    """Runs per (tile, layer, component, head) in the kernels: 1 where every pool keeps a head's token rows
+    back to back, else the tile's rows one by one (kvlab.layout.runs)."""
+    *pools, T = pools_and_tile
+    return 1 if all(p.token_runs for p in pools) else T
+
+
+def _comp_params(pool: RankPool, num_blocks: int) -> tuple:
+    """off0, off1, bs0, bs1, ls0, ls1, hs0, hs1, ns0, ns1: both components' strides (RankPool.comp_strides;
+    zeros for a pool of one component), as ``Runs`` in kernels/kv_copy.cu takes them."""
+    s = pool.comp_strides(num_blocks)
+    two = (s[0], s[1] if len(s) > 1 else s[0])
+    return tuple(np.int64(getattr(x, f)) for f in ("offset", "block", "layer", "head", "token") for x in two)
 
 
 def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *, ctas: int = DEFAULT_CTAS,
@@ -331,13 +345,10 @@ def _rect_kernel(index: int, tuning: Tuning):
 
 
 def _side(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, block_base: int) -> tuple:
-    """One side's kernel parameters (``Side`` in kernels/run_copy.cu)."""
+    """One side's kernel parameters (``RUN_AT`` in kernels/run_copy.cu)."""
     i32, i64 = np.int32, np.int64
-    bs, ls = pool.strides(num_blocks)
-    coffs = pool.comp_offsets()
     return (block_ids.data_ptr(), i32(block_ids.dtype == torch.int64), i32(pool.tokens_per_block), i64(block_base),
-            i64(bs), i64(ls), i64(coffs[0]), i64(coffs[1] if len(coffs) > 1 else 0),
-            i32(rect.l0 - pool.layers.start), i32(rect.h0 - pool.heads.start))
+            *_comp_params(pool, num_blocks), i32(rect.l0 - pool.layers.start), i32(rect.h0 - pool.heads.start))
 
 
 def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool, dst_num_blocks, dst_ids,
@@ -356,9 +367,12 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     if not (src_ids.is_contiguous() and dst_ids.is_contiguous()):
         raise ValueError("copy_rect needs contiguous block tables")
     T = rect.tile
+    S = _sub_runs(src_pool, dst_pool, T)
     ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
     rows = src_pool.rows
-    nruns = ntiles * rect.n_layers * len(rows) * rect.n_heads
+    nruns = ntiles * rect.n_layers * len(rows) * rect.n_heads * S
+    if nruns > _INT_MAX:
+        raise ValueError(f"rect {rect} makes {nruns} runs, more than the rectangle copy's 2^31")
     if rect.n_tokens <= 0:
         return
     # the kernel indexes tokens with int too (_check_cuda bounds the runs and their lengths)
@@ -376,7 +390,7 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
            *_side(src_pool, src_num_blocks, rect, src_ids, src_base),
            *_side(dst_pool, dst_num_blocks, rect, dst_ids, dst_base),
            i32(T), i64(rect.t0), i64(rect.t1), i32(rect.n_layers), i32(rect.n_heads), i32(len(rows)), i32(rows[0]),
-           i32(rows[1] if len(rows) > 1 else 0), i64(nruns))
+           i32(rows[1] if len(rows) > 1 else 0), i32(S), i64(nruns))
 
 
 @cache

@@ -58,11 +58,23 @@ def check_rect_pair(src_bytes: torch.Tensor, src_pool: RankPool, src_num_blocks:
                              f"{pool.tokens_per_block}")
 
 
+def _wire_bytes(r: Runs) -> torch.Tensor:
+    """The memory index of every byte of the runs, in wire order (runs come in wire order, back to back)."""
+    start = torch.repeat_interleave(r.mem, r.length)
+    within = torch.arange(start.numel(), device=start.device) - torch.repeat_interleave(
+        torch.cumsum(r.length, 0) - r.length, r.length)
+    return start + within
+
+
 def copy_runs(src_bytes: torch.Tensor, src: Runs, dst_bytes: torch.Tensor, dst: Runs) -> None:
-    """Run ``i`` of ``src`` into run ``i`` of ``dst``: one rectangle straight from one pool into another
-    (the runs of one rectangle have the same wire offsets and lengths in every layout)."""
-    if not (torch.equal(src.wire, dst.wire) and torch.equal(src.length, dst.length)):
+    """The wire bytes of ``src`` into the same wire bytes of ``dst``: one rectangle straight from one pool into
+    another. Runs of one rectangle share wire offsets and lengths where both layouts keep token rows
+    together; where one cuts them into single rows, the bytes are matched by wire offset."""
+    if int(src.length.sum()) != int(dst.length.sum()):
         raise ValueError("copy_runs: the two sides' runs are not of one rectangle")
+    if not (torch.equal(src.wire, dst.wire) and torch.equal(src.length, dst.length)):
+        dst_bytes.index_copy_(0, _wire_bytes(dst), src_bytes.index_select(0, _wire_bytes(src)))
+        return
     for (src_mem, _), (dst_mem, _) in zip(_byte_index(src), _byte_index(dst)):  # equal lengths: equal groups
         dst_bytes.index_copy_(0, dst_mem, src_bytes.index_select(0, src_mem))
 
