@@ -217,7 +217,7 @@ def test_flipped_bytes_are_caught_and_located(overrides, flip_rank, want, tmp_pa
         lines = rows[c.request]["error"].split("; ")
         assert len(lines) == 1, lines  # caught once, by the gen rank the message was for
         m = re.fullmatch(r"request (\d+): (\d+) wrong bytes from ctx(\d+), first at pool (\w+) layer (\d+) "
-                         r"component (\d+) head (\d+) token (\d+) byte (\d+)", lines[0])
+                         r"component (\d+) head (\d+) token (\d+) byte (\d+) \(block \d+\)", lines[0])
         assert m, lines[0]
         got = dict(zip(("pool", "layer", "component", "head", "token", "byte"),
                        [m.group(4)] + [int(x) for x in m.groups()[4:]]))
