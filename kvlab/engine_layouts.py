@@ -92,6 +92,7 @@ class LayoutDef:
     default_tpb: int = 32
     fixed_tpb: dict[str, int] = field(default_factory=dict)
     block_rule: BlockRule = ANY_BLOCK
+    kind_shapes: dict[str, str] = field(default_factory=dict)  # the shapes of kinds other than K and V
 
     def __post_init__(self):
         for kind, order in self.orders.items():
@@ -100,6 +101,9 @@ class LayoutDef:
 
     def order(self, kind: str) -> str:
         return self.orders.get(kind, self.orders["*"])
+
+    def shape_of(self, kind: str) -> str:
+        return self.kind_shapes.get(kind, self.shape)
 
     def holds(self, kind: str) -> bool:
         return self.kinds is None or kind in self.kinds
@@ -114,23 +118,29 @@ class LayoutDef:
 
 _VLLM_MLA = "LBCNH"  # [blocks, block_size, 576]: one component, one head
 _KV_DSA = {"indexer": 64}  # DeepSeek-V3.2's indexer keys: blocks of 64 tokens in vLLM, SGLang and TensorRT-LLM
+_VLLM_SHAPES = {"mla": "per layer [blocks, block_size, 576]", "indexer": "per layer [blocks, block_size*132]"}
 
 LAYOUTS: dict[str, LayoutDef] = {d.name: d for d in (
     LayoutDef("block_major", "kvlab", {"*": "BLCHN"}, "[blocks, layers, components, H, block, row]"),
     LayoutDef("layer_major", "kvlab", {"*": "LBCHN"}, "per layer [blocks, components, H, block, row]"),
     LayoutDef("vllm_lbnhc", "vLLM", {"kv": "LCBNH", "mla": _VLLM_MLA, "indexer": "LBCNH", "*": "LCBNH"},
-              "per layer [2, blocks, block_size, H, D]", ("kv", "mla", "indexer"), 16, _KV_DSA),
+              "per layer [2, blocks, block_size, H, D]", ("kv", "mla", "indexer"), 16, _KV_DSA,
+              kind_shapes=_VLLM_SHAPES),
     LayoutDef("vllm_lbhnc", "vLLM", {"kv": "LCBHN", "mla": _VLLM_MLA, "indexer": "LBCNH", "*": "LCBHN"},
-              "per layer [2, blocks, H, block_size, D]", ("kv", "mla", "indexer"), 16, _KV_DSA),
+              "per layer [2, blocks, H, block_size, D]", ("kv", "mla", "indexer"), 16, _KV_DSA,
+              kind_shapes=_VLLM_SHAPES),
     LayoutDef("vllm_flash", "vLLM's FlashAttention backend", {"*": "LBHNC"},
               "per layer [blocks, H, block_size, 2*D]", ("kv",), 16,
               block_rule=BlockRule("a multiple of 16", "multiple", 16)),
     LayoutDef("flashinfer_nhd", "FlashInfer", {"*": "LBCNH"}, "per layer [pages, 2, page_size, H, D]", ("kv",), 16),
     LayoutDef("flashinfer_hnd", "FlashInfer", {"*": "LBCHN"}, "per layer [pages, 2, H, page_size, D]", ("kv",), 16),
     LayoutDef("sglang", "SGLang", {"kv": "LCBNH", "mla": _VLLM_MLA, "indexer": "LBCNH", "*": "LCBNH"},
-              "per layer k_buffer, v_buffer [slots, H, D]", ("kv", "mla", "indexer"), 1, _KV_DSA),
+              "per layer k_buffer, v_buffer [slots, H, D]", ("kv", "mla", "indexer"), 1, _KV_DSA,
+              kind_shapes={"mla": "per layer [slots, 1, 576]", "indexer": "per layer (pages, page_size*132)"}),
     LayoutDef("trtllm", "TensorRT-LLM", {"*": "BLCHN"}, "{blocks, layers, kvFactor, H*tokens_per_block*D}",
-              ("kv", "mla", "indexer"), 32, _KV_DSA, BlockRule("a power of two", "power_of_two")),
+              ("kv", "mla", "indexer"), 32, _KV_DSA, BlockRule("a power of two", "power_of_two"),
+              {"mla": "{blocks, layers, 1, tokens_per_block*576}",
+               "indexer": "{blocks, layers, 1, tokens_per_block*132}"}),
 )}
 
 NAMES = tuple(LAYOUTS)

@@ -24,9 +24,11 @@ from rich.table import Table
 from kvlab import budget, devices
 from kvlab.config import CONF_DIR, Setup, build
 from kvlab.cost import predict
+from kvlab.engine_layouts import LAYOUTS
 from kvlab.errors import ConfigError
 from kvlab.plan import plan
 from kvlab.schedule import schedule
+from kvlab.state import wire_tile
 from kvlab.workload import plan_requests
 
 
@@ -46,8 +48,9 @@ def summarize(setup: Setup) -> dict:
             p["chunks"] += 1
             p["max_chunk_bytes"] = max(p["max_chunk_bytes"], c.nbytes)
             p["in_place_chunks"] += int(c.ctx_in_place and c.gen_in_place)
+    layouts = {side.name: f"{side.layout.value}/{side.tokens_per_block}" for side in (setup.ctx, setup.gen)}
     rows = [{"src": s, "dst": d, "src_world": setup.world_rank("ctx", s), "dst_world": setup.world_rank("gen", d),
-             **v} for (s, d), v in sorted(pairs.items())]
+             "ctx_layout": layouts["ctx"], "gen_layout": layouts["gen"], **v} for (s, d), v in sorted(pairs.items())]
     return {
         "model": setup.model.name,
         "isl": setup.workload.isl,
@@ -58,12 +61,23 @@ def summarize(setup: Setup) -> dict:
         "transport": setup.transport.name,
         # why transport=auto picked it (empty when named); whether this host can place it: hydra_main
         "transport_why": setup.transport.auto,
-        "ctx": {"tp": setup.ctx.tp, "pp": setup.ctx.pp, "dp": setup.ctx.dp},
-        "gen": {"tp": setup.gen.tp, "pp": setup.gen.pp, "dp": setup.gen.dp},
+        "ctx": side_summary(setup, setup.ctx),
+        "gen": side_summary(setup, setup.gen),
         "pairs": rows,
         "total_bytes": sum(r["bytes"] for r in rows),
         "total_chunks": sum(r["chunks"] for r in rows),
     }
+
+
+def side_summary(setup: Setup, side) -> dict:
+    """A side's parallelism and cache layout: the layout, the engine it is, the block size, the engine's own
+    tensor shape, and per pool the wire tile (1 where a side keeps a head's token rows apart)."""
+    d = LAYOUTS[side.layout.value]
+    pools = setup.model.pools(side.dtype)
+    return {"tp": side.tp, "pp": side.pp, "dp": side.dp, "layout": side.layout.value, "engine": d.engine,
+            "tokens_per_block": side.tokens_per_block,
+            "shape": {p.name: d.shape_of(str(getattr(p.kind, "value", p.kind))) for p in pools},
+            "wire_tile": {p.name: wire_tile(setup.ctx, setup.gen, setup.model, p) for p in pools}}
 
 
 def predicted(setup: Setup) -> dict:
@@ -96,15 +110,23 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
         f"chunks not cut by size ({summary.get('transport', 'the transport')} pulls)"
     t = Table(title=f"kvlab plan: {summary['model']}, {summary['isl']} tokens x {summary['requests']} request(s), "
                     f"{summary['strategy']}, {cut}")
-    for col in ("ctx rank", "gen rank", "MiB", "segments", "chunks", "largest chunk MiB"):
+    for col in ("ctx rank", "gen rank", "ctx layout/tpb", "gen layout/tpb", "MiB", "segments", "chunks",
+                "in place", "largest chunk MiB"):
         t.add_column(col, justify="right")
     for r in summary["pairs"]:
-        t.add_row(f"ctx{r['src']}", f"gen{r['dst']}", _mib(r["bytes"]), str(r["segments"]), str(r["chunks"]),
+        t.add_row(f"ctx{r['src']}", f"gen{r['dst']}", r.get("ctx_layout", ""), r.get("gen_layout", ""),
+                  _mib(r["bytes"]), str(r["segments"]), str(r["chunks"]), str(r.get("in_place_chunks", "")),
                   _mib(r["max_chunk_bytes"]))
     t.add_section()
-    t.add_row("total", "", _mib(summary["total_bytes"]), str(sum(r["segments"] for r in summary["pairs"])),
-              str(summary["total_chunks"]), "")
+    t.add_row("total", "", "", "", _mib(summary["total_bytes"]), str(sum(r["segments"] for r in summary["pairs"])),
+              str(summary["total_chunks"]), str(sum(r.get("in_place_chunks", 0) for r in summary["pairs"])), "")
     console.print(t)
+    for name in ("ctx", "gen"):
+        side = summary.get(name, {})
+        if "layout" in side:  # one line per side, for whoever greps it
+            pools = "; ".join(f"{p}: {side['shape'][p]}, wire tile {n}" for p, n in side["wire_tile"].items())
+            console.print(f"{name} layout: {side['layout']} ({side['engine']}), {side['tokens_per_block']} tokens "
+                          f"per block; {pools}", soft_wrap=True, markup=False)
     if "transport" in summary:
         console.print(f"transport: {summary['transport']} ({summary.get('transport_why') or 'as named'})",
                       soft_wrap=True, markup=False)  # one line, for whoever greps it

@@ -344,3 +344,16 @@ def test_zero_copy_only_where_both_sides_hold_the_wire_order():
     errors, chunks, in_place = move(one_layer, flash, replace(flash, name="gen"), 64, "zerocopy", slot=2048)
     assert errors == [] and all(c.ctx_in_place and c.gen_in_place and c.rect.tile == 1 for c in chunks)
     assert in_place == len(chunks) > 0
+
+
+def test_kvlab_plan_names_each_pairs_layouts_and_each_pools_wire_tile():
+    from kvlab.config import build, compose
+    from kvlab.plan_cmd import summarize
+
+    setup = build(compose(["model=deepseek_v32", "ctx.layout=vllm_lbnhc", "gen.layout=trtllm", "ctx.tp=2"]))
+    s = summarize(setup)
+    assert {(r["ctx_layout"], r["gen_layout"]) for r in s["pairs"]} == {("vllm_lbnhc/64", "trtllm/64")}
+    assert s["gen"]["shape"]["mla"] == "{blocks, layers, 1, tokens_per_block*576}"
+    assert s["ctx"]["wire_tile"] == {"mla": 64, "indexer": 64}
+    setup = build(compose(["model=llama3_8b", "ctx.layout=vllm_lbnhc", "gen.layout=flashinfer_hnd"]))
+    assert summarize(setup)["gen"]["wire_tile"] == {"kv": 1}
