@@ -21,6 +21,7 @@ COMMANDS = {
     "plan": "what a setup would move per (ctx rank -> gen rank), its predicted time and memory; writes plan.json",
     "run": "start the ranks, move and verify every request's KV cache; results in the run directory",
     "link": "the link curve of the setup's own ranks and transport over message sizes, as nccl-tests prints it",
+    "sim": "a fleet of prefill and decode instances simulated on the plan; kvlab sim calibrate RUN... fits its terms",
 }
 GROUPS = ("model", "transfer", "transport", "workload", "prefill", "logger", "parallel", "experiment", "cost")
 HELP = """usage: kvlab <command> [-m] [key=value ...]
@@ -328,6 +329,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] not in COMMANDS:
         what = "no such option" if argv[0].startswith("-") else "no such command"
         _fail(f"{argv[0]}: {what}; use one of {', '.join(COMMANDS)} (kvlab --help says what each does)")
+    if argv[0] == "sim":  # its own Hydra app (conf/sim.yaml) and its calibrate subcommand
+        from kvlab.sim.cmd import main as sim_main
+
+        return sim_main(argv[1:])
     from kvlab import interrupt, rundir
 
     command, rest = argv[0], argv[1:]

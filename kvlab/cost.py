@@ -177,7 +177,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     copies itself, one after the other, shared with the ranks on the same core; on GPUs
     copies queue on the rank's stream and only the copy engine and the window order them.
     """
-    rates = rates or setup.cost.rates(backend or pair_backend(setup))
+    rates = rates or setup.cost.rates_for(backend or pair_backend(setup), setup.transport.name)
     reqs = as_requests(setup, requests)
     by_id = {r.id: r for r in reqs}
     strategy = setup.transfer.strategy

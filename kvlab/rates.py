@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from kvlab.errors import ConfigError, require
+from kvlab.sim_terms import Fitted
 
 MiB = 2**20
 
@@ -109,8 +111,10 @@ class CostSpec:
     devices: int | None = None
     host_us: float | None = None
     blocking: bool | None = None
+    fitted: Any = None  # a calibrated profile's terms (kvlab.sim_terms; written by kvlab sim calibrate)
 
     def __post_init__(self):
+        object.__setattr__(self, "fitted", Fitted.of(self.fitted))
         for name in ("link_mib", "link_gbps"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
@@ -127,9 +131,24 @@ class CostSpec:
     @property
     def overrides(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "profile" and getattr(self, f.name) is not None}
+                if f.name not in ("profile", "fitted") and getattr(self, f.name) is not None}
 
     def rates(self, backend: str) -> CostRates:
         """The rates for a run whose pairs talk over ``backend`` (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``)."""
         profile = self.profile if self.profile != "auto" else ("h200" if "nccl" in backend else "cpu")
         return replace(PROFILES[profile], **self.overrides)
+
+    def rates_for(self, backend: str, transport: str) -> CostRates:
+        """``rates``, or where the profile holds fitted terms for ``transport``, those terms as rates: a chunk
+        costs ``piece_us`` plus its bytes at ``byte_ns``, staged bytes ``staged_byte_ns`` more (split between
+        pack and unpack), on a device of its own per rank."""
+        base = self.rates(backend)
+        if self.fitted is None or transport not in self.fitted.transports:
+            return base
+        t = self.fitted.transports[transport]
+        n = 16 * MiB
+        wire_s = t.piece_us * 1e-6 + n * max(t.byte_ns, 1e-6) * 1e-9
+        copy = 4.0 / t.staged_byte_ns if t.staged_byte_ns else 1e9
+        return replace(base, profile=f"{self.profile} (fitted, {transport})", alpha_us=t.piece_us,
+                       link_mib=(16.0,), link_gbps=(n / wire_s / 1e9,), copy_gbps=copy, copy_efficiency=1.0,
+                       copy_gbps_per_cta=0.0, devices=0, host_us=0.0, blocking=False)

@@ -1,0 +1,136 @@
+"""``kvlab sim``: a fleet of prefill and decode instances, simulated; ``kvlab sim calibrate RUN...``: its terms.
+
+``kvlab sim [key=value ...]`` is a Hydra app on ``conf/sim.yaml`` (kvlab run's groups, ``cluster=`` and the
+``sim.*`` keys; ``-m`` sweeps, e.g. over ``sim.rate``, ``cluster.ctx_instances`` and ``transfer``). It prints
+the percentiles and the fleet's figures and writes ``summary.json`` (kvlab.sim.report.TABLE's figures) and
+``requests.jsonl`` into its run directory; ``sim.search=true`` first searches the highest rate meeting the
+SLOs (``search.json``) and reports the fleet at that rate.
+
+``kvlab sim calibrate RUN... [--name NAME] [--base cpu|h200] [--out PATH]`` fits the terms
+(kvlab.sim.calibrate), prints each run's measured and predicted figures and writes the profile
+``conf/cost/NAME.yaml`` (or PATH), which ``cost=NAME`` then gives kvlab sim, kvlab plan and kvlab run's
+``predicted_s``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from kvlab.config import CONF_DIR
+from kvlab.errors import ConfigError
+from kvlab.sim import report
+from kvlab.sim.run import build_sim, compose_sim, max_rate, run
+
+
+def _print_result(s, r) -> None:
+    c = s.cluster
+    print(f"kvlab sim: {s.setup.model.name}, {s.setup.transfer.strategy.name} over {s.setup.transport.name} "
+          f"(terms: {s.terms_name}), {c.ctx_instances} ctx x {s.setup.ctx.size} GPUs -> {c.gen_instances} gen x "
+          f"{s.setup.gen.size} GPUs, {r.summary['requests']} requests"
+          + (f" at {s.sim.rate:g} req/s" if s.sim.rate else ""))
+    for line in report.lines(r.summary, s.sim.percentiles):
+        print(line)
+    print(f"plan table {r.table_s:.2f} s; event loop {r.outcome.wall_s:.2f} s, {r.outcome.events:,} events, "
+          f"{r.outcome.events / max(r.outcome.wall_s, 1e-9):,.0f} events/s")
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="sim", version_base=None)
+def hydra_main(cfg: DictConfig) -> None:
+    import dataclasses
+
+    s = build_sim(cfg)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if s.sim.search:
+        found = max_rate(s)
+        (out / "search.json").write_text(json.dumps(found, indent=2))
+        print(f"highest rate with {s.sim.target:.0%} of requests within the SLOs: "
+              + (f"{found['max_rate']:.3g} req/s" if found["max_rate"] else "none in the searched range")
+              + f" ({len(found['tried'])} rates tried)")
+        if found["max_rate"]:
+            s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, rate=found["max_rate"]))
+    r = run(s)
+    if s.sim.search:
+        r.summary["max_rate"] = s.sim.rate
+    _print_result(s, r)
+    (out / "summary.json").write_text(json.dumps(r.summary, indent=1))
+    if s.sim.write_requests:
+        with open(out / "requests.jsonl", "w") as f:
+            for row in report.rows(r.outcome, s.sim.slo):
+                f.write(json.dumps(row) + "\n")
+    print(f"results in {out}")
+
+
+def _check(overrides: list[str], multirun: bool) -> str | None:
+    """None if every job composes into a valid simulation, else one line."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        jobs = [overrides]
+        if multirun:
+            parsed = OverridesParser.create().parse_overrides(overrides)
+            jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+        for job in jobs:
+            build_sim(compose_sim(job))
+    except ConfigError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - Hydra's composition errors, on one line
+        return " ".join(str(e).split())
+    return None
+
+
+def calibrate_main(argv: list[str]) -> None:
+    from kvlab.sim import calibrate
+
+    p = argparse.ArgumentParser(prog="kvlab sim calibrate", description="fit kvlab sim's transfer and prefill terms "
+                                "to runs' records and write a cost profile")
+    p.add_argument("runs", nargs="+", help="run directories, or results .json files (FILE.json#name,name)")
+    p.add_argument("--name", default="fitted", help="profile name: conf/cost/NAME.yaml, used as cost=NAME")
+    p.add_argument("--base", default="cpu", choices=("cpu", "h200"), help="base rates for what has no fitted terms")
+    p.add_argument("--out", default=None, help="where to write the profile (default conf/cost/NAME.yaml)")
+    p.add_argument("--report", default=None, help="also write each run's figures and errors to this JSON file")
+    a = p.parse_args(argv)
+    try:
+        fitted, rep = calibrate.calibrate(a.runs)
+    except ConfigError as e:
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    for line in calibrate.table_lines(rep):
+        print(line)
+    for name, t in sorted(fitted.transports.items()):
+        print(f"{name}: byte_ns {t.byte_ns:.4g}, staged_byte_ns {t.staged_byte_ns:.4g}, piece_us {t.piece_us:.4g}, "
+              f"rtt_us {t.rtt_us:.4g}, host_wait {t.host_wait:.3g}, prefill_slowdown {t.prefill_slowdown:.3g}")
+    pre = fitted.prefill
+    print(f"prefill: scale {pre.scale:.4g}, byte_ns {pre.byte_ns:.4g}, fixed_ms {pre.fixed_ms:.4g}")
+    out = Path(a.out) if a.out else CONF_DIR / "cost" / f"{a.name}.yaml"
+    calibrate.write_profile(out, fitted, a.base, rep)
+    if a.report:
+        Path(a.report).write_text(json.dumps(rep, indent=1))
+    print(f"profile written to {out} (cost={out.stem})")
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["calibrate"]:
+        return calibrate_main(argv[1:])
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    only_looks = any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or a.startswith("--cfg")
+                     for a in argv)
+    overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.startswith("hydra.")]
+    if not only_looks:
+        problem = _check(overrides, multirun)
+        if problem:
+            print(f"kvlab: error: {problem}", file=sys.stderr)
+            raise SystemExit(2)
+    sys.argv = ["kvlab sim", *argv]
+    try:
+        hydra_main()
+    except ConfigError as e:
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

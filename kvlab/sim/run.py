@@ -1,0 +1,183 @@
+"""One simulation from a composed config: the typed setup, the requests, the plan table, the outcome.
+
+The config is kvlab run's (every group: model, ``ctx.*``/``gen.*`` for each instance's layout, transfer,
+transport, workload, prefill, cost) plus ``cluster`` (kvlab.sim.cluster.ClusterSpec) and ``sim``
+(``SimSpec``). The cost group must hold fitted terms (kvlab.sim_terms: ``kvlab sim calibrate`` writes them);
+``sim.terms`` names whose terms cost the transfers when they are not the transport's own (e.g. terms measured
+with ``ipc`` on one GPU, applied across NICs where the NIC's rate bounds them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from kvlab import traces
+from kvlab.checks import check_config
+from kvlab.config import CONF_DIR, Config, Setup, build, schema
+from kvlab.errors import ConfigError, require
+from kvlab.sim import plans, report
+from kvlab.sim.cluster import ClusterSpec, SimSpec
+from kvlab.sim.engine import Outcome, simulate
+from kvlab.sim_terms import PrefillTerms, TransportTerms
+from kvlab.workload import make_requests
+
+SIM_KEYS = ("cluster", "sim")
+
+
+def _sim_schema() -> type:
+    base = [(f.name, f.type, f) for f in dataclasses.fields(Config)]
+    extra = [("cluster", schema(ClusterSpec), field(default_factory=schema(ClusterSpec))),
+             ("sim", schema(SimSpec), field(default_factory=schema(SimSpec)))]
+    return dataclasses.make_dataclass("SimConfig", [(n, t, f) for n, t, f in base] + extra,
+                                      namespace={"__doc__": "Hydra schema of kvlab sim's config"})
+
+
+SimConfig = _sim_schema()
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_sim", node=SimConfig)
+
+
+register()
+
+
+def _typed(spec: type, node: Any, where: str):
+    """``spec`` from a plain mapping, nested specs first (their own checks name the field)."""
+    if node is None:
+        return None
+    hints = typing.get_type_hints(spec)
+    values = {}
+    for f in dataclasses.fields(spec):
+        if f.name not in node:
+            continue
+        v, tp = node[f.name], hints[f.name]
+        if dataclasses.is_dataclass(tp) and isinstance(v, dict):
+            v = _typed(tp, v, f"{where}.{f.name}")
+        if isinstance(v, list):
+            v = tuple(v)
+        values[f.name] = v
+    return spec(**values)
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    setup: Setup
+    cluster: ClusterSpec
+    sim: SimSpec
+    terms: TransportTerms
+    prefill: PrefillTerms
+    terms_name: str
+
+
+def build_sim(cfg: DictConfig) -> SimSetup:
+    """The typed, checked setup; raises ConfigError (one line) before anything is simulated."""
+    check_config(cfg, SimConfig)
+    base = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k not in SIM_KEYS])
+    setup = build(base)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    cluster = _typed(ClusterSpec, plain.get("cluster") or {}, "cluster")
+    sim = _typed(SimSpec, plain.get("sim") or {}, "sim")
+    ctx_gpus, gen_gpus = setup.ctx.size, setup.gen.size
+    cluster.check_links(ctx_gpus, gen_gpus)
+    fitted = setup.cost.fitted
+    if fitted is None:
+        raise ConfigError("cost", setup.cost.profile, "holds no fitted terms; kvlab sim costs transfers with "
+                          "calibrated ones: use cost=cpu_fit or cost=h200_ipc_fit, or write a profile with kvlab sim "
+                          "calibrate RUN_DIRS...")
+    name = sim.terms or setup.transport.name
+    terms = fitted.terms(name, setup.cost.profile)
+    return SimSetup(setup, cluster, sim, terms, fitted.prefill, name)
+
+
+def compose_sim(overrides=()) -> DictConfig:
+    from kvlab.config import compose
+
+    return compose(list(overrides), config_name="sim")
+
+
+def requests(s: SimSetup) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(arrival, prompt, output) of the workload, arrival order; ``sim.rate`` sets a Poisson rate or rescales a
+    trace to that mean rate."""
+    w = s.setup.workload
+    if s.sim.rate is not None:
+        if w.arrival == "trace":
+            rows = traces.read(w.trace)[:w.requests]
+            span = rows[-1].arrival_s - rows[0].arrival_s
+            require(span > 0, "sim.rate", s.sim.rate, f"the trace's first {len(rows)} requests arrive at one instant; "
+                    "raise workload.requests or use workload.arrival=poisson")
+            native = (len(rows) - 1) / span
+            w = dataclasses.replace(w, time_scale=native / s.sim.rate)
+        else:
+            w = dataclasses.replace(w, arrival="poisson", rate=s.sim.rate)
+    setup = dataclasses.replace(s.setup, workload=w) if w is not s.setup.workload else s.setup
+    reqs = make_requests(setup)
+    osl = [r.osl for r in reqs]
+    if s.sim.decode and any(o is None for o in osl):
+        raise ConfigError("workload.osl", None, "kvlab sim decodes every request: give workload.osl=<tokens>, or a "
+                          "trace with output lengths (workload=mooncake)")
+    return (np.array([r.arrival_s for r in reqs]), np.array([r.isl for r in reqs], dtype=float),
+            np.array([o or 0 for o in osl], dtype=float))
+
+
+@dataclass
+class Result:
+    outcome: Outcome
+    summary: dict
+    table_s: float  # wall seconds building the plan table
+
+
+def run(s: SimSetup, arrival=None, isl=None, osl=None, table: plans.PlanTable | None = None) -> Result:
+    import time
+
+    if arrival is None:
+        arrival, isl, osl = requests(s)
+    t0 = time.perf_counter()
+    table = table or plans.build(s.setup, isl)
+    t_table = time.perf_counter() - t0
+    o = simulate(s.setup, s.cluster, s.terms, s.prefill, table, arrival, isl, osl, decode=s.sim.decode)
+    summary = report.summarize(o, s.sim.slo, s.sim.percentiles)
+    summary.update(plan_table_s=t_table, terms=s.terms_name, strategy=s.setup.transfer.strategy.name,
+                   transport=s.setup.transport.name, model=s.setup.model.name,
+                   ctx_instances=s.cluster.ctx_instances, gen_instances=s.cluster.gen_instances,
+                   ctx_gpus=s.cluster.ctx_instances * s.setup.ctx.size,
+                   gen_gpus=s.cluster.gen_instances * s.setup.gen.size,
+                   rate=s.sim.rate, slo={"ttft_ms": s.sim.slo.ttft_ms, "tpot_ms": s.sim.slo.tpot_ms},
+                   kv_tokens_per_group=o.extra.get("kv_tokens_per_group"))
+    return Result(o, summary, t_table)
+
+
+def max_rate(s: SimSetup) -> dict:
+    """The highest ``sim.rate`` at which ``sim.target`` of the requests meet the SLOs: bisection in log rate between
+    ``sim.search_lo`` and ``sim.search_hi`` (attainment is taken to fall with the rate). The plan table is built once
+    (prompts do not change with the rate)."""
+    at = lambda r: dataclasses.replace(s, sim=dataclasses.replace(s.sim, rate=r))  # noqa: E731
+    a, i, o = requests(at(s.sim.search_lo))
+    table = plans.build(s.setup, i)
+    tried = []
+
+    def ok(rate: float) -> bool:
+        arr, isl, osl = requests(at(rate))
+        att = run(at(rate), arr, isl, osl, table).summary["slo_attainment"]
+        tried.append({"rate": rate, "slo_attainment": att})
+        return att is not None and att >= s.sim.target
+
+    lo, hi = s.sim.search_lo, s.sim.search_hi
+    if not ok(lo):
+        return {"max_rate": None, "tried": tried}
+    if ok(hi):
+        return {"max_rate": hi, "tried": tried}
+    for _ in range(s.sim.search_steps):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return {"max_rate": lo, "tried": tried}
+
+
+__all__ = ["CONF_DIR", "SimConfig", "SimSetup", "build_sim", "compose_sim", "requests", "run", "max_rate"]

@@ -1,0 +1,302 @@
+"""kvlab sim: the cluster's placement and links, the plan table against the plan, the event loop's identities
+and orders, the decode clock against stepping it, calibration and its profile, the command and its bad input."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlab.errors import ConfigError
+from kvlab.plan import Request, plan
+from kvlab.sim import plans
+from kvlab.sim.cluster import ClusterSpec, LinkSpec, LinksSpec, SimSpec, SloSpec
+from kvlab.sim.engine import DecodeGroup, simulate
+from kvlab.sim.run import build_sim, compose_sim, requests, run
+from kvlab.sim_terms import PrefillTerms, TransportTerms
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_RUNS = ROOT / "results" / "sim_calibration_cpu"
+SMALL = ["model=tiny_gqa", "ctx.tp=1", "gen.tp=1", "cost=cpu_fit", "transport=p2p", "sim.terms=null",
+         "cluster=h200_400g", "cluster.domain_gpus=1",
+         "cluster.ctx_instances=2", "cluster.gen_instances=2", "workload.requests=40", "cluster.gpu.hbm_gb=1",
+         "cluster.decode.max_batch=8", "sim.slo.ttft_ms=500", "sim.slo.tpot_ms=50"]
+FEW = settings(max_examples=int(os.environ.get("KVLAB_SIM_EXAMPLES", 6)), deadline=None,
+               suppress_health_check=[HealthCheck.too_slow])
+
+
+@functools.lru_cache(maxsize=64)
+def sim_setup(*extra: str):
+    return build_sim(compose_sim([*SMALL, *extra]))
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+@FEW
+@given(nc=st.integers(1, 9), ng=st.integers(1, 9), cg=st.sampled_from([1, 2, 4, 8, 16]),
+       gg=st.sampled_from([1, 2, 4, 8]), domain=st.sampled_from([4, 8, 72]), mixed=st.booleans())
+def test_placement_never_splits_an_instance_that_fits_a_domain(nc, ng, cg, gg, domain, mixed):
+    c = ClusterSpec(nc, ng, domain_gpus=domain, placement="mixed" if mixed else "separate")
+    cd, gd = c.domains(cg, gg)
+    same = c.same_domain(cg, gg)
+    for i in range(nc):
+        for j in range(ng):
+            assert same[i][j] == (cg <= domain and gg <= domain and cd[i] == gd[j]), (i, j)
+    if not mixed:  # every ctx instance first, then every gen instance, domains in order
+        assert cd == sorted(cd) and gd == sorted(gd) and cd[-1] <= gd[0]
+    if cg <= domain and gg <= domain:  # an instance that fits a domain sits whole in one
+        per_domain: dict[int, int] = {}
+        for d in cd:
+            per_domain[d] = per_domain.get(d, 0) + cg
+        for d in gd:
+            per_domain[d] = per_domain.get(d, 0) + gg
+        assert max(per_domain.values()) <= domain
+
+
+def test_a_link_no_placement_uses_is_one_line():
+    c = ClusterSpec(2, 2, domain_gpus=8, placement="separate", links=LinksSpec(LinkSpec(3600, 2), LinkSpec()))
+    with pytest.raises(ConfigError) as e:
+        c.check_links(4, 4)
+    assert str(e.value).startswith("cluster.links.nvlink.gbit_s=3600: no placement uses it")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^cluster.links.nvlink.gbit_s=3600: no placement uses it"):
+        sim_setup("cluster.links.nvlink.gbit_s=3600")
+    with pytest.raises(ConfigError, match=r"^cluster.links.nic.gbit_s=0: some ctx/gen pairs need it"):
+        sim_setup("cluster.links.nic.gbit_s=0")
+
+
+@pytest.mark.parametrize("key", ["sim.slo.ttft_ms", "sim.slo.tpot_ms"])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_an_slo_at_or_below_zero_is_one_line(key, value):
+    with pytest.raises(ConfigError) as e:
+        sim_setup(f"{key}={value}")
+    assert str(e.value) == f"{key}={float(value)}: must be a time > 0 in ms, or null for no SLO on it"
+
+
+def test_an_instance_layout_the_model_cannot_split_is_one_line():
+    with pytest.raises(ConfigError) as e:
+        sim_setup("ctx.tp=4")
+    assert str(e.value).startswith("ctx.tp=4: ") and "6 kv heads" in str(e.value)
+
+
+def test_a_profile_without_fitted_terms_is_refused():
+    with pytest.raises(ConfigError, match=r"^cost=cpu: holds no fitted terms"):
+        sim_setup("cost=cpu")
+
+
+# ---------------------------------------------------------------- the plan table
+
+
+@FEW
+@given(isls=st.lists(st.integers(100, 20000), min_size=49, max_size=60), tp=st.sampled_from([(1, 2), (2, 1), (3, 2)]))
+def test_the_plan_table_is_the_plan_at_its_grid_and_its_line_between(isls, tp):
+    from kvlab.config import build, compose
+
+    model = "model=tiny_gqa" if tp != (3, 2) else "model=tiny_mla"
+    setup = build(compose([f"ctx.tp={tp[0]}", f"gen.tp={tp[1]}", model]))
+    table = plans.build(setup, isls)
+    grid = plans.grid_for(np.asarray(isls), setup)
+    exact = {}
+    for k, n in enumerate(isls):
+        if n not in exact:
+            segs = plan(setup.model, setup.ctx, setup.gen, Request(0, n))
+            exact[n] = sum(s.nbytes for s in segs)
+        got = table.bytes[k].sum()
+        # full attention: bytes linear in the prompt, up to one tile row per pool and segment
+        tol = 0 if n in grid else setup.model.num_layers * 64 * 1024
+        assert abs(got - exact[n]) <= tol, (n, got, exact[n])
+
+
+# ---------------------------------------------------------------- the event loop
+
+
+@FEW
+@given(rate=st.sampled_from([2.0, 20.0, 200.0]), strategy=st.sampled_from(["chunked", "layerwise", "zerocopy"]),
+       nc=st.integers(1, 3), ng=st.integers(1, 3), wait=st.sampled_from([0.0, 1.0]))
+def test_every_request_keeps_the_identities_and_the_orders(rate, strategy, nc, ng, wait):
+    s = sim_setup(f"transfer={strategy}", f"sim.rate={rate}", f"cluster.ctx_instances={nc}",
+                  f"cluster.gen_instances={ng}")
+    s = dataclasses.replace(s, terms=dataclasses.replace(s.terms, host_wait=wait))
+    a, i, o = requests(s)
+    out = run(s, a, i, o).outcome
+    assert np.allclose(out.ttft, out.queue + out.prefill + out.exposed)
+    assert (out.exposed >= -1e-12).all() and (out.queue >= -1e-12).all() and (out.admit_wait >= -1e-12).all()
+    assert (out.finish >= out.arrival + out.ttft - 1e-9).all()
+    assert (out.transfer_start >= out.admitted - 1e-9).all()
+    start, end = out.arrival + out.queue, out.arrival + out.queue + out.prefill
+    for server in np.unique(out.server):  # first come first served, one prefill at a time
+        ids = np.nonzero(out.server == server)[0]
+        ids = ids[np.argsort(out.arrival[ids], kind="stable")]
+        assert (np.diff(start[ids]) >= -1e-12).all()
+        assert (start[ids][1:] >= end[ids][:-1] - 1e-9).all()
+
+
+def test_a_link_serves_one_transfer_at_a_time():
+    s = sim_setup("sim.rate=400", "cluster.ctx_instances=1", "cluster.gen_instances=1", "sim.decode=false")
+    s = dataclasses.replace(s, terms=TransportTerms(byte_ns=1.0, piece_us=100.0))
+    a, i, o = requests(s)
+    out = run(s, a, i, o).outcome
+    held = out.transfer - 2 * s.cluster.links.nic.latency_us * 1e-6  # the link is free before the last byte lands
+    spans = sorted(zip(out.transfer_start, out.transfer_start + held))
+    for (_, e0), (s1, _) in zip(spans, spans[1:]):
+        assert s1 >= e0 - 1e-9  # one ctx GPU, one gen GPU: the transfers follow each other
+
+
+def test_the_decode_clock_matches_stepping_the_batch():
+    fixed, per_token, per_member = 1e-3, 2e-8, 1e-4
+    g = DecodeGroup(fixed, per_token, per_member)
+    isl, osl = [3000, 100, 50000], [40, 200, 90]
+    for k in range(3):  # all join at t=0
+        g.heap.append((osl[k], k))
+        g.b += 1
+        g.c += isl[k]
+    g.heap.sort()
+    t, left, cached, done = 0.0, list(osl), list(isl), {}
+    while len(done) < 3:  # step by step: one token for every member still decoding
+        live = [k for k in range(3) if k not in done]
+        t += fixed + max(per_token * sum(cached[k] for k in live), per_member * len(live))
+        for k in live:
+            left[k] -= 1
+            cached[k] += 1
+            if not left[k]:
+                done[k] = t
+    for k in sorted(range(3), key=lambda k: osl[k]):
+        nxt = g.next_finish()
+        g.advance(nxt)
+        v, r = g.heap.pop(0)
+        assert r == k
+        assert nxt == pytest.approx(done[k], rel=0.02), (k, nxt, done[k])
+        g.b -= 1
+        g.c -= isl[r] - (g.v - osl[r])
+
+
+def test_decode_never_holds_more_tokens_than_a_group_has():
+    s = sim_setup("sim.rate=50", "cluster.decode.capacity_tokens=60000", "workload.isl_max=20000")
+    a, i, o = requests(s)
+    out = run(s, a, i, o).outcome
+    assert np.isfinite(out.admitted).all()
+    for g in np.unique(out.group):
+        ids = np.nonzero(out.group == g)[0]
+        changes = sorted([(out.admitted[k], i[k] + o[k]) for k in ids] + [(out.finish[k], -(i[k] + o[k])) for k in ids],
+                         key=lambda x: (x[0], x[1]))  # a release at the same instant goes first
+        held = np.cumsum([d for _, d in changes])
+        assert held.max() <= 60000 + 1e-6, (g, held.max())
+
+
+def test_a_request_larger_than_any_decode_group_is_one_line():
+    with pytest.raises(ConfigError, match=r"^cluster.decode.capacity_tokens=100: a gen DP group holds 100 KV tokens"):
+        s = sim_setup("cluster.decode.capacity_tokens=100")
+        run(s)
+
+
+# ---------------------------------------------------------------- calibration and profiles
+
+
+def test_a_calibration_dir_with_no_transfers_is_one_line(tmp_path):
+    from kvlab.sim import calibrate
+
+    run_dir = tmp_path / "empty"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text((CPU_RUNS / "p2p_pois_chunked" / "config.yaml").read_text())
+    rows = [json.loads(x) for x in (CPU_RUNS / "p2p_pois_chunked" / "results.jsonl").read_text().splitlines()]
+    (run_dir / "results.jsonl").write_text("".join(json.dumps(dict(r, bytes=0)) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as e:
+        calibrate.calibrate([str(run_dir)])
+    assert str(e.value).startswith("RUN_DIR=empty: holds no transfers") and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^RUN_DIR=.*: no such run directory"):
+        calibrate.calibrate([str(tmp_path / "absent")])
+
+
+def test_calibrated_terms_reach_the_plan_and_the_summary_prediction():
+    from kvlab.config import build, compose
+    from kvlab.cost import predict
+    from kvlab.plan_cmd import predicted
+
+    setup = build(compose(["cost=cpu_fit", "transport=nixl"]))
+    p = predicted(setup)
+    assert p["profile"] == "cpu (fitted, nixl)"
+    t = setup.cost.fitted.transports["nixl"]
+    # one chunk alone: its piece, its bytes, its staged bytes (pack and unpack)
+    one = predict(setup, [64], concurrency=1)
+    assert one.messages >= 1 and one.seconds >= t.piece_us * 1e-6
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_profile_kvlab_sim_and_plan_read(tmp_path):
+    out = tmp_path / "mine.yaml"
+    runs = [str(CPU_RUNS / "nixl_pois_chunked"), str(CPU_RUNS / "nixl_moon_chunked")]
+    r = subprocess.run([sys.executable, "-m", "kvlab", "sim", "calibrate", *runs, "--out", str(out), "--base", "cpu",
+                        "--report", str(tmp_path / "rep.json")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "rep.json").read_text())
+    assert [x["run"] for x in rep] == ["nixl_pois_chunked", "nixl_moon_chunked"]
+    assert all(x[f"{k}_measured_ms"] > 0 for x in rep for k in ("exposed_p50", "ttft_p90"))
+    conf = tmp_path / "conf" / "cost"
+    conf.mkdir(parents=True)
+    (conf / "mine.yaml").write_text(out.read_text())
+    r = subprocess.run([sys.executable, "-m", "kvlab", "plan", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+                        "cost=mine", "transport=nixl", f"hydra.run.dir={tmp_path / 'plan'}"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["predicted"]["profile"] == "cpu (fitted, nixl)"
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _kvlab(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kvlab", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+
+
+@pytest.mark.slow
+def test_kvlab_sim_sweeps_and_searches(tmp_path):
+    r = _kvlab("sim", "-m", *SMALL, "sim.rate=5,50", "transfer=chunked,layerwise", f"hydra.sweep.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    summaries = sorted(tmp_path.glob("*/summary.json"))
+    assert len(summaries) == 4
+    for p in summaries:
+        s = json.loads(p.read_text())
+        assert s["requests"] == 40 and s["ttft_s"]["n"] == 40 and 0 <= s["slo_attainment"] <= 1
+        assert len((p.parent / "requests.jsonl").read_text().splitlines()) == 40
+    r = _kvlab("sim", *SMALL, "sim.search=true", "sim.search_steps=4", f"hydra.run.dir={tmp_path / 'search'}")
+    assert r.returncode == 0, r.stderr
+    found = json.loads((tmp_path / "search" / "search.json").read_text())
+    assert len(found["tried"]) >= 2 and "highest rate" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad, line", [
+    (["sim.slo.ttft_ms=0"], "kvlab: error: sim.slo.ttft_ms=0.0: must be a time > 0 in ms, or null for no SLO on it"),
+    (["cluster.links.nvlink.gbit_s=3600"],
+     "kvlab: error: cluster.links.nvlink.gbit_s=3600: no placement uses it"),
+])
+def test_kvlab_sim_bad_input_is_one_line(tmp_path, bad, line):
+    r = _kvlab("sim", *SMALL, *bad, f"hydra.run.dir={tmp_path / 'x'}")
+    assert r.returncode == 2 and r.stderr.startswith(line) and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_slo_and_sim_specs_refuse_what_cannot_work():
+    with pytest.raises(ConfigError, match=r"^sim.search=True: needs an SLO"):
+        SimSpec(search=True)
+    assert SloSpec(ttft_ms=100).met(0.05, float("nan"))
+    with pytest.raises(ConfigError, match=r"^sim.rate=0: must be > 0"):
+        SimSpec(rate=0)
+
+
+def test_simulate_without_decode_ends_at_the_transfer():
+    s = sim_setup("sim.decode=false", "sim.rate=10")
+    a, i, o = requests(s)
+    table = plans.build(s.setup, i)
+    out = simulate(s.setup, s.cluster, s.terms, PrefillTerms(), table, a, i, o, decode=False)
+    assert np.allclose(out.finish, out.arrival + out.ttft) and np.isnan(out.tpot).all()
