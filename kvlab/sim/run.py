@@ -154,6 +154,20 @@ def run(s: SimSetup, arrival=None, isl=None, osl=None, table: plans.PlanTable | 
     return Result(o, summary, t_table)
 
 
+def vary(s: SimSetup, **changes) -> SimSetup:
+    """``s`` with ``cluster_<key>`` / ``sim_<key>`` fields changed (``vary(s, cluster_ctx_instances=2, sim_rate=5)``),
+    checked again: what a sweep over instances and rates changes without composing the config again."""
+    cluster, sim = {}, {}
+    for key, v in changes.items():
+        group, _, name = key.partition("_")
+        require(group in SIM_KEYS, key, v, "vary takes cluster_<field> or sim_<field>")
+        (cluster if group == "cluster" else sim)[name] = v
+    out = dataclasses.replace(s, cluster=dataclasses.replace(s.cluster, **cluster),
+                              sim=dataclasses.replace(s.sim, **sim))
+    out.cluster.check_links(s.setup.ctx.size, s.setup.gen.size)
+    return out
+
+
 def max_rate(s: SimSetup) -> dict:
     """The highest ``sim.rate`` at which ``sim.target`` of the requests meet the SLOs: bisection in log rate between
     ``sim.search_lo`` and ``sim.search_hi`` (attainment is taken to fall with the rate). The plan table is built once
