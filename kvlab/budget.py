@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 
 from kvlab.cache import verify_piece_bytes
@@ -250,7 +251,25 @@ def device_problem(setup: Setup, world_rank: int, gpus: int, free: int, local_wo
     return None
 
 
+def check_files(setup: Setup, b: Budget) -> None:
+    """ConfigError where the transport keeps the ctx pools as files (ipc on CPUs: /dev/shm) and that place cannot
+    be written or has no room for them: a pool that does not fit there dies of SIGBUS at its first write."""
+    where = setup.transport.cls().pool_files(setup)
+    if where is None:
+        return
+    name = f"transport={setup.transport.name}"
+    if os.statvfs(where).f_flag & os.ST_RDONLY or not os.access(where, os.W_OK):
+        raise ConfigError("transport", setup.transport.name, f"{name} keeps the ctx pools in {where}, which "
+                          "cannot be written here; use transport=p2p")
+    need, free = sum(r.cache for r in b.ranks if r.name.startswith("ctx")), shutil.disk_usage(where).free
+    if need > free:
+        f, value, fits = _culprit(setup, b, "cache", free / need)
+        raise ConfigError(f, value, f"{name} keeps the ctx pools in {where}: they need {fmt(need)}, "
+                          f"{fmt(free)} free there; {fits}, or use transport=p2p")
+
+
 def check_host(setup: Setup) -> Budget:
     b = measure(setup)
     check(setup, b)
+    check_files(setup, b)
     return b

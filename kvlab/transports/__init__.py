@@ -219,6 +219,12 @@ class Transport(ABC):
     def peak_staging_bytes(self) -> int:
         return 0
 
+    @classmethod
+    def pool_files(cls, setup: Setup) -> str | None:
+        """The directory where this transport keeps the ctx ranks' pools as files (ipc on CPUs: /dev/shm), which
+        ``kvlab run`` checks for room before any rank starts (kvlab.budget); None: in the ranks' own memory."""
+        return None
+
     def pool_storage(self, pool: str, nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 

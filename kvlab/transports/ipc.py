@@ -57,8 +57,10 @@ offsets; the gen rank is the one that copies, so ``fault.flip_rank`` must be a g
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -76,11 +78,52 @@ from kvlab.transports import ChunkFailed, RankContext, Transport, cuda_ipc
 from kvlab.transports.deadline import wait_until
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+POOL_PREFIX = "kvlab-ipc-"  # a ctx pool's file in SHM_DIR: its creator holds a lock on it (flock) while it lives
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 # A chunk is not cut to a slot here (kvlab.config.Setup.chunk_cap), but the copies that build index tensors
 # (kernels=torch: one per byte; the CPU rows: one per row) would grow with it: they go in pieces of this size,
 # so the gen rank's temporaries stay flat in the prompt. The CUDA kernel computes its runs itself: one launch.
 COPY_PIECE_BYTES = 16 << 20
+
+
+def create_locked(path: str, nbytes: int) -> int:
+    """A new file of ``nbytes`` at ``path`` that appears already locked (flock) by this process, which keeps the
+    lock as long as it keeps the returned descriptor open: made under a hidden name, locked, then renamed, so
+    that ``sweep`` never sees it unlocked under its own name."""
+    hidden = os.path.join(os.path.dirname(path), "." + os.path.basename(path))
+    fd = os.open(hidden, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.ftruncate(fd, nbytes)
+    os.rename(hidden, path)
+    return fd
+
+
+def sweep(directory: str = SHM_DIR) -> list[str]:
+    """Remove the pool files whose creator is gone (no lock held on them: it died before unlinking them, e.g.
+    killed between creating its pools and the gen ranks mapping them); returns their names. A hidden name
+    (``create_locked`` before its rename) counts only once it is a minute old."""
+    gone = []
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.lstrip(".").startswith(POOL_PREFIX))
+    except OSError:
+        return gone
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if name.startswith(".") and time.time() - os.fstat(fd).st_mtime < 60:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its creator lives
+            os.unlink(path)
+            gone.append(name)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return gone
 
 
 def copy_pieces(rect: Rect, rows: tuple[int, ...], ops: str, piece_bytes: int = COPY_PIECE_BYTES) -> list[Rect]:
@@ -102,9 +145,11 @@ class Ipc(Transport):
                             "itself: no rank is left holding half a chunk it takes for whole (a ctx rank that dies "
                             "is fault.kill_rank)"}
 
-    def __init__(self, setup, side, rank, world_rank, device):
+    def __init__(self, setup, side, rank, world_rank, device, shm_dir: str | None = None):
         super().__init__(setup, side, rank, world_rank, device)
+        self.shm_dir = shm_dir or SHM_DIR  # where this ctx rank's pools live as files (CPUs)
         self.files: list[str] = []  # shared-memory files this ctx rank created and has not unlinked yet
+        self.locks: list[int] = []  # their descriptors, which hold the lock that says their creator lives
         self.peers: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}  # ctx rank -> pool -> (bytes, blocks)
         # CUDA IPC mappings this gen rank opened, by handle: tensors that share an allocation (small pools and
         # the counter slots in one cached segment) share its handle, which a process may open only once
@@ -139,16 +184,30 @@ class Ipc(Transport):
             except Exception as e:  # noqa: BLE001 - any reason ipc cannot work here is the config's to change
                 raise ConfigError("transport", "ipc", f"CUDA IPC is unavailable here ({e}); use transport=p2p, "
                                   "or device=cpu") from None
+        shm = setup.transport.options.get("shm_dir")
+        if shm is not None and not (isinstance(shm, str) and os.path.isdir(shm)):
+            raise ConfigError("transport.shm_dir", shm, "must be an existing directory (a tmpfs with room for the "
+                              "ctx pools), or null for /dev/shm")
         f = setup.fault
         if 0 <= f.flip_rank < setup.ctx.size:
             raise ConfigError("fault.flip_rank", f.flip_rank, "with transport=ipc the gen rank copies the bytes; flip "
                               f"on a gen rank (world rank {setup.ctx.size}..{setup.world_size - 1})")
 
     # -- memory ---------------------------------------------------------------------------
+    @classmethod
+    def pool_files(cls, setup) -> str | None:
+        return None if devices.uses_cuda(setup) else setup.transport.options.get("shm_dir") or SHM_DIR
+
     def pool_storage(self, pool: str, nbytes: int) -> torch.Tensor:
         if not self.sending or self.gpu:
             return super().pool_storage(pool, nbytes)
-        path = os.path.join(SHM_DIR, f"kvlab-ipc-{uuid.uuid4().hex}-ctx{self.rank}-{pool}")
+        if not self.files and not self.locks:  # before this rank's first pool: what dead runs left goes
+            gone = sweep(self.shm_dir)
+            if gone:
+                print(f"kvlab: ctx{self.rank} removed {len(gone)} shared-memory pool file{'s' * (len(gone) > 1)} "
+                      f"a dead run left in {self.shm_dir}: {', '.join(gone)}", file=sys.stderr, flush=True)
+        path = os.path.join(self.shm_dir, f"{POOL_PREFIX}{uuid.uuid4().hex}-ctx{self.rank}-{pool}")
+        self.locks.append(create_locked(path, nbytes))
         self.files.append(path)
         storage = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # a new file: zeroed
         # its pages are allocated now, before the clock (as torch.zeros does for a pool in private memory),
@@ -237,6 +296,9 @@ class Ipc(Transport):
             except FileNotFoundError:
                 pass
         self.files.clear()
+        for fd in self.locks:  # the mappings keep the pages; the descriptors only held the lock
+            os.close(fd)
+        self.locks.clear()
 
     def leave(self) -> None:
         self._unlink()
