@@ -300,7 +300,7 @@ def table_lines(report: list[dict]) -> list[str]:
 
 
 def write_profile(path: Path, fitted: Fitted, base: str, report: list[dict]) -> None:
-    lines = [f"# fitted by kvlab sim calibrate ({fitted.source})",
+    lines = [f"# fitted by {fitted.source}",
              "# replay errors (predicted / measured - 1), exposed p50 p90, TTFT p50 p90:"]
     for r in report:
         errs = " ".join("n/a" if r[f"{k}_error"] is None else f"{r[f'{k}_error']:+.0%}" for k in FIGS)

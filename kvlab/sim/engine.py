@@ -18,8 +18,11 @@ A request's life, each step a measured-style mark as ``kvlab run`` records them:
 - transfer: each of its ctx GPUs and gen GPUs holds its link (``nvlink`` inside a domain, else its
   ``nic``) from the request's start until its own share is through; the start is the latest of
   ready, admission and every one of those links free (a link serves one transfer at a time, in
-  admission order). With ``L`` layers released one by one, the last share waits for the last layer:
-  ``end = max(start + D, prefill_end + D / L) + rtt`` with ``D`` the busiest link's time;
+  admission order), and it ends ``D`` (the busiest link's time) later, plus ``rtt`` and the links'
+  latency. With ``L`` layers released one by one (``ready: layer``), the first ``L - 1`` shares are
+  taken to pass through the links' gaps while the prefill runs (they do not hold a link) and the last
+  share queues for the links once the prefill is done: ``end = max(admitted + D, last + D / L) + rtt``
+  with ``last`` when its links are free after the prefill's end;
 - decode: the group's batch advances one token per member per step (kvlab.sim.cluster.DecodeSpec),
   integrated between changes of the batch at the step time of the midpoint's cache size.
 
@@ -43,7 +46,7 @@ from kvlab.sim.cluster import ClusterSpec
 from kvlab.sim.plans import PlanTable
 from kvlab.sim_terms import PrefillTerms, TransportTerms
 
-READY, DONE, DECODED = 0, 1, 2
+READY, DONE, DECODED, LAST = 0, 1, 2, 3
 
 
 @dataclass
@@ -235,6 +238,7 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
     t_end = np.full(n, np.nan)
     finish = np.full(n, np.nan)
     group_of = np.zeros(n, dtype=np.int64)
+    route: dict[int, tuple] = {}  # request -> (link kind, its ctx GPUs, its gen GPUs)
     waiting: deque[int] = deque()  # admission queue, first come first served
     ev: list[tuple[float, int, int, int, int]] = [(ready[i], i, READY, i, 0) for i in range(n)]
     heapq.heapify(ev)
@@ -257,24 +261,39 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
         ci, cdp = divmod(int(server[i]), ctx.dp)
         gi, gdp = divmod(g, gen.dp)
         kind = "nvlink" if same[ci][gi] and "nvlink" in kinds else "nic"
-        src_t, dst_t, lat = kinds[kind]
         so = ci * ctx.size + cdp * cg + src_used
         do = gi * gen.size + gdp * gg + dst_used
+        route[i] = (kind, so, do)
+        if per_layer:
+            # the first layers' shares trickle through the links' gaps while the prefill runs; the last
+            # layer's share queues for the links once the prefill is done, like any transfer
+            t_start[i] = now
+            seq += 1
+            heapq.heappush(ev, (max(now, end[i]), seq, LAST, i, 0))
+        else:
+            place(i, now, now)
+        return True
+
+    def place(i: int, now: float, s_first: float) -> None:
+        """Take request ``i``'s links from ``now`` (its last layer's share with ``per_layer``) and schedule its end."""
+        nonlocal seq
+        kind, so, do = route[i]
+        src_t, dst_t, lat = kinds[kind]
         s_t, d_t = src_t[i, src_used], dst_t[i, dst_used]
         of, inf = out_free[kind], in_free[kind]
         s0 = max(now, float(of[so].max(initial=0.0)), float(inf[do].max(initial=0.0)))
         dur = max(float(s_t.max(initial=0.0)), float(d_t.max(initial=0.0)))
-        of[so] = s0 + s_t
-        inf[do] = s0 + d_t
+        share = 1.0 / layers if per_layer else 1.0
+        of[so] = s0 + s_t * share
+        inf[do] = s0 + d_t * share
         busy[kind] += float(s_t.sum() + d_t.sum()) / 2
-        done = s0 + dur
-        if per_layer:
-            done = max(done, end[i] + dur / layers)
+        done = max(s_first + dur, s0 + dur * share) if per_layer else s0 + dur
         done += terms.rtt_us * 1e-6 + 2 * lat
-        t_start[i], t_end[i] = s0, done
+        if not per_layer:
+            t_start[i] = s0
+        t_end[i] = done
         seq += 1
         heapq.heappush(ev, (done, seq, DONE, i, 0))
-        return True
 
     def reschedule(g: int) -> None:
         nonlocal seq
@@ -291,6 +310,8 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
         if kind == READY:
             if waiting or not admit(x, now):
                 waiting.append(x)
+        elif kind == LAST:
+            place(x, now, t_start[x])
         elif kind == DONE:
             if not decode:
                 finish[x] = now
