@@ -162,7 +162,7 @@ WRONG_BYTES = (r"request (\d+): \d+ wrong bytes from ctx\d, first at pool (\w+) 
 
 
 @pytest.mark.slow
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @example(case=("p2p", None, "reused_block", "ctx"))
 @given(case=st.sampled_from(CASES))
 def test_an_injected_class_ends_the_run_with_its_request_named(case, tmp_path_factory, kvlab_cli):
@@ -198,5 +198,7 @@ def test_an_injected_class_ends_the_run_with_its_request_named(case, tmp_path_fa
         assert re.search(rf"within {TIMEOUT_S} s|gone|sent no report", error), error
     if klass == "torn_chunk":  # half a chunk landed and the sender died (writes of its in flight with it)
         assert summary["silent_ranks"] == [rank] and f"rank {rank} (ctx{rank}) died: exit code 3" in p.stderr, p.stderr
-    elif klass != "reused_block":  # named by the rank that gave up on it
+    if klass in ("drop_notice", "wrong_request"):  # named by the rank that waited for that notice
         assert f"request {hit}" in error, error
+    # stuck, torn_chunk: the first chunk the receiver misses may be another of the same endpoint, posted after
+    # the one the class hit (nixl and mooncake write chunks as their room arrives, not in order)
