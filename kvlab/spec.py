@@ -313,14 +313,11 @@ class FaultSpec:
     # tokens every sliding-window segment leaves out, from the first one the next token attends to: the bytes
     # sent all verify, and the decode check (check=decode) must still fail
     window_trim: int = 0
-    # one of the transfer's own failure classes (kvlab.faults.CLASSES: a dropped notice, a transfer stuck in
-    # progress, a block reused before its transfer completed, a chunk half written by a dying sender, a notice
-    # for the wrong request), injected by world rank transfer_rank at its first chance from its chunk
-    # transfer_at_chunk on, through the transport's hooks; kvlab.faults.check refuses a class the transport
-    # cannot show, or a side where it does not arise
+    # a failure of the transfer itself (kvlab.faults): drop_notice, wrong_request, stuck, reused_block or
+    # torn_chunk, injected through the transport's hooks; '' for none
     transfer: str = ""
-    transfer_rank: int = -1
-    transfer_at_chunk: int = -1
+    transfer_rank: int = -1  # world rank that injects fault.transfer, on a side where its transport shows it
+    transfer_at_chunk: int = -1  # that rank acts at its first chance from this chunk (its own count) on
 
     def __post_init__(self):
         object.__setattr__(self, "flip_at", tuple(self.flip_at))
