@@ -39,8 +39,8 @@ def main() -> None:
     p.add_argument("--plot", default=None)
     a = p.parse_args()
 
-    from kvlab.sim.run import build_sim, compose_sim, requests, run, vary
     from kvlab.sim import plans
+    from kvlab.sim.run import build_sim, compose_sim, requests, run, vary
 
     rows = []
     for model in a.models.split(","):

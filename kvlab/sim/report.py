@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from kvlab.figures import Figure
+from kvlab.figures import DISPLAY, Figure
 from kvlab.sim.cluster import SloSpec
 from kvlab.sim.engine import Outcome
 
@@ -126,6 +126,7 @@ def lines(summary: dict, qs) -> list[str]:
     fleet = []
     for f in TABLE:
         if f.request is None and summary.get(f.name) is not None:
-            fleet.append(f"{f.name} {f.show(summary[f.name])}")
+            unit = DISPLAY[f.unit][2]
+            fleet.append(f"{f.name} {f.show(summary[f.name])}" + (f" {unit}" if unit and unit != "x" else ""))
     out.append("; ".join(fleet))
     return out
