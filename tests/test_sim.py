@@ -268,7 +268,8 @@ def test_kvlab_sim_sweeps_and_searches(tmp_path):
         s = json.loads(p.read_text())
         assert s["requests"] == 40 and s["ttft_s"]["n"] == 40 and 0 <= s["slo_attainment"] <= 1
         assert len((p.parent / "requests.jsonl").read_text().splitlines()) == 40
-    r = _kvlab("sim", *SMALL, "sim.search=true", "sim.search_steps=4", f"hydra.run.dir={tmp_path / 'search'}")
+    r = _kvlab("sim", *SMALL, "sim.search=true", "sim.search_steps=4", "sim.slo.ttft_ms=20000",
+               f"hydra.run.dir={tmp_path / 'search'}")
     assert r.returncode == 0, r.stderr
     found = json.loads((tmp_path / "search" / "search.json").read_text())
     assert len(found["tried"]) >= 2 and "highest rate" in r.stdout
