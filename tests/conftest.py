@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, Phase, settings
 
 # how a request lost with a killed ctx1 (world rank 1) is named: the chunk that failed on the rank that
 # gave up (or failed after another of its own), the launcher stopping a rank still waiting on the dead one,
@@ -26,6 +26,11 @@ from hypothesis import settings
 LOST_TO_CTX1 = (r"(gen0|ctx0): (aborted after )?request \d+ (chunk \d+ )?with (ctx0|ctx1|gen0): "
                 r"|ctx0: stopped by SIGTERM after ctx1 \(rank 1\) died"
                 r"|gen0 received \d+ of 14 chunks \(run stopped: ctx1 \(rank 1\) sent no report")
+
+# for end-to-end runs drawn from a matrix (each example is a run of its own processes): no deadline, fixtures
+# shared by the examples (each makes its own directory), and no shrinking (a failing case is printed as drawn;
+# shrinking would run it again many times)
+E2E = dict(deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 # the tests scale their max_examples by the profile's share of Hypothesis' default of 100
 settings.register_profile("quick", max_examples=10)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_figures
-from hypothesis import HealthCheck, given, settings
+from conftest import E2E, check_figures
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab import decode_check, hf_models
@@ -225,7 +225,7 @@ GQA_ONLY = {"tp1->tp4 duplicated heads"}  # MLA replicates its latent over TP: n
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # every example is a run of its own: rank processes, the model's prefill and decode
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=4, **E2E)
 @given(family=st.sampled_from(sorted(FAMILIES)), transfer=st.sampled_from(["chunked", "layerwise", "zerocopy"]),
        layout=st.sampled_from(sorted(LAYOUTS)), transport=st.sampled_from(["p2p", "p2p", "ipc"]))
 def test_families_over_strategies_transports_and_layouts(kvlab_cli, tmp_path_factory, family, transfer, layout,

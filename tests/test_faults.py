@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LOST_TO_CTX1, check_figures
+from conftest import E2E, LOST_TO_CTX1, check_figures
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlab.api import run_transfer
 from kvlab.config import build, compose
@@ -195,8 +197,16 @@ CORRUPTION = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides,flip_rank,want", [c[1:] for c in CORRUPTION], ids=[c[0] for c in CORRUPTION])
-def test_flipped_bytes_are_caught_and_located(overrides, flip_rank, want, tmp_path):
+@settings(max_examples=2, **E2E)
+@given(case=st.sampled_from(CORRUPTION))
+def test_flipped_bytes_are_caught_and_located(case, tmp_path_factory):
+    _, overrides, flip_rank, want = case
+    flips_caught(overrides, flip_rank, want, tmp_path_factory.mktemp("flips"))
+
+
+def flips_caught(overrides: list[str], flip_rank: int, want, tmp_path: Path) -> None:
+    """Flips at the chunks ``want`` picks on world rank ``flip_rank`` are caught by the gen rank they were
+    meant for, once each, and located at the element the bytes belong to."""
     setup = build(compose(overrides + QUIET))
     _, _, order = plan_run(setup)
     side, rank = setup.side_of(flip_rank)

@@ -9,7 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import LOST_TO_CTX1, check_figures
+from conftest import E2E, LOST_TO_CTX1, check_figures
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlab.api import run_transfer
 from kvlab.config import build, compose
@@ -51,8 +53,10 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [c[1] for c in CASES], ids=[c[0] for c in CASES])
-def test_pulled_and_verified(overrides, tmp_path):
+@settings(max_examples=3, **E2E)
+@given(case=st.sampled_from(CASES))
+def test_pulled_and_verified(case, tmp_path_factory):
+    overrides, tmp_path = case[1], tmp_path_factory.mktemp("ipc")
     before = _ours()
     summary = run_transfer(overrides + QUIET, tmp_path)
     assert summary["verified"], summary

@@ -7,12 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import LOST_TO_CTX1, check_figures
-from hypothesis import HealthCheck, given, settings
+from conftest import E2E, LOST_TO_CTX1, check_figures
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_faults import CORRUPTION, FAULTY, HANG_S
+from test_faults import CORRUPTION, FAULTY, HANG_S, flips_caught
 from test_faults import _gave_up_in_time as gave_up_in_time
-from test_faults import test_flipped_bytes_are_caught_and_located as flips_caught
 
 ROOT = Path(__file__).resolve().parent.parent
 MOONCAKE = ["logger=quiet", "transport=mooncake"]
@@ -78,10 +77,10 @@ def _verified(over: list[str], mode: str, run_dir: Path) -> dict:
 
 @needs_engine
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(mode=st.sampled_from(MODES), case=st.sampled_from(CASES), slot_mib=st.sampled_from([0.1, 0.25, 1]),
-       fragmentation=st.sampled_from([0.0, 0.7]), concurrency=st.integers(1, 3))
+@settings(max_examples=4, **E2E)
+@given(strategy=st.sampled_from(STRATEGIES), mode=st.sampled_from(MODES), case=st.sampled_from(CASES),
+       slot_mib=st.sampled_from([0.1, 0.25, 1]), fragmentation=st.sampled_from([0.0, 0.7]),
+       concurrency=st.integers(1, 3))
 def test_every_strategy_arrives_verified(strategy, mode, case, slot_mib, fragmentation, concurrency, tmp_path_factory):
     model, isl, sides = case
     over = [f"model={model}", f"workload.isl={isl}", *sides, f"transfer={strategy}", f"transfer.slot_mib={slot_mib}",
@@ -91,7 +90,8 @@ def test_every_strategy_arrives_verified(strategy, mode, case, slot_mib, fragmen
 
 @needs_engine
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=1, **E2E)
+@given(mode=st.sampled_from(MODES))
 def test_every_run_reports_raw_mooncake_writes_of_its_chunks_as_its_link(mode, tmp_path):
     """The in-run reference: raw writes of the run's largest chunk between its own pairs (3 -> 2: ctx1 feeds
     both gen ranks), timed on the writing ranks, the slowest taken."""
@@ -125,19 +125,21 @@ def test_direct_merges_runs_that_continue_on_both_sides(tmp_path):
 
 @needs_engine
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", [c[0] for c in CORRUPTION])
-def test_flipped_bytes_are_caught_and_located(case, mode, tmp_path):
+@settings(max_examples=2, **E2E)
+@given(case=st.sampled_from([c[0] for c in CORRUPTION]), mode=st.sampled_from(MODES))
+def test_flipped_bytes_are_caught_and_located(case, mode, tmp_path_factory):
     """Staged: flipped in the slot (or a copy of an in-place chunk) as over p2p. Direct: a flip on the ctx rank
     goes out of a staging copy (the pool stays intact for the other gen ranks), one on the gen rank lands in its
     pool, where the runs put the byte."""
     _, overrides, flip_rank, want = next(c for c in CORRUPTION if c[0] == case)
-    flips_caught(overrides + MOONCAKE + [f"transport.mode={mode}"], flip_rank, want, tmp_path)
+    flips_caught(overrides + MOONCAKE + [f"transport.mode={mode}"], flip_rank, want,
+                 tmp_path_factory.mktemp("flips"))
 
 
 @needs_engine
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=1, **E2E)
+@given(mode=st.sampled_from(MODES))
 def test_killed_rank_ends_the_run_within_the_deadline(mode, tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
     # ctx1 dies as it is about to start its 25th chunk: requests 0 and 1 are through, 2 and 3 in flight

@@ -14,10 +14,11 @@ from types import SimpleNamespace as ns
 import numpy as np
 import pytest
 import torch
-from conftest import LOST_TO_CTX1, check_figures
-from test_faults import CORRUPTION, FAULTY, HANG_S, TIMEOUT_S
+from conftest import E2E, LOST_TO_CTX1, check_figures
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_faults import CORRUPTION, FAULTY, HANG_S, TIMEOUT_S, flips_caught
 from test_faults import _gave_up_in_time as gave_up_in_time
-from test_faults import test_flipped_bytes_are_caught_and_located as flips_caught
 
 pytest.importorskip("nixl_cu13", reason='the nixl extra is not installed (pip install -e ".[nixl]")')
 
@@ -60,10 +61,11 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [pytest.param(c[1], id=c[0]) for c in CASES])
-def test_nixl_end_to_end_verified(overrides, mode, tmp_path):
+@settings(max_examples=3, **E2E)
+@given(case=st.sampled_from(CASES), mode=st.sampled_from(MODES))
+def test_nixl_end_to_end_verified(case, mode, tmp_path_factory):
+    overrides, tmp_path = case[1], tmp_path_factory.mktemp("nixl")
     from kvlab.api import run_transfer
     from kvlab.config import build, compose
     from kvlab.plan import plan
@@ -88,7 +90,8 @@ def test_nixl_end_to_end_verified(overrides, mode, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=1, **E2E)
+@given(mode=st.sampled_from(MODES))
 def test_every_nixl_run_reports_raw_nixl_writes_of_its_chunks_as_its_link(mode, tmp_path):
     """The in-run reference: raw WRITEs of the run's largest chunk between its own pairs (3 -> 2: ctx1
     feeds both gen ranks), timed on every rank, the slowest taken."""
@@ -232,7 +235,8 @@ def test_coalesce_merges_only_runs_contiguous_on_both_sides():
 
 # -- failures --------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=1, **E2E)
+@given(mode=st.sampled_from(MODES))
 def test_killed_rank_ends_the_nixl_run_with_its_requests_named(mode, tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
     # ctx1 dies as it is about to start its 25th chunk: requests 0 and 1 are through, 2 and 3 in flight
@@ -256,14 +260,14 @@ def test_killed_rank_ends_the_nixl_run_with_its_requests_named(mode, tmp_path, k
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", [c[0] for c in CORRUPTION])
-def test_flipped_bytes_are_caught_and_located(case, mode, tmp_path):
+@settings(max_examples=2, **E2E)
+@given(case=st.sampled_from([c[0] for c in CORRUPTION]), mode=st.sampled_from(MODES))
+def test_flipped_bytes_are_caught_and_located(case, mode, tmp_path_factory):
     """Staged: flipped in the slot (or a copy of an in-place chunk) as over p2p. Direct: a flip on the ctx
     rank goes out of a staging copy (the pool stays intact for the other gen ranks), a flip on the gen
     rank lands in its pool, where the runs put the byte."""
     _, overrides, flip_rank, want = next(c for c in CORRUPTION if c[0] == case)
-    flips_caught(overrides + NIXL + [f"transport.mode={mode}"], flip_rank, want, tmp_path)
+    flips_caught(overrides + NIXL + [f"transport.mode={mode}"], flip_rank, want, tmp_path_factory.mktemp("flips"))
 
 
 def test_without_the_extra_transport_nixl_is_one_line_naming_it(tmp_path, kvlab_cli):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import check_figures
-from hypothesis import HealthCheck, given, settings
+from conftest import E2E, check_figures
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.schedule import Chunk
@@ -88,7 +88,7 @@ def test_a_transport_needs_start_and_finish():
 
 
 @pytest.mark.slow
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3, **E2E)
 @given(strategy=st.sampled_from(["naive", "chunked", "layerwise", "zerocopy"]),
        sides=st.sampled_from([("1", "1", "block_major", "block_major"), ("2", "1", "block_major", "layer_major"),
                               ("1", "2", "layer_major", "block_major")]),
