@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvlab.fill import expected, locate, mix
-from kvlab.layout import Rect
+from kvlab.layout import Rect, as_stored
 from kvlab.plan import Request, Segment
 from kvlab.schedule import cut_rect
 from kvlab.state import CacheState, RankPool
@@ -140,6 +140,7 @@ class PagedCache:
 
     # -- contents -------------------------------------------------------------------------
     def _pieces(self, rect: Rect, pool: RankPool) -> list[Rect]:
+        rect = as_stored(rect)  # the pool's own rows (a segment's wire may carry another KV dtype)
         seg = Segment(0, 0, 0, rect, rect.nbytes(pool.rows))
         return cut_rect(seg, pool.rows, verify_piece_bytes(self.device), per_layer=False, split_tail=False)
 

@@ -33,6 +33,7 @@ from kvlab.rates import CostSpec
 from kvlab.schedule import make_strategy
 from kvlab.serving import ServingSpec
 from kvlab.spec import CacheSpec, FaultSpec, LoggerSpec, ModelSpec, WorkloadSpec
+from kvlab.state import check_kv_dtypes
 
 CONF_DIR = paths.CONF_DIR
 KERNELS = ("auto", "torch", "cuda")
@@ -176,6 +177,13 @@ class Setup:
         if transport.name == AUTO_TRANSPORT:
             transport = auto_transport(self)
         object.__setattr__(self, "transport", transport)
+        check_kv_dtypes(ctx, gen)
+        if ctx.fmt != gen.fmt:
+            # a KV dtype converted in flight needs a pack or an unpack (or a pulling copy) to convert in
+            require(transport.options.get("mode") != "direct", "transport.mode", "direct",
+                    f"writes pool to pool with no pack or unpack to convert ctx.kv_dtype={ctx.kv_dtype or ctx.dtype} "
+                    f"into gen.kv_dtype={gen.kv_dtype or gen.dtype} in; use transport.mode=staged or transport=ipc, "
+                    "or one kv_dtype on both sides")
         # the smallest chunk is one token row: one token of one layer of a segment's heads
         for pool in model.pools(ctx.dtype) if self.chunk_cap is not None else ():
             seg_heads = max(1, pool.heads // max(ctx.tp, gen.tp)) if not pool.replicated else 1

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvlab.devices import gpu_index, pair_backend
-from kvlab.plan import Request, plan
+from kvlab.plan import Request, conversion_bytes, plan
 from kvlab.rates import CostRates
 from kvlab.schedule import Chunk, Ready, Staging, schedule
 from kvlab.workload import as_requests, interleave
@@ -229,7 +229,9 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
             host_c[c.src] = max(host_c[c.src], prefill[key] + (layer + 1) * layer_s)
             rc.prefill_end_s = max(rc.prefill_end_s, prefill[key] + (last_layer + 1) * layer_s)
         t = max(host_c[c.src], slot_ready)
-        pack = 0.0 if c.ctx_in_place or pulls else rates.copy_s(n, ctas)
+        # a KV dtype converted in flight: one more pass over the converting side's own bytes (kvlab.kv_dtype)
+        conv_c, conv_g = conversion_bytes(setup.model, setup.ctx, setup.gen, c.rect)
+        pack = 0.0 if c.ctx_in_place or pulls else rates.copy_s(n, ctas) + rates.copy_s(conv_c, ctas)
         rc.pack_s += pack
         if pack and blocking:
             t = host_c[c.src] = copy_free[sd] = max(t, copy_free[sd]) + host_s + pack
@@ -245,6 +247,8 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
         # gen completes its chunks in order: wait for the bytes, then unpack
         t = max(w1, done_g[c.dst][-1] if kg else 0.0)
         unpack = rates.copy_s(n) if pulls else 0.0 if c.gen_in_place else rates.copy_s(n, ctas)
+        if conv_c + conv_g and (pulls or conv_g):  # a pull converts in its copy; else the unpack converts
+            unpack += rates.copy_s(conv_c + conv_g) if pulls else rates.copy_s(conv_g, ctas)
         rc.unpack_s += unpack
         if unpack:
             t = copy_free[dd] = max(t, copy_free[dd]) + (host_s if blocking else 0.0) + unpack

@@ -29,12 +29,13 @@ import hashlib
 import io
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from kvlab import hf_models
+from kvlab.layout import convert_wire
 from kvlab.plan import Request
 from kvlab.records import DecodeResult, RankPart
 from kvlab.spec import Kind
@@ -134,6 +135,8 @@ class DecodeCheck:
         self.shares: dict[int, dict] = {}  # request -> pool -> (rect bounds, component planes)
         self.byte_ok: dict[int, bool] = {}
         self.cache = None
+        # a side keeping the cache in another KV dtype (kvlab.kv_dtype): decoding measures what it costs
+        self.lossy = bool(setup.ctx.fmt or setup.gen.fmt)
 
     # -- before the clock -------------------------------------------------------------------
     def prepare(self, cache, beat=lambda: None) -> None:
@@ -160,6 +163,8 @@ class DecodeCheck:
     def expected(self, request: int, pool, rect, device="cpu", out: torch.Tensor | None = None) -> torch.Tensor:
         """kvlab.fill.expected's counterpart: the model's bytes of ``rect`` in wire order."""
         data = hf_models.wire_bytes(self.planes[request][pool.name], rect)
+        if pool.spec.fmt:  # a pool in another KV dtype holds the model's values in it (kvlab.kv_dtype)
+            data = convert_wire(data, rect, replace(pool.spec, fmt=""), pool.spec)
         if out is None:
             return data.to(device)
         out.copy_(data)
@@ -174,7 +179,9 @@ class DecodeCheck:
             rect = cache.held_rect(name, req.isl)
             buf = torch.empty(rect.nbytes(store.pool.rows), dtype=torch.uint8, device=cache.device)
             ops.pack(store.storage, store.pool, store.num_blocks, rect, table.ids, table.base, buf)
-            planes = hf_models.from_wire(buf.cpu(), rect, store.pool.rows)
+            base = replace(store.pool.spec, fmt="")  # read back as the model's values (dequantized from fp8)
+            buf = convert_wire(buf.cpu(), rect, store.pool.spec, base)
+            planes = hf_models.from_wire(buf, rect, base.comp_row_bytes())
             share[name] = ((rect.l0, rect.l1, rect.h0, rect.h1, rect.t0, rect.t1), planes)
         self.shares[req.id] = share
         self.byte_ok[req.id] = not errors
@@ -234,8 +241,8 @@ class DecodeCheck:
         result.byte_failures = len(failed_bytes)
         diffs = hf_models.cache_differences(self.model, planes, ref.planes, r.isl)
         result.layers = sorted({d["layer"] for d in diffs})
-        if first == ref.first and result.first_divergent is None:
-            return result, None
+        if first == ref.first and result.first_divergent is None or self.lossy:
+            return result, None  # a lossy KV dtype's cost is reported (tokens equal, logit difference), not failed
         what = (f"the prefill's first token {first} is not the reference's {ref.first}" if first != ref.first
                 else f"diverges from the reference at step {result.first_divergent}")
         by_layer: dict[tuple, list[dict]] = {}

@@ -9,17 +9,22 @@ a rectangle's bytes in wire order, so fill is "unpack the expected bytes" and ve
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from kvlab.layout import Rect
+from kvlab.layout import Rect, as_stored, convert_wire, tile_groups
 from kvlab.spec import KINDS
 from kvlab.state import RankPool
 
 _MASK = 0xFFFFFFFF
 _STEP = 0x9E3779B1  # golden-ratio multiplier of the byte position
 _PIECE_BYTES = 1 << 20  # expected bytes computed per step: stays in cache
+# the high byte of every 2-byte float (bf16, fp16) of K/V and MLA rows: sign kept, exponent 120-127 (bf16) or 15
+# (fp16): finite values in [2^-7, 2) or [1, 2), so that a side keeping them in another KV dtype converts values,
+# not infinities and NaNs (kvlab.kv_dtype)
+_HIGH_KEEP, _HIGH_SET = 0x83, 0x3C
+_FLOAT16 = ("bf16", "fp16")
 
 
 def mix(v: torch.Tensor) -> torch.Tensor:
@@ -49,20 +54,8 @@ def row_seeds(request: int, pool: RankPool, rect: Rect, comp: int, device) -> to
 
 
 def _tile_groups(rect: Rect) -> list[tuple[int, int, int]]:
-    """(first token, tiles, tokens per tile) for runs of equally long tiles: partial head, full tiles, partial tail."""
-    T, t0, t1 = rect.tile, rect.t0, rect.t1
-    groups = []
-    head_end = min(t1, (t0 // T + 1) * T)
-    if t0 % T or head_end - t0 < T:
-        groups.append((t0, 1, head_end - t0))
-        t0 = head_end
-    full = (t1 - t0) // T
-    if full:
-        groups.append((t0, full, T))
-        t0 += full * T
-    if t0 < t1:
-        groups.append((t0, 1, t1 - t0))
-    return groups
+    """(first token, tiles, tokens per tile) for runs of equally long tiles (kvlab.layout.tile_groups)."""
+    return tile_groups(rect)
 
 
 _BUCKET_SHIFT = 12  # the carry search looks a seed's low 24 bits up in 4096 buckets of 4096 values
@@ -128,6 +121,11 @@ def expected(request: int, pool: RankPool, rect: Rect, device="cpu", out: torch.
         out = torch.empty(n, dtype=torch.uint8, device=device)
     elif out.numel() != n or out.dtype != torch.uint8:
         raise ValueError(f"expected(): out has {out.numel()} {out.dtype} elements, the rectangle needs {n} uint8")
+    if pool.spec.fmt:  # the values of the pool in its base dtype, in its KV dtype (a value check: kvlab.kv_dtype)
+        base = replace(pool, spec=replace(pool.spec, fmt=""))
+        own = as_stored(rect)
+        return convert_wire(expected(request, base, own, out.device), own, base.spec, pool.spec, out)
+    floats = [d in _FLOAT16 and KINDS[pool.spec.kind].name in ("kv", "mla") for d in pool.spec.comp_dtypes]
     dev = out.device
     seeds = [row_seeds(request, pool, rect, c, dev) for c in range(len(rows))]  # [l, h, t]
     for ts, ntiles, ntok in _tile_groups(rect):
@@ -148,6 +146,9 @@ def expected(request: int, pool: RankPool, rect: Rect, device="cpu", out: torch.
                 d = dst[:, a:a + step]
                 low = torch.index_select(rt.table, 0, k[:, a:a + step].reshape(-1)).view(d.shape)
                 torch.add(low, hi[:, a:a + step, ..., None], out=d)
+            if floats[c]:  # finite values (_HIGH_KEEP): the high byte of each little-endian 2-byte float
+                high = dst[..., 1::2]
+                high.bitwise_and_(_HIGH_KEEP).bitwise_or_(_HIGH_SET)
             off += nh * ntok * row
     return out
 

@@ -14,10 +14,12 @@ the CUDA kernels compute the same offsets (``kernels/kv_copy.cu`` mirrors ``runs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from kvlab import kv_dtype
+from kvlab.spec import PoolSpec
 from kvlab.state import RankPool
 
 
@@ -31,6 +33,9 @@ class Rect:
     t0: int  # tokens [t0, t1)
     t1: int
     tile: int
+    # the KV dtype on the wire where the two sides' differ (kvlab.kv_dtype): a pool of another format converts
+    # its rows in the pack or the unpack (kvlab.ops); "": each side's bytes as they are
+    wire: str = ""
 
     @property
     def n_layers(self) -> int:
@@ -55,6 +60,7 @@ class Runs:
     mem: torch.Tensor
     wire: torch.Tensor
     length: torch.Tensor
+    converts: bool = False  # the pool's rows are not the wire's (another KV dtype): never in place
 
 
 def runs(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, block_base: int) -> Runs:
@@ -106,11 +112,67 @@ def runs(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, b
         mem = (mem[..., None] + k * tok)[keep]
         wire = (wire[..., None] + k * row)[keep]
         length = row.expand(*length.shape, T)[keep]
-    return Runs(mem.reshape(-1), wire.reshape(-1), length.reshape(-1))
+    return Runs(mem.reshape(-1), wire.reshape(-1), length.reshape(-1), converts(pool, rect))
+
+
+def converts(pool: RankPool, rect: Rect) -> bool:
+    """Whether ``pool``'s rows are in another format than the wire of ``rect`` (kvlab.kv_dtype)."""
+    return bool(rect.wire) and rect.wire != (pool.spec.fmt or pool.spec.comp_dtypes[0])
+
+
+def as_stored(rect: Rect) -> Rect:
+    """``rect`` as its pool's own bytes: what a pack into the pool's format, or an unpack from it, moves."""
+    return replace(rect, wire="") if rect.wire else rect
+
+
+def tile_groups(rect: Rect) -> list[tuple[int, int, int]]:
+    """(first token, tiles, tokens per tile) for runs of equally long tiles: partial head, full tiles, partial tail."""
+    T, t0, t1 = rect.tile, rect.t0, rect.t1
+    groups = []
+    head_end = min(t1, (t0 // T + 1) * T)
+    if t0 % T or head_end - t0 < T:
+        groups.append((t0, 1, head_end - t0))
+        t0 = head_end
+    full = (t1 - t0) // T
+    if full:
+        groups.append((t0, full, T))
+        t0 += full * T
+    if t0 < t1:
+        groups.append((t0, 1, t1 - t0))
+    return groups
+
+
+def convert_wire(data: torch.Tensor, rect: Rect, src: PoolSpec, dst: PoolSpec, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """``rect``'s bytes in wire order with ``src``'s rows, as ``dst``'s rows (one pool kind, another KV dtype):
+    each component's rows converted where they lie (kvlab.kv_dtype.convert_rows)."""
+    if src.comp_row_bytes() == dst.comp_row_bytes() and (src.fmt or src.comp_dtypes[0]) == (dst.fmt or
+                                                                                            dst.comp_dtypes[0]):
+        return data if out is None else out.copy_(data)
+    srows, drows = src.comp_row_bytes(), dst.comp_row_bytes()
+    kind = str(getattr(src.kind, "value", src.kind))
+    sf, df = src.fmt or src.comp_dtypes[0], dst.fmt or dst.comp_dtypes[0]
+    if out is None:
+        out = torch.empty(rect.nbytes(drows), dtype=torch.uint8, device=data.device)
+    nl, nh = rect.n_layers, rect.n_heads
+    so = do = 0
+    for _, ntiles, ntok in tile_groups(rect):
+        sn, dn = ntiles * nl * ntok * nh * sum(srows), ntiles * nl * ntok * nh * sum(drows)
+        sg, dg = data[so:so + sn].view(ntiles, nl, -1), out[do:do + dn].view(ntiles, nl, -1)
+        sc = dc = 0
+        for c, (sr, dr) in enumerate(zip(srows, drows)):
+            rows = sg[:, :, sc:sc + nh * ntok * sr].reshape(-1, sr)
+            got = kv_dtype.convert_rows(rows, kind, src.comp_elems[c], src.comp_dtypes[c], sf, df)
+            dg[:, :, dc:dc + nh * ntok * dr] = got.view(ntiles, nl, nh * ntok * dr)
+            sc, dc = sc + nh * ntok * sr, dc + nh * ntok * dr
+        so, do = so + sn, do + dn
+    return out
 
 
 def is_in_place(r: Runs) -> bool:
     """True when the runs lie back to back in memory in wire order: the chunk can be sent or received in place."""
+    if r.converts:
+        return False
     d = r.mem - r.wire
     return bool((d == d[0]).all())
 

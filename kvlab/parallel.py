@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kvlab import kv_dtype
 from kvlab.engine_layouts import LAYOUTS, NAMES, EngineLayout, Layout, layout_of
 from kvlab.errors import ConfigError, positive, require
 from kvlab.spec import DTYPE_BYTES, ModelSpec
@@ -36,6 +37,9 @@ class SideSpec:
     layout: str = "block_major"  # a Layout or an EngineLayout name (kvlab.engine_layouts); the enum member once built
     dtype: str = "bf16"
     layer_split: tuple[int, ...] | None = None
+    # the dtype its K/V (or MLA) rows are kept in (kvlab.kv_dtype): bf16, fp16, or fp8 e4m3 with fp32 scales;
+    # None: ``dtype``. Where the two sides differ the values are converted in flight
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp"):
@@ -49,12 +53,22 @@ class SideSpec:
         elif not LAYOUTS[self.layout.value].fixed_tpb:  # the layout's default, whatever the model
             object.__setattr__(self, "tokens_per_block", LAYOUTS[self.layout.value].default_tpb)
         require(self.dtype in DTYPE_BYTES, f"{self.name}.dtype", self.dtype, f"use one of {', '.join(DTYPE_BYTES)}")
+        if self.kv_dtype is not None:
+            require(self.kv_dtype in kv_dtype.KV_DTYPES, f"{self.name}.kv_dtype", self.kv_dtype,
+                    f"use one of {', '.join(kv_dtype.KV_DTYPES)} (fp8: e4m3 with fp32 scales), or leave it unset")
+            require(self.dtype in kv_dtype.BASES, f"{self.name}.kv_dtype", self.kv_dtype,
+                    f"converts bf16 or fp16 values; {self.name}.dtype={self.dtype} is neither")
         if self.layer_split is not None:
             object.__setattr__(self, "layer_split", tuple(self.layer_split))
             require(len(self.layer_split) == self.pp, f"{self.name}.layer_split", list(self.layer_split),
                     f"needs one layer count per pp stage ({self.pp})")
             require(all(isinstance(n, int) and n > 0 for n in self.layer_split), f"{self.name}.layer_split",
                     list(self.layer_split), "every stage needs at least one layer")
+
+    @property
+    def fmt(self) -> str:
+        """The format of its converted pools (``PoolSpec.fmt``): "" where the rows hold ``dtype`` itself."""
+        return "" if self.kv_dtype in (None, self.dtype) else self.kv_dtype
 
     @property
     def size(self) -> int:

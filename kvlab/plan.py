@@ -16,7 +16,7 @@ from kvlab.errors import positive, require
 from kvlab.layout import Rect
 from kvlab.parallel import SideSpec
 from kvlab.spec import ModelSpec
-from kvlab.state import CacheState, window_start, wire_tile
+from kvlab.state import CacheState, check_kv_dtypes, pool_format, side_pools, window_start, wire_pool, wire_tile
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
     # a head split the specs cannot make would silently leave heads out of the cover
     ctx.validate_for(model)
     gen.validate_for(model)
+    check_kv_dtypes(ctx, gen)
     segments = []
     for g_tp_pp in range(gen.pp * gen.tp):
         dst = req.gen_dp * gen.pp * gen.tp + g_tp_pp
@@ -61,6 +62,8 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
         for gp in CacheState(model, gen, dst).pools():
             spec = gp.spec
             tile = wire_tile(ctx, gen, model, spec)  # per pool: one token where a side splits token rows
+            on_wire, place = wire_pool(model, ctx, gen, spec.name)  # a KV dtype converted in flight: its rows
+            wire, wire_rows = (pool_format(on_wire) if place != "none" else ""), on_wire.comp_row_bytes()
             t0 = window_start(spec, req.isl, tile)
             if window_trim and spec.window:
                 t0 = min(req.isl - 1, max(0, req.isl - spec.window + 1) + window_trim)
@@ -78,7 +81,19 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
                     holders = ctx.head_holders(spec.heads, heads.start)
                     if c_tp != holders[g.tp % len(holders)]:
                         continue
-                    rect = Rect(spec.name, l0, l1, heads.start, heads.stop, t0, req.isl, tile)
+                    rect = Rect(spec.name, l0, l1, heads.start, heads.stop, t0, req.isl, tile, wire)
                     src = ctx.rank(req.ctx_dp, c_pp, c_tp)
-                    segments.append(Segment(req.id, src, dst, rect, rect.nbytes(spec.comp_row_bytes())))
+                    segments.append(Segment(req.id, src, dst, rect, rect.nbytes(wire_rows)))
     return segments
+
+
+def conversion_bytes(model: ModelSpec, ctx: SideSpec, gen: SideSpec, rect: Rect) -> tuple[int, int]:
+    """(ctx, gen): the bytes of ``rect`` a side converts from its own KV dtype into the wire's or back (its pool's
+    rows; 0 where it converts nothing): what the cost model charges a conversion (kvlab.kv_dtype)."""
+    if not rect.wire:
+        return 0, 0
+    _, place = wire_pool(model, ctx, gen, rect.pool)
+    side = ctx if place == "pack" else gen
+    own = next(p for p in side_pools(model, side) if p.name == rect.pool)
+    n = rect.nbytes(own.comp_row_bytes())
+    return (n, 0) if place == "pack" else (0, n)

@@ -21,27 +21,29 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from kvlab import budget, devices
+from kvlab import budget, devices, kv_dtype
 from kvlab.config import CONF_DIR, Setup, build
 from kvlab.cost import predict
 from kvlab.engine_layouts import LAYOUTS
 from kvlab.errors import ConfigError
 from kvlab.plan import plan
 from kvlab.schedule import schedule
-from kvlab.state import wire_tile
+from kvlab.state import pool_format, side_pools, wire_pool, wire_tile
 from kvlab.workload import plan_requests
 
 
 def summarize(setup: Setup) -> dict:
-    pairs: dict[tuple[int, int], dict] = defaultdict(lambda: {"bytes": 0, "segments": 0, "chunks": 0,
-                                                              "max_chunk_bytes": 0, "in_place_chunks": 0})
+    pairs: dict[tuple[int, int], dict] = defaultdict(lambda: {"bytes": 0, "source_bytes": 0, "segments": 0,
+                                                              "chunks": 0, "max_chunk_bytes": 0, "in_place_chunks": 0})
     reqs = plan_requests(setup)
+    ctx_rows = {p.name: p.comp_row_bytes() for p in side_pools(setup.model, setup.ctx)}
     for req in reqs:
         segs = plan(setup.model, setup.ctx, setup.gen, req)
         chunks = schedule(setup.model, setup.ctx, setup.gen, segs, setup.transfer.strategy, setup.chunk_cap)
         for s in segs:
             p = pairs[(s.src, s.dst)]
-            p["bytes"] += s.nbytes
+            p["bytes"] += s.nbytes  # on the wire
+            p["source_bytes"] += s.rect.nbytes(ctx_rows[s.rect.pool])  # as the ctx pools hold them
             p["segments"] += 1
         for c in chunks:
             p = pairs[(c.src, c.dst)]
@@ -64,9 +66,25 @@ def summarize(setup: Setup) -> dict:
         "ctx": side_summary(setup, setup.ctx),
         "gen": side_summary(setup, setup.gen),
         "pairs": rows,
+        "kv_dtype": kv_dtypes(setup),
         "total_bytes": sum(r["bytes"] for r in rows),
+        "total_source_bytes": sum(r["source_bytes"] for r in rows),
         "total_chunks": sum(r["chunks"] for r in rows),
     }
+
+
+def kv_dtypes(setup: Setup) -> dict:
+    """Per pool: each side's format, the wire's, and where the conversion happens (kvlab.kv_dtype)."""
+    out = {}
+    ctx_pools = {p.name: p for p in side_pools(setup.model, setup.ctx)}
+    for g in side_pools(setup.model, setup.gen):
+        wire, place = wire_pool(setup.model, setup.ctx, setup.gen, g.name)
+        kind = str(getattr(g.kind, "value", g.kind))
+        formats = (pool_format(ctx_pools[g.name]), pool_format(g))
+        out[g.name] = {"ctx": formats[0], "gen": formats[1], "wire": pool_format(wire), "conversion": place,
+                       "wire_row_bytes": sum(wire.comp_row_bytes()),
+                       "granularity": kv_dtype.granularity(kind) if place != "none" and "fp8" in formats else ""}
+    return out
 
 
 def side_summary(setup: Setup, side) -> dict:
@@ -127,6 +145,14 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
             pools = "; ".join(f"{p}: {side['shape'][p]}, wire tile {n}" for p, n in side["wire_tile"].items())
             console.print(f"{name} layout: {side['layout']} ({side['engine']}), {side['tokens_per_block']} tokens "
                           f"per block; {pools}", soft_wrap=True, markup=False)
+    for pool, d in summary.get("kv_dtype", {}).items():
+        if d["conversion"] != "none":
+            src, wire = summary.get("total_source_bytes", 0), summary["total_bytes"]
+            console.print(f"kv dtype of {pool}: ctx {d['ctx']} -> gen {d['gen']}"
+                          + (f" (fp8 scales {d['granularity']})" if d["granularity"] else "")
+                          + f"; the wire carries {d['wire']}, converted in the {d['conversion']}; all pools: "
+                          f"{_mib(wire)} MiB on the wire for {_mib(src)} MiB of ctx cache", soft_wrap=True,
+                          markup=False)
     if "transport" in summary:
         console.print(f"transport: {summary['transport']} ({summary.get('transport_why') or 'as named'})",
                       soft_wrap=True, markup=False)  # one line, for whoever greps it

@@ -44,7 +44,7 @@ from kvlab.layout import Rect, identity_blocks, is_in_place, runs
 from kvlab.parallel import SideSpec
 from kvlab.plan import Segment
 from kvlab.spec import ModelSpec
-from kvlab.state import CacheState
+from kvlab.state import CacheState, wire_pool
 
 
 class Cut(str, Enum):
@@ -179,8 +179,7 @@ def schedule(model: ModelSpec, ctx: SideSpec, gen: SideSpec, segments: list[Segm
     ``Setup.chunk_cap`` (None: not cut by size, for a pulling transport)."""
     per_seg: list[list[Chunk]] = []
     for seg in segments:
-        spec = model.pools(ctx.dtype)
-        pool = next(p for p in spec if p.name == seg.rect.pool)
+        pool = wire_pool(model, ctx, gen, seg.rect.pool)[0]  # its rows as the wire carries them (kvlab.kv_dtype)
         rows = pool.comp_row_bytes()
         chunks = []
         for rect in strategy.rects(seg, rows, slot_bytes):

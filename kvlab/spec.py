@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvlab import arrivals
+from kvlab import arrivals, kv_dtype
 from kvlab.decode_spec import DecodeModel
 from kvlab.errors import positive, require
 
@@ -64,12 +64,16 @@ class PoolSpec:
     heads: int  # kv heads (GQA) or 1 (MLA latent, indexer)
     comp_elems: tuple[int, ...]  # elements per token per head of each component
     comp_dtypes: tuple[str, ...]
+    fmt: str = ""  # the KV dtype its rows hold (kvlab.kv_dtype: a side's kv_dtype); "": the comp_dtypes themselves
 
     @property
     def replicated(self) -> bool:
         return KINDS[self.kind].replicated
 
     def comp_row_bytes(self) -> tuple[int, ...]:
+        if self.fmt:
+            kind = str(getattr(self.kind, "value", self.kind))
+            return tuple(kv_dtype.row_bytes(kind, n, d, self.fmt) for n, d in zip(self.comp_elems, self.comp_dtypes))
         return tuple(n * DTYPE_BYTES[d] for n, d in zip(self.comp_elems, self.comp_dtypes))
 
     def token_bytes(self, heads: int | None = None) -> int:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from kvlab import kv_dtype
 from kvlab.engine_layouts import LAYOUTS, EngineLayout, Layout
 from kvlab.errors import ConfigError
 from kvlab.parallel import RankCoord, SideSpec
@@ -146,7 +147,7 @@ class CacheState:
         c = self.coord
         stage = self.side.stage_layers(self.model, c.pp)
         out = []
-        for p in self.model.pools(self.side.dtype):
+        for p in side_pools(self.model, self.side):
             local = [i for i, g in enumerate(p.layers) if g in stage]
             if local:
                 out.append(RankPool(p, range(local[0], local[-1] + 1), self.side.head_range(p.heads, c.tp),
@@ -167,11 +168,48 @@ class CacheState:
         return d
 
 
+def in_format(pool: PoolSpec, fmt: str) -> PoolSpec:
+    """``pool`` holding its rows in format ``fmt`` (kvlab.kv_dtype), where its kind converts; else as it is."""
+    base = pool.comp_dtypes[0]
+    if not kv_dtype.converts(str(getattr(pool.kind, "value", pool.kind)), base):
+        return pool
+    return replace(pool, fmt="" if fmt in ("", base) else fmt)
+
+
+def pool_format(pool: PoolSpec) -> str:
+    """The format of a pool's rows: its KV dtype, or the dtype of its first component."""
+    return pool.fmt or pool.comp_dtypes[0]
+
+
+def side_pools(model: ModelSpec, side: SideSpec) -> tuple[PoolSpec, ...]:
+    """The model's pools as ``side`` keeps them: its ``dtype``, K/V and MLA rows in its ``kv_dtype``."""
+    return tuple(in_format(p, side.fmt) for p in model.pools(side.dtype))
+
+
+def check_kv_dtypes(ctx: SideSpec, gen: SideSpec) -> None:
+    """A KV dtype is converted from the values the prefill computed (``ctx.dtype``): a ctx side that keeps another
+    one already rounded them, and converting those again is not what kvlab checks value by value."""
+    if ctx.fmt and ctx.fmt != gen.fmt:
+        raise ConfigError("ctx.kv_dtype", ctx.kv_dtype,
+                          f"kvlab converts the prefill's own {ctx.dtype} values in flight, not values already kept "
+                          f"in {ctx.kv_dtype}; leave ctx.kv_dtype unset, or set gen.kv_dtype={ctx.kv_dtype} too")
+
+
+def wire_pool(model: ModelSpec, ctx: SideSpec, gen: SideSpec, name: str) -> tuple[PoolSpec, str]:
+    """(pool ``name`` in the format the wire carries, where it is converted: ``pack``, ``unpack`` or ``none``)
+    (kvlab.kv_dtype.wire_format: the smaller rows travel)."""
+    c = next(p for p in side_pools(model, ctx) if p.name == name)
+    g = next(p for p in side_pools(model, gen) if p.name == name)
+    _, place = kv_dtype.wire_format(pool_format(c), pool_format(g), sum(c.comp_row_bytes()),
+                                    sum(g.comp_row_bytes()))
+    return (g if place == "pack" else c), place
+
+
 def side_pool(model: ModelSpec, side: SideSpec, pool: PoolSpec) -> RankPool:
     """``pool`` as the first TP rank of ``side`` holds it, all its layers: for shape questions (token runs,
     strides per block) that hold for every rank of the side alike."""
-    return RankPool(pool, range(len(pool.layers)), side.head_range(pool.heads, 0), side.block_tokens(model),
-                    side.layout)
+    return RankPool(in_format(pool, side.fmt), range(len(pool.layers)), side.head_range(pool.heads, 0),
+                    side.block_tokens(model), side.layout)
 
 
 def wire_tile(ctx: SideSpec, gen: SideSpec, model: ModelSpec | None = None, pool: PoolSpec | None = None) -> int:
@@ -200,8 +238,8 @@ def check_compatible(a: dict, b: dict, names: tuple[str, str] = ("ctx", "gen")) 
         raise ConfigError("dtype", f"{a['side']['dtype']} ({names[0]}) vs {b['side']['dtype']} ({names[1]})",
                           "kvlab moves cache bytes as they are; give both sides the same dtype")
     if a["side"]["name"] == b["side"]["name"]:
-        for key in ("tp", "pp", "dp", "tokens_per_block", "layout", "layer_split"):
-            if a["side"][key] != b["side"][key]:
+        for key in ("tp", "pp", "dp", "tokens_per_block", "layout", "layer_split", "kv_dtype"):
+            if a["side"].get(key) != b["side"].get(key):
                 side = a["side"]["name"]
                 raise ConfigError(f"{side}.{key}", f"{a['side'][key]} ({names[0]}) vs {b['side'][key]} ({names[1]})",
                                   f"every {side} rank must be started with the same {side} config")

@@ -13,7 +13,8 @@ SCALE = settings.default.max_examples / 100  # a tenth under `pytest -m "not slo
 
 def definition(request: int, pool, rect) -> torch.Tensor:
     """Byte ``x`` of each row is the top byte of ``seed + x * K`` (mod 2**32), rows in wire order:
-    tile, layer, component, head, token."""
+    tile, layer, component, head, token; the high byte of each 2-byte float of K/V and MLA rows keeps its
+    sign and two low exponent bits, the others set to a finite exponent."""
     rows = pool.rows
     seeds = [fill.row_seeds(request, pool, rect, c, "cpu") for c in range(len(rows))]  # [l, h, t]
     out = []
@@ -24,7 +25,10 @@ def definition(request: int, pool, rect) -> torch.Tensor:
             for c, row in enumerate(rows):
                 s = seeds[c][li, :, t - rect.t0:e - rect.t0]  # [h, tok]
                 x = torch.arange(row, dtype=torch.int64)
-                out.append((((s[..., None] + x * fill._STEP) & fill._MASK) >> 24).to(torch.uint8).reshape(-1))
+                b = (((s[..., None] + x * fill._STEP) & fill._MASK) >> 24).to(torch.uint8)
+                if pool.spec.comp_dtypes[c] in ("bf16", "fp16") and pool.spec.kind in ("kv", "mla"):
+                    b[..., 1::2] = b[..., 1::2] & 0x83 | 0x3C  # finite 2-byte floats: exponent 120-127 (bf16)
+                out.append(b.reshape(-1))
         t = e
     return torch.cat(out)
 

@@ -23,6 +23,10 @@ tables, so a chunk costs one launch and no host sync.
 block ``block_base + i`` (int32 or int64, on the pool's device), ``out``/``wire`` a uint8
 tensor of exactly ``rect.nbytes(pool.rows)`` bytes (a staging slot view or, in place, a
 view of the pool itself).
+
+Where a rectangle's wire carries another KV dtype than the pool (``Rect.wire``, kvlab.kv_dtype), each
+implementation hands the call to ``kvlab.ops.convert``: its own move of the pool's rows, and the conversion
+in torch on the buffers' device.
 """
 from __future__ import annotations
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvlab.layout import Rect, runs
+from kvlab.layout import Rect, as_stored, converts, runs
+from kvlab.ops import convert
 from kvlab.ops.reference import check_buffers, check_rect_pair
-from kvlab.state import RankPool
+from kvlab.state import RankPool, pool_format
 
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 _PIECE_BYTES = 1 << 20  # copy_rect moves rows through a scratch piece of this size: it stays in L2
@@ -94,6 +95,8 @@ def _matrices(pool_bytes: torch.Tensor, buf: torch.Tensor, unit: int) -> tuple[t
 
 
 def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out) -> None:
+    if converts(pool, rect):
+        return convert.pack(pack, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out)
     check_buffers(pool_bytes, pool, num_blocks, rect, out)
     unit, rows = _rows(pool, num_blocks, rect, block_ids, block_base)
     pool_m, wire_m = _matrices(pool_bytes, out, unit)
@@ -101,6 +104,8 @@ def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out) -> None
 
 
 def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes) -> None:
+    if converts(pool, rect):
+        return convert.unpack(unpack, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes)
     check_buffers(pool_bytes, pool, num_blocks, rect, wire_buf)
     unit, rows = _rows(pool, num_blocks, rect, block_ids, block_base)
     pool_m, wire_m = _matrices(pool_bytes, wire_buf, unit)
@@ -120,6 +125,10 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
               dst_base, rect) -> None:
     """``rect`` straight from one pool into another (see ``kvlab.ops``), in rows of a unit that divides both
     sides' row templates: per chunk two block-table gathers, no run computation, never an index per byte."""
+    if pool_format(src_pool.spec) != pool_format(dst_pool.spec):  # another KV dtype: converted in the copy
+        return convert.copy_rect(pack, unpack, src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
+                                 dst_pool, dst_num_blocks, dst_ids, dst_base, rect)
+    rect = as_stored(rect)
     check_rect_pair(src_bytes, src_pool, src_num_blocks, dst_bytes, dst_pool, dst_num_blocks, rect)
     su, src_rows = _rows(src_pool, src_num_blocks, rect, src_ids, src_base)
     du, dst_rows = _rows(dst_pool, dst_num_blocks, rect, dst_ids, dst_base)

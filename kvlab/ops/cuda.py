@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvlab.layout import Rect
+from kvlab.layout import Rect, as_stored, converts
+from kvlab.ops import convert
 from kvlab.ops.reference import check_buffers, check_rect_pair
 from kvlab.paths import KERNELS_DIR
-from kvlab.state import RankPool
+from kvlab.state import RankPool, pool_format
 
 KERNEL_SOURCE = KERNELS_DIR / "kv_copy.cu"
 RUN_COPY_SOURCE = KERNELS_DIR / "run_copy.cu"
@@ -314,11 +315,17 @@ def _comp_params(pool: RankPool, num_blocks: int) -> tuple:
 
 def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *, ctas: int = DEFAULT_CTAS,
          tuning: Tuning = DEFAULT_TUNING) -> None:
+    if converts(pool, rect):  # another KV dtype on the wire: the kernel moves the pool's rows, torch converts
+        return convert.pack(pack, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, ctas=ctas,
+                            tuning=tuning)
     _launch(True, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, ctas, tuning)
 
 
 def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, *, ctas: int = DEFAULT_CTAS,
            tuning: Tuning = DEFAULT_TUNING) -> None:
+    if converts(pool, rect):
+        return convert.unpack(unpack, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, ctas=ctas,
+                              tuning=tuning)
     _launch(False, pool_bytes, pool, num_blocks, rect, block_ids, block_base, wire_buf, ctas, tuning)
 
 
@@ -357,6 +364,10 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     destination pool in one launch, both sides' addresses computed on the device from their block tables
     (no index tensors, no host sync). ``src_bytes`` may be another process's pool opened through CUDA IPC."""
     dev = dst_bytes.device
+    if pool_format(src_pool.spec) != pool_format(dst_pool.spec):  # another KV dtype: converted in the copy
+        return convert.copy_rect(pack, unpack, src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
+                                 dst_pool, dst_num_blocks, dst_ids, dst_base, rect)
+    rect = as_stored(rect)
     check_rect_pair(src_bytes, src_pool, src_num_blocks, dst_bytes, dst_pool, dst_num_blocks, rect)
     for side, (pool_bytes, pool, ids, base) in (("source", (src_bytes, src_pool, src_ids, src_base)),
                                                 ("destination", (dst_bytes, dst_pool, dst_ids, dst_base))):

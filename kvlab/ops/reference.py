@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.layout import Rect, Runs, runs
-from kvlab.state import RankPool
+from kvlab.layout import Rect, Runs, as_stored, converts, runs
+from kvlab.ops import convert
+from kvlab.state import RankPool, pool_format
 
 
 def check_buffers(pool_bytes: torch.Tensor, pool: RankPool, num_blocks: int, rect: Rect, buf: torch.Tensor) -> None:
@@ -29,12 +30,16 @@ def _byte_index(r: Runs):
 
 
 def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out) -> None:
+    if converts(pool, rect):
+        return convert.pack(pack, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out)
     check_buffers(pool_bytes, pool, num_blocks, rect, out)
     for mem, wire in _byte_index(runs(pool, num_blocks, rect, block_ids, block_base)):
         out.index_copy_(0, wire, pool_bytes.index_select(0, mem))  # far faster than advanced indexing on CPU
 
 
 def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes) -> None:
+    if converts(pool, rect):
+        return convert.unpack(unpack, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes)
     check_buffers(pool_bytes, pool, num_blocks, rect, wire_buf)
     for mem, wire in _byte_index(runs(pool, num_blocks, rect, block_ids, block_base)):
         pool_bytes.index_copy_(0, mem, wire_buf.index_select(0, wire))
@@ -83,6 +88,10 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
               dst_base, rect) -> None:
     """``rect`` straight from one pool into another (``transport=ipc``): the runs of both sides, then
     ``copy_runs``."""
+    if pool_format(src_pool.spec) != pool_format(dst_pool.spec):  # another KV dtype: converted in the copy
+        return convert.copy_rect(pack, unpack, src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
+                                 dst_pool, dst_num_blocks, dst_ids, dst_base, rect)
+    rect = as_stored(rect)
     check_rect_pair(src_bytes, src_pool, src_num_blocks, dst_bytes, dst_pool, dst_num_blocks, rect)
     copy_runs(src_bytes, runs(src_pool, src_num_blocks, rect, src_ids, src_base),
               dst_bytes, runs(dst_pool, dst_num_blocks, rect, dst_ids, dst_base))
