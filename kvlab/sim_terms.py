@@ -10,7 +10,10 @@ byte of the link the pair crosses, none in a replay of a run on one machine), an
 ``rtt_us`` (its control round trips: readiness, block tables, completion) plus the links' latency.
 ``host_wait``: where the ctx side's host runs the prefill and the transfers on the same cores (a CPU run),
 a transfer waits that share of the time until its ctx instance has no prefill left (1: it moves bytes
-only while nothing prefills; 0: beside the prefill). The prefill a run measured is
+only while nothing prefills; 0: beside the prefill). ``order_wait``: in the replay of a kvlab run, the share of
+the wait for the requests whose chunks come before a request's last one in the run's global chunk order
+(kvlab.workload: every rank serves its chunks in that order; binding on the shared CPU cores, not on one
+H200). A fleet has no such order. The prefill a run measured is
 
     prefill_s = prefill_slowdown * (scale * model_s + bytes * byte_ns + fixed_ms)
 
@@ -41,18 +44,20 @@ class TransportTerms:
     piece_us: float = 0.0  # per chunk
     rtt_us: float = 0.0  # per request: its control round trips
     host_wait: float = 0.0  # share of the wait for the ctx instance's prefills to be done that a transfer waits
+    order_wait: float = 0.0  # share of the wait for the requests ahead in a kvlab run's global chunk order (replays)
     prefill_slowdown: float = 1.0  # the prefill while this transport moves bytes beside it, over the prefill model
 
     @classmethod
     def of(cls, d: dict, where: str) -> TransportTerms:
         require(isinstance(d, dict), where, d, "must be a mapping of byte_ns, staged_byte_ns, piece_us, rtt_us, "
-                "host_wait, prefill_slowdown")
+                "host_wait, order_wait, prefill_slowdown")
         d = {k: v for k, v in d.items() if k != "_target_"}  # as a run's recorded config writes it
         unknown = set(d) - {f for f in cls.__dataclass_fields__}
         require(not unknown, f"{where}.{sorted(unknown)[0]}" if unknown else where, "?",
                 f"no such term; use {', '.join(cls.__dataclass_fields__)}")
         vals = {k: _nonneg(where, k, v) for k, v in d.items()}
-        require(vals.get("host_wait", 0.0) <= 1, f"{where}.host_wait", vals.get("host_wait"), "must be in [0, 1]")
+        for k in ("host_wait", "order_wait"):
+            require(vals.get(k, 0.0) <= 1, f"{where}.{k}", vals.get(k), "must be in [0, 1]")
         return cls(**vals)
 
 

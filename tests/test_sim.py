@@ -301,3 +301,17 @@ def test_simulate_without_decode_ends_at_the_transfer():
     table = plans.build(s.setup, i)
     out = simulate(s.setup, s.cluster, s.terms, PrefillTerms(), table, a, i, o, decode=False)
     assert np.allclose(out.finish, out.arrival + out.ttft) and np.isnan(out.tpot).all()
+
+
+def test_a_replay_keeps_the_global_order_of_kvlab_run():
+    s = sim_setup("sim.decode=false", "sim.rate=50", "cluster.ctx_instances=1", "cluster.gen_instances=1")
+    a, i, o = requests(s)
+    table = plans.build(s.setup, i)
+    after = [np.array([j for j in range(len(a)) if j != k], dtype=np.int64) for k in range(len(a))]
+    free = simulate(s.setup, s.cluster, s.terms, s.prefill, table, a, i, o, decode=False)
+    terms = dataclasses.replace(s.terms, order_wait=1.0)
+    held = simulate(s.setup, s.cluster, terms, s.prefill, table, a, i, o, decode=False, after=after)
+    last_prefill = (free.arrival + free.queue + free.prefill).max()
+    # every request's chunks wait behind every other's: none lands before the last prefill is done
+    assert (held.arrival + held.ttft >= last_prefill - 1e-9).all()
+    assert (held.ttft >= free.ttft - 1e-9).all()

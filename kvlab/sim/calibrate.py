@@ -4,14 +4,16 @@ A RUN is a run directory (``config.yaml``, ``results.jsonl``) or a results file 
 (``results/*.json``: entries with ``command``, ``summary`` and ``rows``), whole or one entry of it
 (``FILE.json#name``). Each run is replayed by the simulator on its own machine (``conf/cluster/one_host``:
 one ctx and one gen instance, its DP groups served as kvlab run serves them, its measured arrivals and
-prompt lengths, no decode), so the fit is of the same code that simulates fleets.
+prompt lengths, no decode), so the fit is of the same code that simulates fleets. The replay knows one rule of kvlab
+run's that a fleet does not have: its ranks serve chunks in one global order (kvlab.workload), so a request's
+transfer may wait for the requests whose chunks come first in it (``order_wait`` says how much).
 
 1. The prefill: ``prefill_s = scale * model_s + bytes * byte_ns + fixed_ms`` by non-negative least squares
    over every request's measured prefill, relative errors (the model: the run's own prefill group,
    ``prefill=gpu`` runs timed by ``prefill=sim``'s formula).
 2. Per transport: ``prefill_slowdown``, the median of its runs' measured prefills over that model; then
-   ``byte_ns``, ``staged_byte_ns``, ``piece_us``, ``rtt_us`` and ``host_wait``, started from a least-squares
-   fit of each request's time in flight (``busy_s``) to its plan's pieces and bytes, and refined by
+   ``byte_ns``, ``staged_byte_ns``, ``piece_us``, ``rtt_us``, ``host_wait`` and ``order_wait``, started from a
+   least-squares fit of each request's time in flight (``busy_s``) to its plan's pieces and bytes, and refined by
    coordinate search in log space on the error of a replay on the runs' measured prefills: the squared log
    ratio of predicted to measured exposed transfer and TTFT, p50 and p90, each plus 1 ms (what one run
    resolves: a 0.7 ms exposed time is not fitted as if it were exact), summed over the transport's runs.
@@ -39,7 +41,7 @@ from kvlab.sim.engine import prefill_model_s, simulate
 from kvlab.sim_terms import Fitted, PrefillTerms, TransportTerms
 
 FIGS = ("exposed_p50", "exposed_p90", "ttft_p50", "ttft_p90")
-TERMS = ("byte_ns", "staged_byte_ns", "piece_us", "rtt_us", "host_wait")
+TERMS = ("byte_ns", "staged_byte_ns", "piece_us", "rtt_us", "host_wait", "order_wait")
 FLOOR_S = 1e-3  # added to both sides of a ratio: a millisecond is about what one run resolves of an exposed time
 GPU_ONLY = {"prefill": "sim", "device": None, "kernels": None}  # what this machine composes a GPU run's config with
 
@@ -56,6 +58,7 @@ class Replay:
     table: plans.PlanTable
     cluster: ClusterSpec
     model_s: np.ndarray
+    after: list[np.ndarray]  # per request: those with chunks before its last one in the run's global order
 
 
 def _setup_from_command(command: str, transport: str | None = None):
@@ -146,12 +149,33 @@ def replay_of(name: str, make_setup, rows: list[dict]) -> Replay:
     table = plans.build(setup, isl)
     model_s, _ = prefill_model_s(setup, isl, p.tflops, p.mfu)
     return Replay(name, setup, arrival - arrival.min(), isl, np.array([r.get("prefill_s") or np.nan for r in ok]),
-                  np.array([r.get("busy_s") or np.nan for r in ok]), measured, table, cluster, model_s)
+                  np.array([r.get("busy_s") or np.nan for r in ok]), measured, table, cluster, model_s,
+                  _order_waits(setup, [r["request"] for r in ok]))
+
+
+def _order_waits(setup, ids: list[int]) -> list[np.ndarray]:
+    """For each request (``ids``, the rows replayed): the rows whose chunks come before its last chunk in the global
+    order the run's ranks served (kvlab.workload.plan_run); [] where the run's own requests cannot be rebuilt."""
+    from kvlab.workload import plan_run
+
+    index = {rid: k for k, rid in enumerate(ids)}
+    try:
+        _, _, order = plan_run(setup)
+    except Exception:  # noqa: BLE001 - a run whose workload no longer builds: no order to follow
+        return [np.zeros(0, dtype=np.int64) for _ in ids]
+    last = {}
+    for pos, c in enumerate(order):
+        last[c.request] = pos
+    out = []
+    for rid in ids:
+        before = {order[q].request for q in range(last.get(rid, -1))} - {rid}
+        out.append(np.array(sorted(index[b] for b in before if b in index), dtype=np.int64))
+    return out
 
 
 def _replay(r: Replay, terms: TransportTerms, pre: PrefillTerms, measured_prefill: bool):
     return simulate(r.setup, r.cluster, terms, pre, r.table, r.arrival, r.isl, np.zeros(len(r.isl)), decode=False,
-                    links=[[True]], prefill_s=r.prefill_s if measured_prefill else None)
+                    links=[[True]], prefill_s=r.prefill_s if measured_prefill else None, after=r.after)
 
 
 def predict(r: Replay, terms: TransportTerms, pre: PrefillTerms) -> dict:
@@ -225,11 +249,11 @@ def fit_transport(replays: list[Replay], pre: PrefillTerms) -> tuple[TransportTe
     x = _nnls(np.array(a), np.array(b)) if a else np.zeros(3)
     best_all = None
     slowdown = fit_slowdown(replays, pre)
-    starts = [(max(x[1], 1e-4), x[2], max(x[0], 1.0), 50.0), (1e-3, 0.0, 10.0, 1000.0)]
-    for wait in (0.0, 0.5, 1.0):
-        for b0, s0, p0, r0 in starts:
+    b0, s0, p0, r0 = max(x[1], 1e-4), x[2], max(x[0], 1.0), 50.0
+    for wait in (0.0, 1.0):
+        for order in (0.0, 1.0):
             t = TransportTerms(byte_ns=float(b0), staged_byte_ns=float(s0), piece_us=float(p0), rtt_us=float(r0),
-                               host_wait=wait, prefill_slowdown=slowdown)
+                               host_wait=wait, order_wait=order, prefill_slowdown=slowdown)
             t, e = _search(replays, t, pre)
             if best_all is None or e < best_all[1]:
                 best_all = (t, e)
@@ -239,7 +263,8 @@ def fit_transport(replays: list[Replay], pre: PrefillTerms) -> tuple[TransportTe
 def _search(replays: list[Replay], t: TransportTerms, pre: PrefillTerms) -> tuple[TransportTerms, float]:
     """Coordinate search in log space: each term times a factor while the error falls; a term at zero is tried
     last (a zero cannot grow back by factors)."""
-    floor = {"byte_ns": 1e-4, "staged_byte_ns": 1e-3, "piece_us": 1.0, "rtt_us": 10.0, "host_wait": 0.1}
+    floor = {"byte_ns": 1e-4, "staged_byte_ns": 1e-3, "piece_us": 1.0, "rtt_us": 10.0, "host_wait": 0.1,
+             "order_wait": 0.1}
     best = error(replays, t, pre)
     for factors in ((4.0, 0.25, 2.0, 0.5, 1.25, 0.8), (0.0,), (1.25, 0.8, 1.1, 0.9)):
         for _ in range(8):
@@ -248,7 +273,7 @@ def _search(replays: list[Replay], t: TransportTerms, pre: PrefillTerms) -> tupl
                 for f in factors:
                     cur = getattr(t, k)
                     v = (cur or floor[k]) * f if f else 0.0
-                    if k == "host_wait":
+                    if k in ("host_wait", "order_wait"):
                         v = min(v, 1.0)
                     if v == cur:
                         continue

@@ -106,7 +106,8 @@ def calibrate_main(argv: list[str]) -> None:
         print(line)
     for name, t in sorted(fitted.transports.items()):
         print(f"{name}: byte_ns {t.byte_ns:.4g}, staged_byte_ns {t.staged_byte_ns:.4g}, piece_us {t.piece_us:.4g}, "
-              f"rtt_us {t.rtt_us:.4g}, host_wait {t.host_wait:.3g}, prefill_slowdown {t.prefill_slowdown:.3g}")
+              f"rtt_us {t.rtt_us:.4g}, host_wait {t.host_wait:.3g}, order_wait {t.order_wait:.3g}, "
+              f"prefill_slowdown {t.prefill_slowdown:.3g}")
     pre = fitted.prefill
     print(f"prefill: scale {pre.scale:.4g}, byte_ns {pre.byte_ns:.4g}, fixed_ms {pre.fixed_ms:.4g}")
     out = Path(a.out) if a.out else CONF_DIR / "cost" / f"{a.name}.yaml"

@@ -158,10 +158,13 @@ class DecodeGroup:
 
 def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_terms: PrefillTerms,
              table: PlanTable, arrival: np.ndarray, isl: np.ndarray, osl: np.ndarray, decode: bool = True,
-             links: list | None = None, prefill_s: np.ndarray | None = None) -> Outcome:
+             links: list | None = None, prefill_s: np.ndarray | None = None,
+             after: list[np.ndarray] | None = None) -> Outcome:
     """Run the fleet over the requests (arrays in arrival order). ``links``: [ctx instance][gen instance] -> whether
     they share an NVLink domain, default ``cluster.same_domain``; ``prefill_s``: each prefill's duration as
-    measured, in place of the calibrated model (a replay that isolates the transfer)."""
+    measured, in place of the calibrated model (a replay that isolates the transfer); ``after``: per request, the
+    requests whose chunks come before its last one in a kvlab run's global chunk order (kvlab.workload): every rank
+    serves its chunks in that order, so its transfer waits ``order_wait`` of the time until theirs could start."""
     t_wall = time.perf_counter()
     n = len(arrival)
     ctx, gen = setup.ctx, setup.gen
@@ -199,6 +202,9 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
     per_layer = setup.transfer.strategy.ready == Ready.layer
     layers = setup.model.num_layers
     ready = np.where(per_layer, start + first, end)
+    if after is not None and terms.order_wait:
+        ahead = np.array([max(ready[i], ready[a].max(initial=0.0)) for i, a in enumerate(after)])
+        ready = ready + terms.order_wait * (ahead - ready)
     ready = ready + terms.host_wait * np.maximum(0.0, idle - ready)
 
     # -- each request's time per link kind and GPU
