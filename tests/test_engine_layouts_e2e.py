@@ -46,12 +46,19 @@ def test_engine_layouts_run_verified(name, kvlab_cli, tmp_path):
     check_figures(run_dir)
 
 
-def test_the_issues_example_decodes_from_trtllms_pool(kvlab_cli, tmp_path):
-    """DeepSeek-V3.2 prefilled into vLLM's NHD pools, decoded from TensorRT-LLM's: the decode model's own cache moved,
-    the gen side decodes as the reference."""
+@pytest.mark.parametrize("kv", [None, "fp8"])
+def test_the_issues_example_decodes_from_trtllms_pool(kv, kvlab_cli, tmp_path):
+    """DeepSeek-V3.2 prefilled into vLLM's NHD pools, decoded from TensorRT-LLM's, in bf16 or converted to fp8 in
+    the pack: every byte (or value) verified, and the decode check says what the dtype costs."""
     run_dir = tmp_path / "run"
     p = kvlab_cli("run", "model=deepseek_v32", "ctx.layout=vllm_lbnhc", "gen.layout=trtllm", "check=decode",
-                  "workload.requests=2", "workload.isl=200", "transfer.baseline=false", f"hydra.run.dir={run_dir}",
-                  cwd=tmp_path, timeout=240)
+                  *([f"gen.kv_dtype={kv}"] if kv else []), "workload.requests=2", "workload.isl=200",
+                  "transfer.baseline=false", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "check=decode: 2/2 requests decode as the reference" in p.stdout
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["verified"] and s["requests"] == 2
+    assert "byte check passed on 2/2" in p.stdout
+    if kv is None:
+        assert "check=decode: 2/2 requests decode as the reference" in p.stdout
+    else:  # lossy: reported, not failed
+        assert "max |logit difference|" in p.stdout
