@@ -315,3 +315,9 @@ def test_a_replay_keeps_the_global_order_of_kvlab_run():
     # every request's chunks wait behind every other's: none lands before the last prefill is done
     assert (held.arrival + held.ttft >= last_prefill - 1e-9).all()
     assert (held.ttft >= free.ttft - 1e-9).all()
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "conf" / "cluster").glob("*.yaml")))
+def test_every_cluster_preset_builds_with_the_default_sim(preset):
+    s = build_sim(compose_sim([f"cluster={preset}"]))
+    assert s.cluster.ctx_instances >= 1 and s.terms_name == "ipc"
