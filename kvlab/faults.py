@@ -54,7 +54,9 @@ from kvlab.workload import chunks_of
 
 CLASSES = TRANSFER_FAULTS
 
-KILLED_EXIT = 3  # exit code of a rank killed by fault.kill_rank: neither success (0), failure (1) nor bad config (2)
+# exit code of a rank killed by fault.kill_rank or fault.transfer=torn_chunk: neither success (0), failure (1)
+# nor bad config (2)
+KILLED_EXIT = 3
 
 
 @dataclass

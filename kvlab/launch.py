@@ -196,5 +196,6 @@ def _describe(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     if code == 3:
-        return "exit code 3 (killed by fault injection: fault.kill_rank)"
+        return "exit code 3 (killed by fault injection: fault.kill_rank, or a sender dying mid-chunk: " \
+               "fault.transfer=torn_chunk)"
     return f"exit code {code}"
