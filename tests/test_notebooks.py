@@ -9,6 +9,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # as long as the longest notebook may take; each nbmake run is bounded as well
 def test_notebooks_execute():
     pytest.importorskip("nbmake")
     pytest.importorskip("ipykernel")

@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import check_figures
+from conftest import E2E, check_figures
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlab.api import run_transfer
 from kvlab.config import build, compose
 
 QUIET = ["logger=quiet"]
 
-# (id, overrides): together they cover every strategy for GQA, MLA, DSA (indexer) and
-# sliding windows, TP and PP mismatch in both directions, attention-DP on the gen side,
+# (id, overrides), a few drawn in each run of the suite: together they cover every strategy for GQA,
+# MLA, DSA (indexer) and sliding windows, TP and PP mismatch in both directions, attention-DP on the gen side,
 # different tokens_per_block and layouts, fragmented block tables and concurrency.
 CASES = [
     ("gqa-tp2-tp1-chunked", ["transfer=chunked", "transfer.slot_mib=0.25"]),
@@ -41,8 +43,10 @@ CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [c[1] for c in CASES], ids=[c[0] for c in CASES])
-def test_end_to_end_verified(overrides, tmp_path):
+@settings(max_examples=4, **E2E)
+@given(case=st.sampled_from(CASES))
+def test_end_to_end_verified(case, tmp_path_factory):
+    overrides, tmp_path = case[1], tmp_path_factory.mktemp("run")
     summary = run_transfer(overrides + QUIET, tmp_path)
     assert summary["verified"], summary
     assert summary["failed_requests"] == [] and summary["errors"] == []
