@@ -266,7 +266,7 @@ def _annotated_config(overrides: list[str]) -> str | None:
         full = compose(overrides, return_hydra_config=True)
     except Exception:  # noqa: BLE001 -- Hydra says what is wrong when it composes the same again
         return None
-    helps = {}
+    helps = dict(config_help.FALLBACK)
     for group, option in full.hydra.runtime.choices.items():
         path = CONF_DIR / group / f"{option}.yaml"
         if "/" not in group and option and path.is_file() and "@package" not in path.read_text()[:200]:

@@ -18,6 +18,10 @@ import typing
 from pathlib import Path
 
 FIELD = re.compile(r"^(\s*)(\w+)\s*:")
+TARGET = "the class Hydra instantiates from this node: a subclass in one's own module may stand here"
+# what neither a dataclass nor a group's YAML says of a key: the least of the sources
+FALLBACK = {"transfer.strategy._target_": TARGET, "transport._target_": TARGET,
+            "transport.name": "the transport's name (conf/transport/), in records and tables"}
 
 
 def comments(cls: type) -> dict[str, str]:
@@ -66,6 +70,10 @@ def field_help() -> dict[str, str]:
                 walk(hints[f.name], f"{path}.")
 
     walk(Setup, "")
+    # nodes the config holds as Hydra objects, not as typed fields: the strategy (transfer.strategy)
+    from kvlab.schedule import Strategy
+
+    walk(Strategy, "transfer.strategy.")
     return out
 
 

@@ -32,20 +32,20 @@ class DecodeModel:
     that a CPU prefills and decodes it in a moment."""
 
     family: str = ""  # one of FAMILIES; "" for a preset without a decode model
-    num_layers: int | None = None
-    kv_heads: int | None = None
-    head_dim: int | None = None
+    num_layers: int | None = None  # null: the preset's (a cache field: what moves keeps the preset's shape)
+    kv_heads: int | None = None  # null: the preset's
+    head_dim: int | None = None  # null: the preset's
     window: int | None = None  # the sliding window, scaled down with the prompts a CPU can prefill
-    hidden_size: int = 64
+    hidden_size: int = 64  # the decode model's width (what a layer computes, kept small)
     q_heads: int = 4  # a multiple of kv_heads (GQA): the preset's ratio where it fits
-    intermediate_size: int = 128
-    vocab_size: int = 128
+    intermediate_size: int = 128  # its dense MLP width
+    vocab_size: int = 128  # its vocabulary: the prompts' token ids and the logits compared
     experts: int = 0  # routed experts; 0: dense MLPs
-    experts_per_token: int = 2
-    moe_intermediate_size: int = 32
+    experts_per_token: int = 2  # routed experts each token uses
+    moe_intermediate_size: int = 32  # an expert's MLP width
     q_lora_rank: int = 32  # MLA
-    qk_nope_head_dim: int = 16
-    v_head_dim: int = 16
+    qk_nope_head_dim: int = 16  # MLA: the query/key part without RoPE, per head
+    v_head_dim: int = 16  # MLA: values per head
     indexer_heads: int = 4  # DeepSeek-V3.2's lightning indexer
     indexer_topk: int = 16  # fewer than a prompt's tokens, so that the indexer's choice matters
 

@@ -28,15 +28,15 @@ class RankCoord:
 @dataclass(frozen=True)
 class SideSpec:
     name: str  # "ctx" or "gen"
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    tp: int = 1  # tensor-parallel ranks of one replica: heads split over them
+    pp: int = 1  # pipeline stages: layers split over them (layer_split, else as evenly as they go)
+    dp: int = 1  # replicas (attention data parallel): each serves its own requests
     # None: the layout's default (kvlab.engine_layouts); for a layout whose block size some cache kind fixes, left
     # None until ``resolved`` for a model (a run's Setup holds it resolved); read it through ``block_tokens``
     tokens_per_block: int | None = None
     layout: str = "block_major"  # a Layout or an EngineLayout name (kvlab.engine_layouts); the enum member once built
-    dtype: str = "bf16"
-    layer_split: tuple[int, ...] | None = None
+    dtype: str = "bf16"  # the model's compute dtype, of what the prefill writes
+    layer_split: tuple[int, ...] | None = None  # layers per pipeline stage, adding up to the model's; null: even
     # the dtype its K/V (or MLA) rows are kept in (kvlab.kv_dtype): bf16, fp16, or fp8 e4m3 with fp32 scales;
     # None: ``dtype``. Where the two sides differ the values are converted in flight
     kv_dtype: str | None = None

@@ -102,15 +102,16 @@ class CostSpec:
     """The ``cost`` group: ``profile`` picks the rates, any other key set overrides one of them."""
 
     profile: str = "auto"  # auto (gloo or no GPU: cpu, else h200) | h200 | cpu
-    alpha_us: float | None = None
-    link_mib: tuple[float, ...] | None = None
-    link_gbps: tuple[float, ...] | None = None
-    copy_gbps: float | None = None
-    copy_efficiency: float | None = None
-    copy_gbps_per_cta: float | None = None
-    devices: int | None = None
-    host_us: float | None = None
-    blocking: bool | None = None
+    # each of these, set, overrides the profile's rate of that name (kvlab.rates.Rates); null: the profile's
+    alpha_us: float | None = None  # fixed cost of one message, us
+    link_mib: tuple[float, ...] | None = None  # one-message sizes the link rates are given at, MiB
+    link_gbps: tuple[float, ...] | None = None  # the link's end-to-end GB/s at those sizes
+    copy_gbps: float | None = None  # device-to-device copy, bytes read + written per second
+    copy_efficiency: float | None = None  # the pack/unpack kernels' best share of copy_gbps
+    copy_gbps_per_cta: float | None = None  # the kernels' GB/s per CTA (transfer.pack_ctas)
+    devices: int | None = None  # devices the ranks share (0: one per rank; -1: this machine's CPU cores)
+    host_us: float | None = None  # host time per staged copy, us
+    blocking: bool | None = None  # copies and host work share one core and the host waits for them (CPU)
     fitted: Any = None  # a calibrated profile's terms (kvlab.sim_terms; written by kvlab sim calibrate)
 
     def __post_init__(self):

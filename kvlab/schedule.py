@@ -133,12 +133,12 @@ class Strategy:
     Subclasses may override ``rects`` and ``arrange``; they must stay pure functions of their input.
     """
 
-    name: str
-    cut: Cut = Cut.slot
-    order: Order = Order.round_robin
-    ready: Ready = Ready.request
-    in_place: bool = False
-    staging: Staging = Staging.slots
+    name: str  # a preset's name (conf/transfer/), or one of the user's own
+    cut: Cut = Cut.slot  # segment (one chunk each), slot (up to the chunk cap), layer (up to it, within a layer)
+    order: Order = Order.round_robin  # as_is, round_robin (over the segments), ready_layer (as layers finish)
+    ready: Ready = Ready.request  # a chunk may leave once its request is prefilled, or once its layer is
+    in_place: bool = False  # whole-block chunks, sent or received in place where in wire order (zero-copy)
+    staging: Staging = Staging.slots  # slots (fixed, allocated once) or per_chunk (a buffer each: naive)
 
     def __post_init__(self):
         for f, kind in (("cut", Cut), ("order", Order), ("ready", Ready), ("staging", Staging)):

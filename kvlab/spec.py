@@ -85,13 +85,13 @@ class PoolSpec:
 class ModelDims:
     """What a layer computes, beyond what it caches (ModelSpec). 0 means unknown or not used."""
 
-    hidden_size: int = 0
-    q_heads: int = 0
+    hidden_size: int = 0  # the model's width
+    q_heads: int = 0  # attention's query heads
     qk_head_dim: int = 0  # 0: the model's head_dim (GQA)
     v_head_dim: int = 0  # 0: qk_head_dim
     intermediate_size: int = 0  # dense gated MLP
     experts_active: int = 0  # routed + shared experts per token; 0: a dense model
-    moe_intermediate_size: int = 0
+    moe_intermediate_size: int = 0  # an expert's MLP width
     dense_layers: int = 0  # leading dense layers of a MoE model
     q_lora_rank: int = 0  # MLA low-rank query; 0: a full-rank query projection
     attention_topk: int = 0  # sparse attention: keys per query at most; 0: all
@@ -117,13 +117,13 @@ class ModelDims:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str
-    num_layers: int
-    attention: Attention = Attention.gqa
-    kv_heads: int = 8
-    head_dim: int = 128
+    name: str  # the preset's name, in records and tables
+    num_layers: int  # decoder layers
+    attention: Attention = Attention.gqa  # gqa (K and V per kv head) or mla (one latent row per token)
+    kv_heads: int = 8  # GQA: K/V heads, split over TP (duplicated where TP exceeds them)
+    head_dim: int = 128  # GQA: values per head of K and of V
     mla_dim: int = 576  # kv_lora_rank 512 + rope 64
-    indexer: bool = False
+    indexer: bool = False  # DeepSeek-V3.2's lightning indexer: fp8 keys and fp32 scales beside the latent
     window: int = 0  # sliding window in tokens, 0 for none
     local_per_global: int = 0  # sliding layers per full layer; 0 with window>0: every layer slides
     dims: ModelDims = field(default_factory=ModelDims)  # what a layer computes: the prefill's time model needs it
@@ -220,13 +220,13 @@ DISTRIBUTIONS = ("fixed", "uniform", "lognormal")
 @dataclass(frozen=True)
 class WorkloadSpec:
     isl: int = 4096  # prompt tokens when no list or distribution is given
-    requests: int = 4
+    requests: int = 4  # requests in the run (a trace's first ones, or drawn)
     concurrency: int = 2  # requests in flight at once
     distribution: str = "fixed"  # fixed | uniform | lognormal
     isl_list: tuple[int, ...] | None = None  # explicit prompt lengths, cycled
-    isl_min: int = 128
-    isl_max: int = 131072
-    seed: int = 0
+    isl_min: int = 128  # prompt lengths drawn within [isl_min, isl_max] (tokens)
+    isl_max: int = 131072  # and the longest a trace's prompt may be (workload.long_prompts)
+    seed: int = 0  # of the drawn lengths and arrivals
     arrival: str = "burst"  # burst | poisson | trace (kvlab.arrivals)
     rate: float = 1.0  # requests per second with arrival=poisson
     trace: str | None = None  # Mooncake .jsonl or Azure .csv, with arrival=trace (kvlab.traces)
@@ -303,16 +303,16 @@ class FaultSpec:
     """
 
     kill_rank: int = -1  # world rank that dies (exit code 3) just before posting chunk kill_at_chunk
-    kill_at_chunk: int = -1
+    kill_at_chunk: int = -1  # that rank's own chunk count
     stall_rank: int = -1  # world rank that sleeps stall_s just before posting chunk stall_at_chunk
-    stall_at_chunk: int = -1
-    stall_s: float = 0.0
+    stall_at_chunk: int = -1  # that rank's own chunk count
+    stall_s: float = 0.0  # how long it sleeps there
     # world rank that stops itself (SIGSTOP) just before posting chunk freeze_at_chunk: alive, its connections
     # open, silent; nobody sees it die
     freeze_rank: int = -1
-    freeze_at_chunk: int = -1
+    freeze_at_chunk: int = -1  # that rank's own chunk count
     flip_rank: int = -1  # world rank whose messages get bytes inverted (x ^ 0xFF) in flight
-    flip_at: tuple[int, ...] = ()
+    flip_at: tuple[int, ...] = ()  # byte offsets in everything that rank sends or receives, end to end
     unwritten_layer: int = -1  # global layer ctx ranks never write: its chunks carry what the blocks held before
     # tokens every sliding-window segment leaves out, from the first one the next token attends to: the bytes
     # sent all verify, and the decode check (check=decode) must still fail
@@ -366,8 +366,8 @@ WANDB_MODES = ("online", "offline", "shared", "disabled")
 @dataclass(frozen=True)
 class WandbSpec:
     mode: str = "offline"  # online | offline | shared | disabled
-    project: str = "kvlab"
-    group: str | None = None
+    project: str = "kvlab"  # wandb's project
+    group: str | None = None  # wandb's group; null: the experiment's name, or the sweep's
 
     def __post_init__(self):
         require(self.mode in WANDB_MODES, "logger.wandb.mode", self.mode, "use online, offline, shared or disabled")
@@ -376,4 +376,4 @@ class WandbSpec:
 @dataclass(frozen=True)
 class LoggerSpec:
     wandb: WandbSpec = field(default_factory=WandbSpec)
-    progress: bool = True
+    progress: bool = True  # a progress bar on a terminal (off where the output is not one)
