@@ -20,7 +20,7 @@ Cases (every one a real ``kvlab run``, its figures read back from ``summary.json
     python scripts/serving_bench.py --out serving.json [--only NAME ...] [--tag mps] [--root DIR]
 
 ``--root DIR`` runs the kvlab of another checkout (an earlier version, for before/after figures
-measured on the same machine in the same session).
+measured on the same machine in the same invocation).
 """
 from __future__ import annotations
 
