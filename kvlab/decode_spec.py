@@ -160,6 +160,11 @@ def check_line(rows) -> str | None:
     bad = [r for r in decoded if r not in good]
     bytes_ok = [r for r in decoded if not r.byte_check_failures]
     diff = max(r.decode_max_logit_diff for r in decoded)
+    if bad and all(r.verified for r in bad):  # diverged and still verified: a lossy KV dtype's cost, not a failure
+        return (f"check=decode: a lossy KV dtype's cost (reported, not failed): "
+                f"{sum(r.decode_tokens_equal for r in decoded)}/{sum(r.decode_tokens for r in decoded)} tokens equal, "
+                f"max |logit difference| {diff:.4g}, {len(good)}/{len(rows)} requests decode as the reference; "
+                f"value check passed on {len(bytes_ok)}/{len(decoded)}")
     out = (f"check=decode: {len(good)}/{len(rows)} requests decode as the reference"
            + (" (" + ", ".join(f"request {r.request} from step {r.decode_first_divergent}" for r in bad[:4])
               + (" ..." if len(bad) > 4 else "") + ")" if bad else "")
