@@ -313,19 +313,20 @@ GQA, DSA = model_preset("tiny_gqa"), model_preset("tiny_dsa")
 MATRIX = [("tiny_gqa", a, b) for a, b in pairs(GQA)] + [("tiny_dsa", a, b) for a, b in pairs(DSA)]
 
 
-@pytest.mark.slow  # 117 pairs, a second each on two shared cores
-@pytest.mark.parametrize("model_name, ctx_layout, gen_layout", MATRIX)
-def test_every_preset_pair_moves_verified(model_name, ctx_layout, gen_layout):
-    """Every layout the model can have on the ctx side, to every one on the gen side (the layouts' own block
-    sizes), TP2 -> TP1 for GQA (heads merged) and TP1 -> TP2 for MLA (the latent replicated), through a
-    strategy and a transport that rotate with the pair: every byte and canary checked."""
+@pytest.mark.slow  # 117 pairs, a second each on two shared cores: a share of them drawn in each run
+@settings(max_examples=int(30 * SCALE) or 1, deadline=None, suppress_health_check=list(HealthCheck))
+@given(pair=st.sampled_from(MATRIX), strategy=st.sampled_from(STRATEGIES), pull=st.booleans(),
+       fragmentation=st.sampled_from([0.0, 0.5]))
+def test_every_preset_pair_moves_verified(pair, strategy, pull, fragmentation):
+    """Any layout the model can have on the ctx side, to any one on the gen side (the layouts' own block
+    sizes), TP2 -> TP1 for GQA (heads merged) and TP1 -> TP2 for MLA (the latent replicated), through any
+    strategy, pushed or pulled: every byte and canary checked."""
+    model_name, ctx_layout, gen_layout = pair
     model = GQA if model_name == "tiny_gqa" else DSA
-    i = MATRIX.index((model_name, ctx_layout, gen_layout))
     ctx = SideSpec("ctx", tp=2 if model is GQA else 1, layout=ctx_layout).resolved(model)
     gen = SideSpec("gen", tp=1 if model is GQA else 2, layout=gen_layout).resolved(model)
-    strategy = STRATEGIES[i % len(STRATEGIES)]
-    errors, chunks, _ = move(model, ctx, gen, 150 if model is DSA else 70, strategy, pull=i % 3 == 0,
-                             fragmentation=0.5 if i % 2 else 0.0)
+    errors, chunks, _ = move(model, ctx, gen, 150 if model is DSA else 70, strategy, pull=pull,
+                             fragmentation=fragmentation)
     assert errors == [] and chunks
 
 
