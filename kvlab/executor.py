@@ -357,11 +357,16 @@ class Executor:
                     self.transport.poll(f.handle)
                 self.beat()  # waiting on a peer within the deadline is not silence
 
-            # past the deadline the transport's finish names the chunk and the peer
-            with contextlib.suppress(TimeoutError):
+            # past the deadline the transport's finish names the chunk and the peer, without a deadline of its own
+            try:
                 wait_until(lambda: self.transport.poll(inflight[0].handle),
                            time.time() + self.setup.transfer.timeout_s, TimeoutError, poll_s=POLL_S, between=others)
-        self._finish(inflight.popleft(), segments, requests)
+            except TimeoutError:
+                self.rank_ctx.overdue = True
+        try:
+            self._finish(inflight.popleft(), segments, requests)
+        finally:
+            self.rank_ctx.overdue = False
 
     def _unverified_failed(self, e: Stopped) -> None:
         """Told to stop: nobody will wait for the finished requests' verification."""

@@ -138,6 +138,9 @@ def failed(side: str, c: Chunk, what: str, e: BaseException | None = None) -> Ch
     return ChunkFailed(f"request {c.request} chunk {c.seq} with {peer}: {what}{why}", c.request)
 
 
+
+OVERDUE_S = 0.5  # what an overdue chunk's finish still waits: one last look before it names the failure
+
 @dataclass
 class RankContext:
     """What a transport may use of its rank, handed to ``connect``: the rank's cache (``cache.pools``,
@@ -180,13 +183,18 @@ class RankContext:
             out.record_stream(self.stream)
         return out
 
+    # set by the executor around ``finish`` of a chunk whose deadline it already waited out while polling it
+    overdue: bool = False
+
     @property
     def timeout_s(self) -> float:
         return self.setup.transfer.timeout_s
 
     def deadline(self) -> float:
-        """The host time by which a wait that starts now must end."""
-        return time.time() + self.timeout_s
+        """The host time by which a wait that starts now must end: ``transfer.timeout_s`` from now, or moments
+        from now in the ``finish`` of a chunk that is ``overdue`` (its waits add up to one deadline, not two:
+        ``finish`` then only names the failure)."""
+        return time.time() + (OVERDUE_S if self.overdue else self.timeout_s)
 
 
 class Transport(ABC):

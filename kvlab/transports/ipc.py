@@ -216,8 +216,9 @@ class Ipc(Transport):
 
     def _wait(self, key: str, what: str, c: Chunk | None = None) -> None:
         timeout = self.setup.transfer.timeout_s
+        left = timeout if self.ctx is None else self.ctx.deadline() - time.time()
         try:
-            self.store.wait([key], datetime.timedelta(seconds=timeout))
+            self.store.wait([key], datetime.timedelta(seconds=max(left, 0.01)))
         except RuntimeError as e:  # the deadline passed, or the store's host is gone
             if c is None:
                 raise RuntimeError(f"transport=ipc: {what} not within {timeout:g} s") from e

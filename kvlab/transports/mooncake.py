@@ -435,7 +435,7 @@ class Mooncake(Transport):
 
     def finish(self, h, rec) -> bool:
         c, timeout = h.chunk, self.setup.transfer.timeout_s
-        deadline = time.time() + timeout
+        deadline = self.ctx.deadline()
         if not self.sending:
             self._land(c, deadline)
             rec.wire.append((h.posted, self.ctx.clock.mark()))
