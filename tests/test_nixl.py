@@ -183,10 +183,12 @@ def test_gen_announces_a_slot_only_after_its_last_unpack_has_run_without_waiting
 def test_ctx_writes_a_chunk_once_packed_and_reposts_the_prepared_slot_write():
     """A packed chunk goes once the gen rank's room has arrived and its pack's event has completed (the
     host polls, it does not wait); a second chunk between the same two slots reuses the prepared WRITE."""
+    from kvlab.faults import RankFaults
     from kvlab.transports.nixl import Write
 
     t = _bare("ctx")
     t.ctx.cache = ns(pools={"kv": ns(storage=torch.zeros(8, dtype=torch.uint8))})
+    t.ctx.faults = RankFaults()  # none injected: the transfer's hooks do nothing
     slot = torch.zeros(64, dtype=torch.uint8)
     room = struct.pack("<QQ", 4096, 64)
     rec = ns(descriptors=0)
