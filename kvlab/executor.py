@@ -59,8 +59,11 @@ POLL_S = 0.0005  # between looks at the chunks in flight, when a transport can s
 WAIT_S = 0.05  # the longest wait for the prefill with nothing in flight (signals and beats in between)
 
 
-class Stopped(Exception):
-    """The process was told to stop (SIGTERM from the launcher or torchrun's agent) during the transfers."""
+class Stopped(BaseException):
+    """The process was told to stop (SIGTERM from the launcher or torchrun's agent) during the transfers.
+
+    BaseException, so that a transport's ``except Exception`` around a peer call does not report the signal
+    as that peer's failure ("control store unreachable: stopped by SIGTERM")."""
 
 
 @dataclass

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, settings
 # gave up (or failed after another of its own), the launcher stopping a rank still waiting on the dead one,
 # or what the gen rank received before the run stopped
 LOST_TO_CTX1 = (r"(gen0|ctx0): (aborted after )?request \d+ (chunk \d+ )?with (ctx0|ctx1|gen0): "
-                r"|ctx0: stopped by SIGTERM after ctx1 \(rank 1\) died"
+                r"|(ctx0|gen0): stopped by SIGTERM after ctx1 \(rank 1\) died"
                 r"|gen0 received \d+ of 14 chunks \(run stopped: ctx1 \(rank 1\) sent no report")
 
 # for end-to-end runs drawn from a matrix (each example is a run of its own processes): no deadline, fixtures
