@@ -1,3 +1,3 @@
-from kvlab.cli import main
+from kvlab.cli.commands import main
 
 main()

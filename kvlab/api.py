@@ -3,15 +3,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvlab import budget, records, rundir
-from kvlab.config import build, compose
-from kvlab.preflight import preflight
-from kvlab.run_cmd import launch, prepare
+from kvlab.cli.run_cmd import launch, prepare
+from kvlab.config.schema import build, compose
+from kvlab.results import records, rundir
+from kvlab.sizing import budget
+from kvlab.sizing.preflight import preflight
 
 
 def run_transfer(overrides: list[str] | tuple[str, ...] = (), run_dir: str | Path = "outputs/api") -> dict:
     """Run a transfer: composes the config from Hydra overrides, starts the ranks on this machine, and
-    returns the run's summary (``summary.json`` as plain values; kvlab.records.Summary has its fields)."""
+    returns the run's summary (``summary.json`` as plain values; kvlab.results.records.Summary has its fields)."""
     cfg = compose(list(overrides))
     setup = build(cfg)
     budget.check_host(setup)

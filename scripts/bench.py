@@ -66,7 +66,7 @@ def raw_rank(sizes: list[int], out: Path) -> None:
 
 
 def raw_nccl(sizes: list[int]) -> dict[int, dict]:
-    from kvlab.launch import free_port
+    from kvlab.cli.launch import free_port
 
     out = Path(tempfile.mkdtemp()) / "raw.json"
     port = free_port()
@@ -133,8 +133,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvlab import records
     from kvlab.api import run_transfer
+    from kvlab.results import records
 
     console = Console()
     if torch.cuda.device_count() < 2:

@@ -2,7 +2,7 @@
 
 Each case is one ``kvlab run`` (ctx TP2 -> gen TP1 over gloo, one request, verified) that
 measures, after warm-up, raw gloo messages of its own chunk size between its own ranks
-(``link_gbps``, kvlab.linkrate) before it transfers. Recorded per case: delivered GB/s,
+(``link_gbps``, kvlab.rank.linkrate) before it transfers. Recorded per case: delivered GB/s,
 raw gloo GB/s, their ratio, the wall time of the whole command (start-up, fill and
 verification included), each rank's peak resident memory against its cache + staging, how
 busy the cores were during the transfer (``/proc/stat``), and once, the Llama case's copies
@@ -126,12 +126,12 @@ def copy_rates(case: str = "llama3_8b 16k chunked 4x16MiB", passes: int = 3) -> 
     rotating slots, unpack of them into the gen pool, and ``copy_`` of the same sizes from the same pool;
     GB/s, median of ``passes`` over the request's chunks. What a staged transfer adds to the link per byte."""
     sys.path.insert(0, str(ROOT))
-    from kvlab.config import build, compose
-    from kvlab.ops import cpu
-    from kvlab.state import CacheState
-    from kvlab.workload import plan_run
+    from kvlab.config.schema import build, compose
+    from kvlab.config.workload import plan_run
+    from kvlab.memory.ops import cpu
+    from kvlab.model.state import CacheState
 
-    torch.set_num_threads(1)  # as every rank runs (kvlab.launch: OMP_NUM_THREADS=1)
+    torch.set_num_threads(1)  # as every rank runs (kvlab.cli.launch: OMP_NUM_THREADS=1)
     setup = build(compose(CASES[case]))
     _, _, order = plan_run(setup)
     chunks = [c for c in order if c.src == 0 and c.dst == 0]

@@ -50,10 +50,10 @@ COMMON = ["transport=ipc", "device=cuda", "kernels=cuda", "logger=quiet",
 def copy_reference(overrides: list[str], reps: int = 3):
     """The run's bytes copied on this GPU as it moves them: every chunk of the plan as one ``copy_`` (each
     request's chunks side by side from the start of two buffers of its size), and one ``copy_`` per request;
-    a kvlab.records.Link of ``reps`` repeats, each counting the faster form."""
-    from kvlab import linkrate
-    from kvlab.config import build, compose
-    from kvlab.workload import plan_run
+    a kvlab.results.records.Link of ``reps`` repeats, each counting the faster form."""
+    from kvlab.config.schema import build, compose
+    from kvlab.config.workload import plan_run
+    from kvlab.rank import linkrate
 
     _, _, order = plan_run(build(compose(overrides)))
     per_request: dict[int, list[int]] = {}
@@ -129,12 +129,12 @@ def kernel_vs_engine(isl: int = 32768) -> dict:
     the rectangle-copy kernel in a few shapes, and the copy engine over the same runs."""
     from cuda.bindings import runtime as rt
 
-    from kvlab.layout import runs
-    from kvlab.ops import cuda as cuda_ops
-    from kvlab.parallel import Layout, SideSpec
-    from kvlab.plan import Request, plan
-    from kvlab.spec import ModelSpec
-    from kvlab.state import CacheState
+    from kvlab.memory.ops import cuda as cuda_ops
+    from kvlab.model.layout import runs
+    from kvlab.model.parallel import Layout, SideSpec
+    from kvlab.model.plan import Request, plan
+    from kvlab.model.spec import ModelSpec
+    from kvlab.model.state import CacheState
 
     model = ModelSpec("llama3_8b", 32, kv_heads=8, head_dim=128)
     ctx, gen = SideSpec("ctx", tokens_per_block=32), SideSpec("gen", tokens_per_block=64, layout=Layout.layer_major)
@@ -226,7 +226,7 @@ def main() -> None:
     out = {"env": env, "kernel_vs_engine": None if a.no_kernels else kernel_vs_engine(), "runs": []}
     print(json.dumps(out["kernel_vs_engine"]))
     torch.cuda.empty_cache()
-    from kvlab.records import to_dict
+    from kvlab.results.records import to_dict
 
     for model, isl in models:
         for label, ov in SIDES:

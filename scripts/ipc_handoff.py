@@ -40,7 +40,7 @@ class Stamper:
     def __init__(self):
         from cuda.core import Device, Program, ProgramOptions
 
-        from kvlab.ops.cuda import device_arch
+        from kvlab.memory.ops.cuda import device_arch
 
         dev = torch.cuda.current_device()
         Device(dev).set_current()

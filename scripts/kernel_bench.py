@@ -20,12 +20,12 @@ import platform
 
 import torch
 
-from kvlab.layout import Rect
-from kvlab.ops import cuda as cuda_ops
-from kvlab.ops import reference
-from kvlab.parallel import Layout
-from kvlab.spec import Kind, PoolSpec
-from kvlab.state import RankPool
+from kvlab.memory.ops import cuda as cuda_ops
+from kvlab.memory.ops import reference
+from kvlab.model.layout import Rect
+from kvlab.model.parallel import Layout
+from kvlab.model.spec import Kind, PoolSpec
+from kvlab.model.state import RankPool
 
 MiB = 2**20
 DEVICE = "cuda"

@@ -7,7 +7,7 @@ Two parts:
   - the side-by-side table: Llama-3.1-8B and DeepSeek-V3.2 at 4k and 32k prompt tokens, ctx TP2 -> gen TP1,
     one request per run, verified, with ``transport=mooncake`` staged and direct, ``transport=nixl`` staged
     and direct and ``transport=p2p``; every run reports its in-run link (its transport's raw writes or
-    messages of its own chunk size between its own ranks, kvlab.linkrate) and the descriptors it posted per
+    messages of its own chunk size between its own ranks, kvlab.rank.linkrate) and the descriptors it posted per
     request. GB/s of a run = bytes delivered / time with chunks in flight, as every kvlab figure.
 
     python scripts/mooncake_bench.py --out results/mooncake_cpu.json     # CPU: TCP over loopback (2 cores)
@@ -65,7 +65,7 @@ def _raw_rank(rank: int, port: int, sizes: list[int], window: int, device: str, 
     import torch
     import torch.distributed as dist
 
-    from kvlab import mooncake
+    from kvlab.transports import mooncake_engine as mooncake
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=dt.timedelta(seconds=300))
     te, session = mooncake.engine(mooncake.protocol("auto", device), 60)
@@ -162,7 +162,7 @@ def one_run(over: list[str]) -> dict:
 
 
 def why(e: BaseException) -> str:
-    """One line: a refused config (kvlab.errors.ConfigError, e.g. the host's memory on a loaded machine) as kvlab
+    """One line: a refused config (kvlab.core.errors.ConfigError, e.g. the host's memory on a loaded machine) as kvlab
     prints it, anything else with its type."""
     text = " ".join(str(a) for a in e.args) or type(e).__name__
     return f"{type(e).__name__}: {text.splitlines()[0]}"
@@ -227,7 +227,7 @@ def main() -> None:
             path.write_text(json.dumps(report, indent=1) + "\n")
         print(markdown(report))
         return
-    from kvlab import mooncake
+    from kvlab.transports import mooncake_engine as mooncake
 
     device = "cuda" if args.gpu else "cpu"
     report = {"device": device, "commit": commit(), "when": dt.datetime.now().isoformat(timespec="seconds"),

@@ -18,7 +18,7 @@ figure. What UCX chose for the WRITEs is read from UCX's own protocol report.
     python scripts/nixl_bench.py --profile "32768 nixl staged 16" ...      # + host profiles of those ranks
 
 Every run also reports its in-run link (raw NIXL WRITEs of its own chunk size between its
-own ranks, kvlab.linkrate) and the ratio to it; the JSON keeps the load average, the
+own ranks, kvlab.rank.linkrate) and the ratio to it; the JSON keeps the load average, the
 commit measured and the wall time.
 """
 from __future__ import annotations
@@ -165,8 +165,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvlab import nixl
     from kvlab.api import run_transfer
+    from kvlab.transports import nixl_agent as nixl
 
     console = Console()
     report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **nixl.versions(),

@@ -49,7 +49,7 @@ def _sums(pieces: torch.Tensor) -> list[int]:
 
 def rank_main(cases: list[tuple[int, int]], writers: int, device: str, out: Path) -> None:
     """One process: ranks 0..writers-1 write every (bytes, descriptors) case into rank ``writers``."""
-    from kvlab import nixl
+    from kvlab.transports import nixl_agent as nixl
 
     rank, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
     target = rank == writers
@@ -127,7 +127,7 @@ def measure(cases: list[tuple[int, int]], device: str = "cpu", env: dict | None 
     """Run the writers and the target as processes on this machine: {"cases": one dict per (bytes,
     descriptors), "log": their output} (with ``UCX_PROTO_INFO=y`` in ``env`` the log holds the protocols
     UCX chose). Bytes must split into ``writers`` x descriptors pieces of whole 8-byte words."""
-    from kvlab.launch import free_port
+    from kvlab.cli.launch import free_port
 
     for n, k in cases:
         if n <= 0 or k % writers or n % (8 * k):
@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--writers", type=int, default=1)
     ap.add_argument("--out")
     args = ap.parse_args()
-    from kvlab import nixl
+    from kvlab.transports import nixl_agent as nixl
 
     cases = [fit(int(m * MiB), k, args.writers) for m in args.mib for k in args.descs]
     rows = measure(cases, args.device, writers=args.writers)["cases"]

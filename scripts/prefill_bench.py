@@ -1,5 +1,5 @@
 """prefill=gpu against the prefill time model on one GPU: for each preset and prompt length, the
-measured seconds of a whole prefill (kvlab.prefill_gpu, nothing else on the GPU) and what
+measured seconds of a whole prefill (kvlab.rank.prefill_gpu, nothing else on the GPU) and what
 prefill=sim predicts at its stated MFU, and the MFU the kernels reached (modelled FLOPs over the
 measured time, over the peak). Writes JSON (``--out``) and prints a table.
 
@@ -13,9 +13,9 @@ import json
 
 import torch
 
-from kvlab.config import build, compose
-from kvlab.prefill import layer_flops, layer_seconds
-from kvlab.prefill_gpu import GpuPrefill
+from kvlab.config.schema import build, compose
+from kvlab.model.prefill import layer_flops, layer_seconds
+from kvlab.rank.prefill_gpu import GpuPrefill
 
 CASES = [("llama3_8b", 8192), ("llama3_8b", 32768), ("qwen3_235b", 8192), ("deepseek_v3", 8192),
          ("gpt_oss_120b", 8192), ("gemma3_27b", 8192)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvlab.records import BenchReport, from_dict  # noqa: E402
+from kvlab.results.records import BenchReport, from_dict  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 

@@ -78,7 +78,7 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        from kvlab.analysis import STRATEGY_STYLE
+        from kvlab.analysis.sweeps import STRATEGY_STYLE
 
         models = a.models.split(",")
         fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)

@@ -58,12 +58,12 @@ def _run(*args: str, cwd: Path | str | None = None, timeout: float = 180, torchr
 
 def _ranks(run_dirs: list[Path], timeout: float = 120,
            env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
-    """Start ``python -m kvlab.worker DIR`` once per entry as the ranks of one job, as torchrun would
+    """Start ``python -m kvlab.cli.worker DIR`` once per entry as the ranks of one job, as torchrun would
     (rank i reads ``run_dirs[i]/config.yaml``, so ranks may be given different configs), and wait for all."""
-    from kvlab.launch import free_port
+    from kvlab.cli.launch import free_port
 
     port, world = free_port(), len(run_dirs)
-    procs = [subprocess.Popen([sys.executable, "-m", "kvlab.worker", str(d)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", "kvlab.cli.worker", str(d)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {})))
@@ -84,15 +84,16 @@ def kvlab_cli() -> KvlabCLI:
 
 
 def check_figures(run_dir: Path | str, importable: Path | str | None = None) -> None:
-    """A finished run's files obey the identities of kvlab.figures (kvlab.metrics.violations: TTFT = queue +
+    """A finished run's files obey the identities of kvlab.core.figures (kvlab.results.metrics.violations: TTFT =
+    queue +
     prefill + exposed, exposed and time in flight within the transfer span, the run's time in flight within
-    its span), and every rank moved the bytes the plan its config makes says (kvlab.workload.plan_run).
+    its span), and every rank moved the bytes the plan its config makes says (kvlab.config.workload.plan_run).
     ``importable``: a directory the run's config imports from (a user's strategy module)."""
     from omegaconf import OmegaConf
 
-    from kvlab import metrics, records
-    from kvlab.config import Config, build
-    from kvlab.workload import plan_run
+    from kvlab.config.schema import Config, build
+    from kvlab.config.workload import plan_run
+    from kvlab.results import metrics, records
 
     run_dir = Path(run_dir)
     parts = [p for f in sorted((run_dir / "parts").glob("rank*.json"))
@@ -100,7 +101,7 @@ def check_figures(run_dir: Path | str, importable: Path | str | None = None) -> 
     segments = None
     if (run_dir / "config.yaml").exists():
         schema = OmegaConf.structured(Config)
-        OmegaConf.set_struct(schema, False)  # keys appended with + survive, as in kvlab.analysis.predict_dir
+        OmegaConf.set_struct(schema, False)  # keys appended with + survive, as in kvlab.analysis.sweeps.predict_dir
         sys.path[:0] = [str(importable)] if importable else []
         try:
             _, segments, _ = plan_run(build(OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml"))))

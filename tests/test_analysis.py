@@ -10,10 +10,10 @@ matplotlib.use("Agg")
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from kvlab import analysis  # noqa: E402
-from kvlab.config import build, compose, to_container  # noqa: E402
-from kvlab.cost import predict  # noqa: E402
-from kvlab.plan_cmd import summarize  # noqa: E402
+from kvlab.analysis import sweeps as analysis  # noqa: E402
+from kvlab.cli.plan_cmd import summarize  # noqa: E402
+from kvlab.config.schema import build, compose, to_container  # noqa: E402
+from kvlab.sizing.cost import predict  # noqa: E402
 
 MiB = 2**20
 

@@ -9,12 +9,12 @@ import statistics
 import pytest
 import torch
 
-from kvlab import arrivals, traces
-from kvlab.cli import check_overrides
-from kvlab.config import build, compose
-from kvlab.errors import ConfigError
-from kvlab.spec import WorkloadSpec
-from kvlab.workload import make_requests
+from kvlab.cli.commands import check_overrides
+from kvlab.config.schema import build, compose
+from kvlab.config.workload import make_requests
+from kvlab.core import arrivals, traces
+from kvlab.core.errors import ConfigError
+from kvlab.model.spec import WorkloadSpec
 
 
 def requests(*overrides):

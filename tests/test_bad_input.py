@@ -10,8 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvlab.cli import check_overrides
-from kvlab.config import compose
+from kvlab.cli.commands import check_overrides
+from kvlab.config.schema import compose
 
 GPU = torch.cuda.is_available()
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -131,14 +131,14 @@ def test_catalogue_backs_the_readme_and_has_no_duplicates():
 @pytest.mark.parametrize("overrides,fragments", [c[1:] for c in CATALOGUE], ids=[c[0] for c in CATALOGUE])
 def test_one_line_naming_field_value_and_fix(overrides, fragments, monkeypatch):
     # nothing may be allocated: a cache or a staging pool would show up here
-    import kvlab.cache
-    import kvlab.staging
+    import kvlab.memory.cache
+    import kvlab.memory.staging
 
     def refuse(*a, **k):
         raise AssertionError("allocated before the input was checked")
 
-    monkeypatch.setattr(kvlab.cache.PagedCache, "__init__", refuse)
-    monkeypatch.setattr(kvlab.staging.SlotPool, "__init__", refuse)
+    monkeypatch.setattr(kvlab.memory.cache.PagedCache, "__init__", refuse)
+    monkeypatch.setattr(kvlab.memory.staging.SlotPool, "__init__", refuse)
     msg = check_overrides(overrides)
     assert isinstance(msg, str) and msg, overrides
     assert "\n" not in msg and "Traceback" not in msg

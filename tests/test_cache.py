@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.cache import PagedCache, same_bytes
-from kvlab.parallel import Layout, SideSpec
-from kvlab.spec import ModelSpec
-from kvlab.state import CacheState
+from kvlab.memory.cache import PagedCache, same_bytes
+from kvlab.model.parallel import Layout, SideSpec
+from kvlab.model.spec import ModelSpec
+from kvlab.model.state import CacheState
 
 SCALE = settings.default.max_examples / 100  # a tenth under `pytest -m "not slow"` (tests/conftest.py)
 

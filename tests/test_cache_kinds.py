@@ -1,4 +1,4 @@
-"""A cache kind is data (kvlab.spec.KINDS): one defined here, in the test, goes through plan, fill, copy
+"""A cache kind is data (kvlab.model.spec.KINDS): one defined here, in the test, goes through plan, fill, copy
 and verification like the built-in ones, split over TP heads or replicated as its entry says, with no
 other change anywhere."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.cache import PagedCache, blocks_for
-from kvlab.ops import get_ops
-from kvlab.parallel import Layout, SideSpec
-from kvlab.plan import Request, plan
-from kvlab.spec import KINDS, KindDef, ModelSpec
-from kvlab.state import CacheState
+from kvlab.memory.cache import PagedCache, blocks_for
+from kvlab.memory.ops import get_ops
+from kvlab.model.parallel import Layout, SideSpec
+from kvlab.model.plan import Request, plan
+from kvlab.model.spec import KINDS, KindDef, ModelSpec
+from kvlab.model.state import CacheState
 
 SCALE = settings.default.max_examples / 100  # a tenth under `pytest -m "not slow"` (tests/conftest.py)
 
@@ -79,8 +79,8 @@ def test_a_kind_defined_in_a_test_moves_verified(replicated, ctx_tp, gen_tp, ctx
 def test_bytes_landed_in_another_kinds_pool_are_caught():
     """The kind's tag is in the fill hash: a kind shaped exactly like K and V still holds other bytes at the
     same coordinates, so bytes delivered into the wrong kind's pool fail verification."""
-    from kvlab.fill import expected
-    from kvlab.layout import Rect
+    from kvlab.memory.fill import expected
+    from kvlab.model.layout import Rect
 
     _register(KindDef("toy", False, 9, lambda m, dtype: (m.kv_heads, (m.head_dim, m.head_dim), (dtype, dtype))
                       if m.name == "toy" else None))

@@ -1,4 +1,5 @@
-"""Repeats and the highest rate within an SLO (kvlab.spread, kvlab.capacity, their kvlab.analysis entry points)
+"""Repeats and the highest rate within an SLO (kvlab.analysis.spread, kvlab.analysis.capacity, their
+kvlab.analysis.sweeps entry points)
 on run directories written as `kvlab run -m` writes them, with made-up TTFTs: the medians and ranges over
 repeats, the capacity rule (every lower rate met too), the plots' error bars and panels."""
 from __future__ import annotations
@@ -13,7 +14,8 @@ import yaml
 
 matplotlib.use("Agg")
 
-from kvlab import analysis, capacity  # noqa: E402
+from kvlab.analysis import capacity
+from kvlab.analysis import sweeps as analysis  # noqa: E402
 
 
 def write_run(d, overrides: dict, ttfts: list[float | None], slo_ms: float | None = None, strategy="chunked"):

@@ -15,14 +15,15 @@ import pytest
 from hypothesis import given, settings
 from test_plan_properties import SCALE, SETTINGS, STRATEGY, Case, cases, check_plan, check_schedule
 
-from kvlab import budget, cli
-from kvlab.config import DEFAULT_SLOT_MIB, build, compose
-from kvlab.cost import predict
-from kvlab.plan import plan
-from kvlab.plan_cmd import summarize
-from kvlab.schedule import Cut, schedule
+from kvlab.cli import commands as cli
+from kvlab.cli.plan_cmd import summarize
+from kvlab.config.schema import DEFAULT_SLOT_MIB, build, compose
+from kvlab.config.workload import plan_run
+from kvlab.model.plan import plan
+from kvlab.model.schedule import Cut, schedule
+from kvlab.sizing import budget
+from kvlab.sizing.cost import predict
 from kvlab.transports.ipc import copy_pieces
-from kvlab.workload import plan_run
 
 QUIET = ["logger=quiet"]
 UNCAPPED = 1 << 62  # what check_schedule compares chunk sizes with when nothing caps them

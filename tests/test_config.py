@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.cli import check_overrides
-from kvlab.config import CONF_DIR, build, compose
-from kvlab.spec import Attention
+from kvlab.cli.commands import check_overrides
+from kvlab.config.schema import CONF_DIR, build, compose
+from kvlab.model.spec import Attention
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 BF16 = 2

@@ -1,12 +1,12 @@
-"""One line of help per config field, read from where the field is defined (kvlab.config_help)."""
+"""One line of help per config field, read from where the field is defined (kvlab.config.help)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
-from kvlab import config_help
-from kvlab.config import compose
+from kvlab.config import help as config_help
+from kvlab.config.schema import compose
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from kvlab.layout import Rect
-from kvlab.ops import reference
-from kvlab.parallel import Layout
-from kvlab.spec import Kind, PoolSpec
-from kvlab.state import RankPool
+from kvlab.memory.ops import reference
+from kvlab.model.layout import Rect
+from kvlab.model.parallel import Layout
+from kvlab.model.spec import Kind, PoolSpec
+from kvlab.model.state import RankPool
 
 GUARD = 64
 
@@ -99,7 +99,7 @@ def test_pools_of_different_kinds_are_refused():
 
 @pytest.fixture(scope="module")
 def cuda_ops():
-    from kvlab.ops import cuda
+    from kvlab.memory.ops import cuda
 
     cuda.ensure_run_copy(torch.cuda.current_device())
     return cuda

@@ -6,10 +6,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf, open_dict
 
-from kvlab.config import build, compose
-from kvlab.cost import device_map, predict
-from kvlab.errors import ConfigError
-from kvlab.rates import PROFILES, CostRates, CostSpec
+from kvlab.config.schema import build, compose
+from kvlab.core.errors import ConfigError
+from kvlab.core.rates import PROFILES, CostRates, CostSpec
+from kvlab.sizing.cost import device_map, predict
 
 MiB = 2**20
 H200 = PROFILES["h200"]
@@ -172,7 +172,7 @@ def test_profile_follows_backend_and_overrides():
     assert cost.rates(backend="gloo").profile == "cpu"
     assert cost.rates(backend="nccl").profile == "h200"
     assert cost.rates(backend="cpu:gloo,cuda:nccl").profile == "h200"
-    s = setup_of("device=cpu")  # the cost model asks kvlab.devices, as the ranks do
+    s = setup_of("device=cpu")  # the cost model asks kvlab.config.devices, as the ranks do
     assert predict(s, [1024]).profile == "cpu"
     # keys given on the command line
     cost = build(compose([cost_key("profile=h200"), cost_key("alpha_us=30"), cost_key("link_gbps=[100,200,300,400]"),
@@ -205,7 +205,7 @@ def test_cpu_profile_is_slower_than_h200():
 
 
 def test_plan_command_writes_the_prediction(tmp_path, capsys):
-    from kvlab.cli import main
+    from kvlab.cli.commands import main
 
     main(["plan", f"hydra.run.dir={tmp_path}", "model=llama3_8b", "workload.isl=8192", cost_key("profile=h200")])
     out = json.loads((tmp_path / "plan.json").read_text())

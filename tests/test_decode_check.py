@@ -1,6 +1,6 @@
 """check=decode: a real model's prefill writes the moved cache, a real model's decode reads it.
 
-The oracle is transformers' own decoding in one process (kvlab.decode_check.reference). The unmarked
+The oracle is transformers' own decoding in one process (kvlab.rank.decode_check.reference). The unmarked
 tests check the config group, the planes' wire order against kvlab's own pack and unpack, that the
 reference is the uninterrupted decode for all six families, and one run end to end; the slow ones run
 the families over strategies, transports and layout pairs drawn by Hypothesis, and show that what is
@@ -18,15 +18,15 @@ from conftest import E2E, check_figures
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab import decode_check, hf_models
-from kvlab.cache import PagedCache
-from kvlab.config import build, compose
-from kvlab.decode_spec import CheckSpec
-from kvlab.errors import ConfigError
-from kvlab.layout import Rect
-from kvlab.ops import get_ops
-from kvlab.plan import Request
-from kvlab.state import CacheState
+from kvlab.config.schema import build, compose
+from kvlab.core.decode_spec import CheckSpec
+from kvlab.core.errors import ConfigError
+from kvlab.memory.cache import PagedCache
+from kvlab.memory.ops import get_ops
+from kvlab.model.layout import Rect
+from kvlab.model.plan import Request
+from kvlab.model.state import CacheState
+from kvlab.rank import decode_check, hf_models
 
 pytest.importorskip("transformers")  # the decode extra
 

@@ -1,4 +1,4 @@
-"""The engines' own cache layouts (kvlab.engine_layouts), checked against views built from the engines' tensor
+"""The engines' own cache layouts (kvlab.model.engine_layouts), checked against views built from the engines' tensor
 shapes as the engines' code writes them, never from kvlab's orders or strides:
 
     vLLM            per layer K/V [2, blocks, block_size, H, D] (NHD) or [2, blocks, H, block_size, D] (HND);
@@ -25,16 +25,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from kvlab.cache import PagedCache, blocks_for
-from kvlab.engine_layouts import LAYOUTS, NAMES, EngineLayout
-from kvlab.errors import ConfigError
-from kvlab.layout import Rect, first_byte, is_in_place, runs
-from kvlab.ops import cpu, get_ops, reference
-from kvlab.parallel import SideSpec
-from kvlab.plan import Request, plan
-from kvlab.schedule import preset, preset_names, schedule
-from kvlab.spec import ModelSpec
-from kvlab.state import CacheState, RankPool, wire_tile
+from kvlab.core.errors import ConfigError
+from kvlab.memory.cache import PagedCache, blocks_for
+from kvlab.memory.ops import cpu, get_ops, reference
+from kvlab.model.engine_layouts import LAYOUTS, NAMES, EngineLayout
+from kvlab.model.layout import Rect, first_byte, is_in_place, runs
+from kvlab.model.parallel import SideSpec
+from kvlab.model.plan import Request, plan
+from kvlab.model.schedule import preset, preset_names, schedule
+from kvlab.model.spec import ModelSpec
+from kvlab.model.state import CacheState, RankPool, wire_tile
 
 SCALE = settings.default.max_examples / 100  # a tenth under `pytest -m "not slow"` (tests/conftest.py)
 SETTINGS = settings(max_examples=int(200 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -91,7 +91,7 @@ def _split(slab: torch.Tensor, rows, nh: int, n: int) -> list[torch.Tensor]:
 
 
 def engine_wire(t: torch.Tensor, rp: RankPool, nb: int, rect: Rect, ids, base: int) -> torch.Tensor:
-    """The wire order of ``rect`` (kvlab.layout's docstring) read through the engine's views."""
+    """The wire order of ``rect`` (kvlab.model.layout's docstring) read through the engine's views."""
     views = engine_views(t, rp, nb)
     tpb, T = rp.tokens_per_block, rect.tile
     parts, a = [], rect.t0
@@ -348,8 +348,8 @@ def test_zero_copy_only_where_both_sides_hold_the_wire_order():
 
 
 def test_kvlab_plan_names_each_pairs_layouts_and_each_pools_wire_tile():
-    from kvlab.config import build, compose
-    from kvlab.plan_cmd import summarize
+    from kvlab.cli.plan_cmd import summarize
+    from kvlab.config.schema import build, compose
 
     setup = build(compose(["model=deepseek_v32", "ctx.layout=vllm_lbnhc", "gen.layout=trtllm", "ctx.tp=2"]))
     s = summarize(setup)

@@ -6,9 +6,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf, open_dict
 
-from kvlab.config import CONF_DIR, build
-from kvlab.plan import plan
-from kvlab.workload import make_requests
+from kvlab.config.schema import CONF_DIR, build
+from kvlab.config.workload import make_requests
+from kvlab.model.plan import plan
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 GROUPS = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}

@@ -1,4 +1,4 @@
-"""The transfer's own failure classes (``fault.transfer``, kvlab.faults), the ones that break disaggregated
+"""The transfer's own failure classes (``fault.transfer``, kvlab.config.faults), the ones that break disaggregated
 serving in the field: a dropped notification or acknowledgement, a transfer stuck in progress, a block reused
 before its transfer completed, a chunk half written by a sender that dies, a notification for the wrong
 request. Each transport injects the classes it can show through its hooks and says why the others do not arise
@@ -18,17 +18,17 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_faults import FAULTY, HANG_S, TIMEOUT_S
 
-from kvlab.config import build, compose
-from kvlab.errors import ConfigError
-from kvlab.faults import CLASSES, RankFaults, check
-from kvlab.layout import Rect
-from kvlab.schedule import Chunk
-from kvlab.spec import FaultSpec
+from kvlab.config.faults import CLASSES, RankFaults, check
+from kvlab.config.schema import build, compose
+from kvlab.config.workload import plan_run
+from kvlab.core.errors import ConfigError
+from kvlab.model.layout import Rect
+from kvlab.model.schedule import Chunk
+from kvlab.model.spec import FaultSpec
 from kvlab.transports.ipc import Ipc
 from kvlab.transports.mooncake import Mooncake
 from kvlab.transports.nixl import Nixl
 from kvlab.transports.p2p import P2P
-from kvlab.workload import plan_run
 
 QUIET = ["logger=quiet"]
 TRANSPORTS = {"p2p": P2P, "ipc": Ipc, "nixl": Nixl, "mooncake": Mooncake}
@@ -44,7 +44,7 @@ def _available(transport: str) -> bool:
         if transport == "nixl":
             import nixl_cu13  # noqa: F401
         if transport == "mooncake":
-            from kvlab import mooncake
+            from kvlab.transports import mooncake_engine as mooncake
 
             mooncake.api()
     except Exception:  # noqa: BLE001 - not installed, or its libraries missing: leave it out here

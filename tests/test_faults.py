@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.api import run_transfer
-from kvlab.config import build, compose
-from kvlab.fill import locate
-from kvlab.state import CacheState
-from kvlab.workload import plan_run
+from kvlab.config.schema import build, compose
+from kvlab.config.workload import plan_run
+from kvlab.memory.fill import locate
+from kvlab.model.state import CacheState
 
 QUIET = ["logger=quiet"]
 TIMEOUT_S = 4
@@ -141,7 +141,7 @@ def test_a_frozen_rank_ends_the_run(rank, tmp_path, kvlab_cli):
 
 # -- corruption ----------------------------------------------------------------------------------
 def _coords(pool_spec, rect, j: int) -> dict:
-    """Logical coordinates of byte ``j`` of a chunk's message, from the wire order (kvlab.layout):
+    """Logical coordinates of byte ``j`` of a chunk's message, from the wire order (kvlab.model.layout):
     for each tile of tokens, each layer, each component, each head: the tile's rows."""
     rows = pool_spec.comp_row_bytes()
     bpl = rect.n_heads * sum(rows)

@@ -1,4 +1,4 @@
-"""The figure table (kvlab.figures) on synthetic parts: rows and summary obey the identities on any
+"""The figure table (kvlab.core.figures) on synthetic parts: rows and summary obey the identities on any
 timeline a run can produce, the identity check catches a row that breaks one, time in flight is
 counted once across concurrent requests and not at all between them, figures a transport lacks are
 absent rather than zero, and the records' fields come from the table."""
@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from kvlab import figures, metrics, records, serving
-from kvlab.config import build, compose
-from kvlab.records import Env, Peak, RankPart, RequestRow, Summary
+from kvlab.config.schema import build, compose
+from kvlab.core import figures, serving
+from kvlab.results import metrics, records
+from kvlab.results.records import Env, Peak, RankPart, RequestRow, Summary
 
 SLOTS = figures.Traits(has=frozenset({"slots"}))  # p2p's
 PULL = figures.Traits(pulls=True)  # ipc's: no staging slots
@@ -30,7 +31,7 @@ def _setup():
 
 @dataclass(frozen=True)
 class Piece:
-    """A chunk of the plan (what kvlab.workload.plan_run's segments and the global order carry)."""
+    """A chunk of the plan (what kvlab.config.workload.plan_run's segments and the global order carry)."""
 
     request: int
     src: int

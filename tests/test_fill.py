@@ -1,4 +1,4 @@
-"""The deterministic cache contents (kvlab.fill) against their definition, byte by byte."""
+"""The deterministic cache contents (kvlab.memory.fill) against their definition, byte by byte."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from test_layout import cases
 
-from kvlab import fill
+from kvlab.memory import fill
 
 SCALE = settings.default.max_examples / 100  # a tenth under `pytest -m "not slow"` (tests/conftest.py)
 

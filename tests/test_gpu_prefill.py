@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from kvlab.config import build, compose
-from kvlab.prefill import layer_flops
+from kvlab.config.schema import build, compose
+from kvlab.model.prefill import layer_flops
 
 GPU = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA device")]
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA 
 
 @pytest.mark.parametrize("model", ["tiny_gqa", "tiny_dsa", "tiny_swa", "llama3_8b", "deepseek_v32", "gpt_oss_120b"])
 def test_layers_run_at_a_plausible_rate(model):
-    from kvlab.prefill_gpu import GpuPrefill
+    from kvlab.rank.prefill_gpu import GpuPrefill
 
     s = build(compose([f"model={model}", "parallel=same", "device=cuda"]))
     g = GpuPrefill(s.model, 1, torch.device("cuda"))
@@ -34,12 +34,12 @@ def test_layers_run_at_a_plausible_rate(model):
 def test_the_alone_reference_writes_the_cache_on_the_compute_stream():
     """The reference of prefill_slowdown runs each layer and then writes its cache, as the run's prefill
     does: what it wrote is the request's contents."""
-    from kvlab.cache import PagedCache
-    from kvlab.ops import get_ops
-    from kvlab.plan import Segment
-    from kvlab.prefill_gpu import GpuPrefill
-    from kvlab.state import CacheState
-    from kvlab.workload import make_requests
+    from kvlab.config.workload import make_requests
+    from kvlab.memory.cache import PagedCache
+    from kvlab.memory.ops import get_ops
+    from kvlab.model.plan import Segment
+    from kvlab.model.state import CacheState
+    from kvlab.rank.prefill_gpu import GpuPrefill
 
     s = build(compose(["model=llama3_8b", "model.num_layers=4", "parallel=same", "device=cuda", "kernels=cuda",
                        "workload.isl=8192", "workload.requests=1"]))

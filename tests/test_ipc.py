@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.api import run_transfer
-from kvlab.config import build, compose
-from kvlab.errors import ConfigError
-from kvlab.fill import locate
-from kvlab.plan import plan
-from kvlab.state import CacheState
+from kvlab.config.schema import build, compose
+from kvlab.config.workload import make_requests, plan_run
+from kvlab.core.errors import ConfigError
+from kvlab.memory.fill import locate
+from kvlab.model.plan import plan
+from kvlab.model.state import CacheState
 from kvlab.transports import ipc
-from kvlab.workload import make_requests, plan_run
 
 QUIET = ["logger=quiet", "transport=ipc"]
 TIMEOUT_S = 4
@@ -178,7 +178,7 @@ def test_cuda_ipc_verified(overrides, tmp_path):
 
 
 def test_cost_model_charges_a_pull_one_copy_and_no_staging():
-    from kvlab.cost import predict
+    from kvlab.sizing.cost import predict
 
     common = ["cost=h200", "model=llama3_8b", "ctx.tp=1", "gen.tp=1", "workload.isl=32768", "workload.requests=2",
               "transfer.slot_mib=256"]

@@ -16,7 +16,7 @@ def cuda_ops():
         nvrtc.nvrtcVersion()
     except Exception as e:  # the nvrtc extra is not installed
         pytest.skip(f"NVRTC unavailable: {e}")
-    from kvlab.ops import cuda
+    from kvlab.memory.ops import cuda
 
     return cuda
 

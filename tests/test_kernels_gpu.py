@@ -13,11 +13,11 @@ import threading
 import pytest
 import torch
 
-from kvlab.layout import Rect
-from kvlab.ops import get_ops, reference
-from kvlab.parallel import Layout
-from kvlab.spec import Kind, PoolSpec
-from kvlab.state import RankPool
+from kvlab.memory.ops import get_ops, reference
+from kvlab.model.layout import Rect
+from kvlab.model.parallel import Layout
+from kvlab.model.spec import Kind, PoolSpec
+from kvlab.model.state import RankPool
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,7 +30,7 @@ GUARD = 64
 
 @pytest.fixture(scope="module")
 def cuda_ops():
-    from kvlab.ops import cuda
+    from kvlab.memory.ops import cuda
 
     cuda.ensure_compiled()
     return cuda
@@ -276,7 +276,7 @@ def test_get_ops_picks_kernels(cuda_ops):
 
 # The cp.async.bulk kernels last: a fault there would poison the CUDA context for what follows.
 def _bulk_tunings():
-    from kvlab.ops.cuda import Tuning
+    from kvlab.memory.ops.cuda import Tuning
 
     # the bench's shape; a two-stage ring of tiny pieces (many pieces per run, the ring's edge cases)
     return [Tuning(threads=128, bulk=True, stages=6, piece=8192), Tuning(threads=64, bulk=True, stages=2, piece=48),

@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine_layouts import GQA, _caches, model_preset
 
-from kvlab import kv_dtype
-from kvlab.errors import ConfigError
-from kvlab.fill import expected
-from kvlab.ops import get_ops
-from kvlab.parallel import SideSpec
-from kvlab.plan import Request, plan
-from kvlab.schedule import preset, preset_names, schedule
-from kvlab.state import CacheState
+from kvlab.core.errors import ConfigError
+from kvlab.memory.fill import expected
+from kvlab.memory.ops import get_ops
+from kvlab.model import kv_dtype
+from kvlab.model.parallel import SideSpec
+from kvlab.model.plan import Request, plan
+from kvlab.model.schedule import preset, preset_names, schedule
+from kvlab.model.state import CacheState
 
 SCALE = settings.default.max_examples / 100
 
@@ -51,7 +51,7 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_row(x: torch.Tensor, kind: str, base: str = "bf16") -> torch.Tensor:
-    """One fp8 row (kvlab.kv_dtype's layout) of fp32 values ``x`` [..., elems], by this module's own rounding."""
+    """One fp8 row (kvlab.model.kv_dtype's layout) of fp32 values ``x`` [..., elems], by this module's own rounding."""
     q = x.shape[-1] if kind == "kv" else x.shape[-1] - 64
     group = q if kind == "kv" else 128
     codes, scales = [], []
@@ -193,7 +193,7 @@ def test_fp8_halves_the_wire_bytes_of_bf16_kv():
      "gen.kv_dtype=fp8 in"),
 ])
 def test_a_kv_dtype_that_cannot_work_is_one_line(overrides, message):
-    from kvlab.config import build, compose
+    from kvlab.config.schema import build, compose
 
     with pytest.raises(ConfigError) as e:
         build(compose(overrides))

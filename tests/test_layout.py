@@ -14,11 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab.layout import Rect, is_in_place, runs
-from kvlab.ops import reference
-from kvlab.parallel import Layout
-from kvlab.spec import ModelSpec
-from kvlab.state import RankPool
+from kvlab.memory.ops import reference
+from kvlab.model.layout import Rect, is_in_place, runs
+from kvlab.model.parallel import Layout
+from kvlab.model.spec import ModelSpec
+from kvlab.model.state import RankPool
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 SCALE = settings.default.max_examples / 100  # 0.1 under `pytest -m "not slow"` (tests/conftest.py)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab import records
-from kvlab.config import build, compose
-from kvlab.errors import ConfigError
-from kvlab.link_spec import LinkSpec
+from kvlab.config.schema import build, compose
+from kvlab.core.errors import ConfigError
+from kvlab.core.link_spec import LinkSpec
+from kvlab.results import records
 
 
 def test_sizes_follow_min_max_and_factor():

@@ -1,4 +1,4 @@
-"""The link's speed in every run (kvlab.linkrate), and fill/verification kept off the measured loop."""
+"""The link's speed in every run (kvlab.rank.linkrate), and fill/verification kept off the measured loop."""
 from __future__ import annotations
 
 import json
@@ -7,12 +7,12 @@ import os
 import pytest
 import torch
 
-from kvlab import linkrate
 from kvlab.api import run_transfer
-from kvlab.config import TransferSpec, build, compose
-from kvlab.records import Link, from_dict, to_dict
-from kvlab.staging import SlotPool
-from kvlab.workload import plan_run
+from kvlab.config.schema import TransferSpec, build, compose
+from kvlab.config.workload import plan_run
+from kvlab.memory.staging import SlotPool
+from kvlab.rank import linkrate
+from kvlab.results.records import Link, from_dict, to_dict
 
 QUIET = ["logger=quiet"]
 SMALL = ["workload.isl=1024", "transfer.slot_mib=0.25"]
@@ -37,8 +37,8 @@ def test_a_repeat_times_enough_bytes_that_its_fixed_costs_weigh_little(device, c
 
 
 def _chunk(request: int, src: int, dst: int, nbytes: int):
-    from kvlab.layout import Rect
-    from kvlab.schedule import Chunk
+    from kvlab.model.layout import Rect
+    from kvlab.model.schedule import Chunk
 
     return Chunk(request=request, seq=0, src=src, dst=dst, rect=Rect("kv", 0, 1, 0, 1, 0, 1, 1), nbytes=nbytes,
                  ready_layer=0)
@@ -171,7 +171,7 @@ def test_a_cache_that_needs_the_blocks_verifies_inside_the_loop_and_says_so(tmp_
 def test_plot_link_ratio_draws_a_line_per_strategy_and_the_link():
     import pandas as pd
 
-    from kvlab.analysis import plot_link_ratio
+    from kvlab.analysis.sweeps import plot_link_ratio
 
     df = pd.DataFrame({"strategy": ["naive", "chunked", "chunked"], "isl_mean": [1024, 1024, 4096],
                        "link_ratio": [0.3, 0.5, 0.7]})

@@ -1,12 +1,12 @@
 """Extra device memory counts the transfer's allocations only: what fill and verification allocate, and keep,
-stays out of every later peak (kvlab.executor.Executor.untracked). A fake allocator stands in for CUDA's."""
+stays out of every later peak (kvlab.rank.executor.Executor.untracked). A fake allocator stands in for CUDA's."""
 from __future__ import annotations
 
 import types
 
 import torch
 
-from kvlab.executor import Executor
+from kvlab.rank.executor import Executor
 
 
 class FakeAllocator:

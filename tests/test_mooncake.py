@@ -31,7 +31,7 @@ CASES = [
 
 def _loads() -> bool:
     try:
-        from kvlab import mooncake
+        from kvlab.transports import mooncake_engine as mooncake
 
         mooncake.api()
     except Exception:  # noqa: BLE001 - not installed, or its system libraries missing: the same skip
@@ -53,9 +53,9 @@ def _verified(over: list[str], mode: str, run_dir: Path) -> dict:
     """A run that must arrive whole: every request verified, each moving the bytes of its plan, with the
     descriptors its mode posts, and its link a share of raw Mooncake writes."""
     from kvlab.api import run_transfer
-    from kvlab.config import build, compose
-    from kvlab.plan import plan
-    from kvlab.workload import make_requests
+    from kvlab.config.schema import build, compose
+    from kvlab.config.workload import make_requests
+    from kvlab.model.plan import plan
 
     summary = run_transfer(over + MOONCAKE + [f"transport.mode={mode}"], run_dir)
     assert summary["verified"] and summary["failed_requests"] == [] and summary["errors"] == [], summary
@@ -95,9 +95,9 @@ def test_every_strategy_arrives_verified(strategy, mode, case, slot_mib, fragmen
 def test_every_run_reports_raw_mooncake_writes_of_its_chunks_as_its_link(mode, tmp_path):
     """The in-run reference: raw writes of the run's largest chunk between its own pairs (3 -> 2: ctx1 feeds
     both gen ranks), timed on the writing ranks, the slowest taken."""
-    from kvlab import linkrate
-    from kvlab.config import build, compose
-    from kvlab.workload import plan_run
+    from kvlab.config.schema import build, compose
+    from kvlab.config.workload import plan_run
+    from kvlab.rank import linkrate
 
     over = ["ctx.tp=3", "gen.tp=2", "workload.isl=700", "transfer.slot_mib=0.05", "workload.requests=2"]
     summary = _verified(over, mode, tmp_path)
@@ -214,8 +214,8 @@ def test_without_the_extra_or_its_libraries_transport_mooncake_is_one_line(error
     ("transport.protocol=rdma", r"^transport.protocol=rdma: use tcp, nvlink_intra .* or auto"),
     ("transport.pack_ctas=0", r"^transport.pack_ctas=0: use a positive number of CTAs, or null for one per SM$")])
 def test_bad_options_are_one_line(override, want):
-    from kvlab.config import build, compose
-    from kvlab.errors import ConfigError
+    from kvlab.config.schema import build, compose
+    from kvlab.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=want):
         build(compose(MOONCAKE + [override]))
@@ -223,8 +223,8 @@ def test_bad_options_are_one_line(override, want):
 
 @needs_engine
 def test_nvlink_intra_on_cpus_is_one_line():
-    from kvlab.config import build, compose
-    from kvlab.errors import ConfigError
+    from kvlab.config.schema import build, compose
+    from kvlab.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^transport.protocol=nvlink_intra: NVLink moves GPU memory; use "
                                           r"transport.protocol=tcp \(or auto\) with device=cpu$"):
@@ -233,7 +233,7 @@ def test_nvlink_intra_on_cpus_is_one_line():
 
 @needs_engine
 def test_auto_is_tcp_on_cpus():
-    from kvlab import mooncake
+    from kvlab.transports import mooncake_engine as mooncake
 
     assert mooncake.protocol("auto", "cpu") == "tcp" and mooncake.protocol("tcp", "cuda") == "tcp"
     assert mooncake.protocol("auto", "cuda") == ("nvlink_intra" if mooncake.api().SUPPORT_INTRA_NVLINK else "tcp")

@@ -67,9 +67,9 @@ def _rows(run_dir: Path) -> list[dict]:
 def test_nixl_end_to_end_verified(case, mode, tmp_path_factory):
     overrides, tmp_path = case[1], tmp_path_factory.mktemp("nixl")
     from kvlab.api import run_transfer
-    from kvlab.config import build, compose
-    from kvlab.plan import plan
-    from kvlab.workload import make_requests
+    from kvlab.config.schema import build, compose
+    from kvlab.config.workload import make_requests
+    from kvlab.model.plan import plan
 
     summary = run_transfer(overrides + NIXL + [f"transport.mode={mode}"], tmp_path)
     assert summary["verified"], summary
@@ -95,10 +95,10 @@ def test_nixl_end_to_end_verified(case, mode, tmp_path_factory):
 def test_every_nixl_run_reports_raw_nixl_writes_of_its_chunks_as_its_link(mode, tmp_path):
     """The in-run reference: raw WRITEs of the run's largest chunk between its own pairs (3 -> 2: ctx1
     feeds both gen ranks), timed on every rank, the slowest taken."""
-    from kvlab import linkrate
     from kvlab.api import run_transfer
-    from kvlab.config import build, compose
-    from kvlab.workload import plan_run
+    from kvlab.config.schema import build, compose
+    from kvlab.config.workload import plan_run
+    from kvlab.rank import linkrate
 
     over = NIXL + [f"transport.mode={mode}", "ctx.tp=3", "gen.tp=2", "workload.isl=700", "transfer.slot_mib=0.05",
                    "workload.requests=2"]
@@ -183,7 +183,7 @@ def test_gen_announces_a_slot_only_after_its_last_unpack_has_run_without_waiting
 def test_ctx_writes_a_chunk_once_packed_and_reposts_the_prepared_slot_write():
     """A packed chunk goes once the gen rank's room has arrived and its pack's event has completed (the
     host polls, it does not wait); a second chunk between the same two slots reuses the prepared WRITE."""
-    from kvlab.faults import RankFaults
+    from kvlab.config.faults import RankFaults
     from kvlab.transports.nixl import Write
 
     t = _bare("ctx")
@@ -286,8 +286,8 @@ def test_without_the_extra_transport_nixl_is_one_line_naming_it(tmp_path, kvlab_
 
 
 def test_unknown_mode_is_one_line():
-    from kvlab.config import build, compose
-    from kvlab.errors import ConfigError
+    from kvlab.config.schema import build, compose
+    from kvlab.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^transport.mode=pull: use direct .* or staged"):
         build(compose(NIXL + ["transport.mode=pull"]))
@@ -297,8 +297,8 @@ def test_unknown_mode_is_one_line():
     ("transport.pack_ctas=0", r"^transport.pack_ctas=0: use a positive number of CTAs, or null for one per SM$"),
     ("transport.progress_thread=3", r"^transport.progress_thread=3: use true .* or false")])
 def test_bad_transport_options_are_one_line(override, want):
-    from kvlab.config import build, compose
-    from kvlab.errors import ConfigError
+    from kvlab.config.schema import build, compose
+    from kvlab.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=want):
         build(compose(NIXL + [override]))

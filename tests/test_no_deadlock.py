@@ -1,7 +1,7 @@
 """No wait cycle between ranks, whatever the run: requests, concurrency, slots, both sides' TP/PP/DP,
 strategies, transports and arrival processes drawn at random, each a real run (real processes,
 gloo), every request verified well inside its timeout, and the measured marks in the order a
-first-come-first-served prefill allows (kvlab.prefiller).
+first-come-first-served prefill allows (kvlab.rank.prefiller).
 
 The fixed examples are runs that once waited for their timeout and failed every request: a window
 of chunks in flight against the barrier that ends a request's prefill on every ctx TP peer."""
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from kvlab.api import run_transfer
-from kvlab.config import build, compose
-from kvlab.errors import ConfigError
+from kvlab.config.schema import build, compose
+from kvlab.core.errors import ConfigError
 
 TIMEOUT_S = 60  # a run that waits this long has deadlocked; a healthy one ends in seconds
 BASE = ["logger=quiet", "transfer.baseline=false", f"transfer.timeout_s={TIMEOUT_S}"]

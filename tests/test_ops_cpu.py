@@ -1,4 +1,4 @@
-"""The CPU row path (kvlab.ops.cpu) against the torch reference, on random rectangles, layouts and
+"""The CPU row path (kvlab.memory.ops.cpu) against the torch reference, on random rectangles, layouts and
 pairs of mismatched sides."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_layout import cases, layer_head_ranges, oracle_pool_bytes, pool_specs, rect_nbytes
 
-from kvlab.layout import Rect
-from kvlab.ops import cpu, get_ops, reference
-from kvlab.parallel import Layout
-from kvlab.spec import ModelSpec
-from kvlab.state import RankPool
+from kvlab.memory.ops import cpu, get_ops, reference
+from kvlab.model.layout import Rect
+from kvlab.model.parallel import Layout
+from kvlab.model.spec import ModelSpec
+from kvlab.model.state import RankPool
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

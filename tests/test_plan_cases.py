@@ -14,15 +14,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvlab.errors import ConfigError
-from kvlab.layout import runs
-from kvlab.ops import reference
-from kvlab.parallel import Layout, SideSpec
-from kvlab.plan import Request, plan
-from kvlab.schedule import preset as strategy_preset
-from kvlab.schedule import preset_names, schedule
-from kvlab.spec import ModelSpec
-from kvlab.state import CacheState
+from kvlab.core.errors import ConfigError
+from kvlab.memory.ops import reference
+from kvlab.model.layout import runs
+from kvlab.model.parallel import Layout, SideSpec
+from kvlab.model.plan import Request, plan
+from kvlab.model.schedule import preset as strategy_preset
+from kvlab.model.schedule import preset_names, schedule
+from kvlab.model.spec import ModelSpec
+from kvlab.model.state import CacheState
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.config import CONF_DIR, build, compose
-from kvlab.plan_cmd import summarize
+from kvlab.cli.plan_cmd import summarize
+from kvlab.config.schema import CONF_DIR, build, compose
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}

@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from kvlab.parallel import Layout, SideSpec
-from kvlab.plan import Request, plan
-from kvlab.schedule import Strategy, preset_names, schedule
-from kvlab.schedule import preset as strategy_preset
-from kvlab.spec import ModelSpec
-from kvlab.state import CacheState
+from kvlab.model.parallel import Layout, SideSpec
+from kvlab.model.plan import Request, plan
+from kvlab.model.schedule import Strategy, preset_names, schedule
+from kvlab.model.schedule import preset as strategy_preset
+from kvlab.model.spec import ModelSpec
+from kvlab.model.state import CacheState
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}

@@ -1,17 +1,17 @@
-"""The reference of prefill=gpu's slowdown writes the cache as the run's prefill does (kvlab.prefill_gpu),
+"""The reference of prefill=gpu's slowdown writes the cache as the run's prefill does (kvlab.rank.prefill_gpu),
 checked on CPU tensors: the same layers, each followed by its cache write, on blocks held only meanwhile."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvlab.cache import PagedCache
-from kvlab.config import build, compose
-from kvlab.ops import get_ops
-from kvlab.plan import Segment
-from kvlab.prefill_gpu import GpuPrefill
-from kvlab.state import CacheState
-from kvlab.workload import make_requests
+from kvlab.config.schema import build, compose
+from kvlab.config.workload import make_requests
+from kvlab.memory.cache import PagedCache
+from kvlab.memory.ops import get_ops
+from kvlab.model.plan import Segment
+from kvlab.model.state import CacheState
+from kvlab.rank.prefill_gpu import GpuPrefill
 
 CPU = torch.device("cpu")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.cli import check_overrides
-from kvlab.config import build, compose
-from kvlab.plan import Request
-from kvlab.prefill import PrefillSpec, causal_pairs, layer_flops, layer_seconds, timeline
+from kvlab.cli.commands import check_overrides
+from kvlab.config.schema import build, compose
+from kvlab.model.plan import Request
+from kvlab.model.prefill import PrefillSpec, causal_pairs, layer_flops, layer_seconds, timeline
 
 
 def setup_of(*overrides):
@@ -107,7 +107,7 @@ def test_gpu_prefill_kernels_run_with_the_presets_shapes(model, tp):
     import torch
     from torch.overrides import TorchFunctionMode
 
-    from kvlab.prefill_gpu import GpuPrefill
+    from kvlab.rank.prefill_gpu import GpuPrefill
 
     class Products(TorchFunctionMode):
         """The result of every matrix product a layer queues (layer() keeps none of them)."""
@@ -144,7 +144,7 @@ def test_blockwise_attention_is_the_window(reach, kv_heads):
     import torch
     import torch.nn.functional as F
 
-    from kvlab.prefill_gpu import GpuPrefill
+    from kvlab.rank.prefill_gpu import GpuPrefill
 
     s = setup_of("model=tiny_gqa")
     g = GpuPrefill(s.model, 1, torch.device("cpu"))

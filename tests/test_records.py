@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from kvlab import records
-from kvlab.config import Config, Setup, build, compose, schema
-from kvlab.records import PartFile, Peak, RankPart, RequestRow, Summary, TimelineRow
+from kvlab.config.schema import Config, Setup, build, compose, schema
+from kvlab.results import records
+from kvlab.results.records import PartFile, Peak, RankPart, RequestRow, Summary, TimelineRow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_a_summary_says_where_and_from_what_it_was_measured():
 
     import torch
 
-    from kvlab.paths import provenance
+    from kvlab.core.paths import provenance
 
     p = provenance()
     assert p["host"] == socket.gethostname() and len(p["load_avg"]) == 3

@@ -19,10 +19,12 @@ import pytest
 from conftest import check_figures
 from omegaconf import OmegaConf
 
-from kvlab import budget, figures, rundir
-from kvlab.cli import check_overrides
-from kvlab.config import build, compose
-from kvlab.errors import ConfigError
+from kvlab.cli.commands import check_overrides
+from kvlab.config.schema import build, compose
+from kvlab.core import figures
+from kvlab.core.errors import ConfigError
+from kvlab.results import rundir
+from kvlab.sizing import budget
 
 QUIET = ["logger=quiet"]
 
@@ -174,7 +176,7 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
     run_dir = tmp_path / "run"
     rundir.acquire(run_dir)
     try:
-        code = (f"from kvlab import rundir\nfrom kvlab.errors import ConfigError\n"
+        code = (f"from kvlab.results import rundir\nfrom kvlab.core.errors import ConfigError\n"
                 f"try:\n    rundir.acquire({str(run_dir)!r})\nexcept ConfigError as e:\n    print(e)\n")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
         assert f"hydra.run.dir={run_dir.resolve()}" in out and f"pid {os.getpid()}" in out, out
@@ -182,10 +184,10 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
         rundir.release(run_dir)
     assert not (run_dir / rundir.LOCK_NAME).exists()
     # a holder that died without releasing: its file stays, its flock does not
-    dead = subprocess.run([sys.executable, "-c", f"import os\nfrom kvlab import rundir\n"
+    dead = subprocess.run([sys.executable, "-c", f"import os\nfrom kvlab.results import rundir\n"
                                                  f"rundir.acquire({str(run_dir)!r})\nos._exit(0)"], timeout=60)
     assert dead.returncode == 0 and (run_dir / rundir.LOCK_NAME).exists()
-    p = subprocess.run([sys.executable, "-c", f"from kvlab import rundir\nrundir.acquire({str(run_dir)!r})"],
+    p = subprocess.run([sys.executable, "-c", f"from kvlab.results import rundir\nrundir.acquire({str(run_dir)!r})"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "no longer running; taking it over" in _one_line(p.stderr)
 
@@ -204,7 +206,7 @@ def test_second_run_in_a_held_directory_is_refused_before_writing(tmp_path, kvla
 
 
 def test_workers_read_the_config_their_launcher_handed_them(tmp_path, monkeypatch):
-    from kvlab.worker import load_config
+    from kvlab.cli.worker import load_config
 
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(compose(["workload.isl=111"]), resolve=True))
     mine = OmegaConf.to_yaml(compose(["workload.isl=222"]), resolve=True)
@@ -215,7 +217,7 @@ def test_workers_read_the_config_their_launcher_handed_them(tmp_path, monkeypatc
 
 
 def test_part_files_are_written_through_a_temp_file_of_their_own(tmp_path):
-    from kvlab.records import PartFile, read_part, write_part
+    from kvlab.results.records import PartFile, read_part, write_part
 
     write_part(tmp_path, PartFile(rank=2, side="gen", side_rank=0, failures={1: "x"}))
     assert read_part(tmp_path, 2).failures == {1: "x"}
@@ -242,14 +244,14 @@ def test_union_of_wire_intervals_read_back_from_json():
         "huge-capacity", "naive-buffers"])
 def test_budget_names_the_field_and_what_fits(overrides, field, monkeypatch):
     monkeypatch.setattr(budget, "host_available", lambda: 24 << 30)  # the figures of a 24 GiB machine
-    import kvlab.cache
-    import kvlab.preflight
+    import kvlab.memory.cache
+    import kvlab.sizing.preflight
 
     def refuse(*a, **k):
         raise AssertionError("built or allocated before the budget was checked")
 
-    monkeypatch.setattr(kvlab.cache.PagedCache, "__init__", refuse)
-    monkeypatch.setattr(kvlab.preflight, "plan_run", refuse)
+    monkeypatch.setattr(kvlab.memory.cache.PagedCache, "__init__", refuse)
+    monkeypatch.setattr(kvlab.sizing.preflight, "plan_run", refuse)
     t0 = time.time()
     msg = check_overrides(QUIET + overrides, memory=True)
     assert time.time() - t0 < 30  # nothing the size of the workload was built
@@ -264,9 +266,9 @@ def test_budget_fits_what_runs_and_bounds_what_the_ranks_hold(monkeypatch):
     setup = build(compose(QUIET))
     b = budget.estimate(setup)
     # the cache of every rank as PagedCache sizes it, from the plan of every request: never above the bound
-    from kvlab.preflight import preflight
-    from kvlab.state import CacheState
-    from kvlab.workload import plan_run
+    from kvlab.config.workload import plan_run
+    from kvlab.model.state import CacheState
+    from kvlab.sizing.preflight import preflight
 
     requests, _, order = plan_run(setup)
     for w, need in enumerate(b.ranks):
@@ -281,7 +283,7 @@ def test_budget_fits_what_runs_and_bounds_what_the_ranks_hold(monkeypatch):
 
 def test_budget_on_gpus_counts_the_ranks_that_share_one():
     """What the ranks check on their GPU (no GPU needed: the free memory is given): ctx0 and ctx1 share
-    cuda:0 when 3 ranks run on 2 GPUs (kvlab.devices.gpu_index); a rank of another host counts alone."""
+    cuda:0 when 3 ranks run on 2 GPUs (kvlab.config.devices.gpu_index); a rank of another host counts alone."""
     setup = build(compose(QUIET + ["model=llama3_8b", "workload.isl=131072", "workload.requests=1"]))
     b = budget.estimate(setup, gpus=2)
     assert [r.memory for r in b.ranks] == ["cuda:0", "cuda:0", "cuda:1"]
@@ -377,7 +379,7 @@ def test_interrupt_before_the_ranks_start_is_one_line(tmp_path, kvlab_cli):
 def test_a_signal_lost_inside_a_library_still_ends_the_block(lost, capsys):
     """torch imports numpy under ``try``: Ctrl-C at that moment raised inside the import and was swallowed
     there (the run went on to the end), or broke numpy's half-loaded C extension (an ImportError)."""
-    from kvlab import interrupt
+    from kvlab.core import interrupt
 
     with pytest.raises(SystemExit) as e, interrupt.as_exit("before any rank started"):
         try:
@@ -432,13 +434,13 @@ def test_a_rank_told_to_stop_while_joining_ends_at_once(tmp_path, kvlab_cli):
     only at its own timeout (here 300 s) in C++, where Python's signal handlers cannot run: SIGTERM must
     end a rank within moments all the same, with its part file saying so, whatever phase of its start-up
     it was in (slow imports included)."""
-    from kvlab.launch import free_port
-    from kvlab.records import read_part
+    from kvlab.cli.launch import free_port
+    from kvlab.results.records import read_part
 
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(compose(["transfer.timeout_s=300", *QUIET]),
                                                             resolve=True))
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "kvlab.worker", str(tmp_path)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", "kvlab.cli.worker", str(tmp_path)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r),
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.api import run_transfer
-from kvlab.config import build, compose
+from kvlab.config.schema import build, compose
 
 QUIET = ["logger=quiet"]
 
@@ -55,8 +55,8 @@ def test_end_to_end_verified(case, tmp_path_factory):
     assert len(rows) == setup.workload.requests == summary["requests"]
     check_figures(tmp_path)
     # every request moved exactly what its gen ranks must hold
-    from kvlab.plan import plan
-    from kvlab.workload import make_requests
+    from kvlab.config.workload import make_requests
+    from kvlab.model.plan import plan
     for req, row in zip(make_requests(setup), rows):
         assert row["bytes"] == sum(s.nbytes for s in plan(setup.model, setup.ctx, setup.gen, req))
         assert row["verified"] and row["error"] is None

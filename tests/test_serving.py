@@ -9,11 +9,11 @@ import pytest
 from conftest import check_figures
 
 from kvlab.api import run_transfer
-from kvlab.config import build, compose
-from kvlab.devices import pair_backend
-from kvlab.prefill import times_for
-from kvlab.schedule import Chunk
-from kvlab.workload import interleave, make_requests, plan_run, serve_order
+from kvlab.config.devices import pair_backend
+from kvlab.config.schema import build, compose
+from kvlab.config.workload import interleave, make_requests, plan_run, serve_order
+from kvlab.model.prefill import times_for
+from kvlab.model.schedule import Chunk
 
 LAYER_MS = 5.0
 BASE = ["logger=quiet", "transfer=layerwise", "workload.arrival=poisson", "workload.rate=40",
@@ -131,7 +131,7 @@ def run_transfer_or_failure(overrides, run_dir):
 def test_kvlab_run_replays_the_mooncake_sample(tmp_path, kvlab_cli):
     """The command line on CPU: the real trace's arrivals and prompts, per-request TTFT and exposed
     transfer percentiles printed, every request verified."""
-    from kvlab import traces
+    from kvlab.core import traces
 
     run_dir = tmp_path / "run"
     p = kvlab_cli("run", "workload=mooncake", "transfer=layerwise", "workload.requests=6", "logger=quiet",

@@ -1,4 +1,4 @@
-"""The serving report (kvlab.serving, the serving figures of kvlab.figures) on synthetic parts: SLO
+"""The serving report (kvlab.core.serving, the serving figures of kvlab.core.figures) on synthetic parts: SLO
 attainment per request, goodput and request throughput over the serving span, the percentiles a user asks
 for with mean and std, the SLO fields' checks, and the traces' output lengths carried into the requests."""
 from __future__ import annotations
@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from rich.console import Console
 from test_figures import SLOTS, runs
 
-from kvlab import figures, metrics, serving, traces, workload
-from kvlab.config import build, compose
-from kvlab.errors import ConfigError
-from kvlab.records import Env, Peak, Summary
+from kvlab.config import workload
+from kvlab.config.schema import build, compose
+from kvlab.core import figures, serving, traces
+from kvlab.core.errors import ConfigError
+from kvlab.results import metrics
+from kvlab.results.records import Env, Peak, Summary
 
 
 def _merged(parts, order, slo_ms=None, failures=None, percentiles=None):

@@ -13,9 +13,9 @@ from unittest import mock
 
 import pytest
 
-from kvlab import budget
-from kvlab.config import build, compose
-from kvlab.errors import ConfigError
+from kvlab.config.schema import build, compose
+from kvlab.core.errors import ConfigError
+from kvlab.sizing import budget
 from kvlab.transports import ipc
 
 QUIET = ["logger=quiet"]

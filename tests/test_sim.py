@@ -15,13 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab.errors import ConfigError
-from kvlab.plan import Request, plan
+from kvlab.core.errors import ConfigError
+from kvlab.core.sim_terms import PrefillTerms, TransportTerms
+from kvlab.model.plan import Request, plan
 from kvlab.sim import plans
 from kvlab.sim.cluster import ClusterSpec, LinkSpec, LinksSpec, SimSpec, SloSpec
 from kvlab.sim.engine import DecodeGroup, simulate
 from kvlab.sim.run import build_sim, compose_sim, requests, run
-from kvlab.sim_terms import PrefillTerms, TransportTerms
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_RUNS = ROOT / "results" / "sim_calibration_cpu"
@@ -99,7 +99,7 @@ def test_a_profile_without_fitted_terms_is_refused():
 @FEW
 @given(isls=st.lists(st.integers(100, 20000), min_size=49, max_size=60), tp=st.sampled_from([(1, 2), (2, 1), (3, 2)]))
 def test_the_plan_table_is_the_plan_at_its_grid_and_its_line_between(isls, tp):
-    from kvlab.config import build, compose
+    from kvlab.config.schema import build, compose
 
     model = "model=tiny_gqa" if tp != (3, 2) else "model=tiny_mla"
     setup = build(compose([f"ctx.tp={tp[0]}", f"gen.tp={tp[1]}", model]))
@@ -217,9 +217,9 @@ def test_a_calibration_dir_with_no_transfers_is_one_line(tmp_path):
 
 
 def test_calibrated_terms_reach_the_plan_and_the_summary_prediction():
-    from kvlab.config import build, compose
-    from kvlab.cost import predict
-    from kvlab.plan_cmd import predicted
+    from kvlab.cli.plan_cmd import predicted
+    from kvlab.config.schema import build, compose
+    from kvlab.sizing.cost import predict
 
     setup = build(compose(["cost=cpu_fit", "transport=nixl"]))
     p = predicted(setup)

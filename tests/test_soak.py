@@ -11,8 +11,8 @@ import pytest
 from conftest import check_figures
 
 from kvlab.api import run_transfer
-from kvlab.config import build, compose
-from kvlab.workload import plan_run
+from kvlab.config.schema import build, compose
+from kvlab.config.workload import plan_run
 
 CONCURRENCY, SLOTS, SLOT = 32, 4, 65536
 # one layer, one kv head of 8: 32 B per token, so a 128k-token prompt is 4 MiB; seed 1 draws one

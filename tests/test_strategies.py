@@ -10,17 +10,17 @@ import textwrap
 import pytest
 from conftest import check_figures
 
-from kvlab.config import build, compose
-from kvlab.errors import ConfigError
-from kvlab.parallel import SideSpec
-from kvlab.plan import Request, plan
-from kvlab.schedule import Cut, Order, Ready, Staging, Strategy, make_strategy, preset, preset_names, schedule
-from kvlab.spec import Attention, ModelSpec
+from kvlab.config.schema import build, compose
+from kvlab.core.errors import ConfigError
+from kvlab.model.parallel import SideSpec
+from kvlab.model.plan import Request, plan
+from kvlab.model.schedule import Cut, Order, Ready, Staging, Strategy, make_strategy, preset, preset_names, schedule
+from kvlab.model.spec import Attention, ModelSpec
 
 USER_MODULE = '''
 from dataclasses import dataclass
 
-from kvlab.schedule import Strategy
+from kvlab.model.schedule import Strategy
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def test_bad_traits_name_the_field(overrides, field):
 
 def test_make_strategy_accepts_names_and_nodes():
     assert make_strategy("chunked") == preset("chunked")
-    node = {"_target_": "kvlab.schedule.Strategy", "name": "x", "cut": "layer", "in_place": True}
+    node = {"_target_": "kvlab.model.schedule.Strategy", "name": "x", "cut": "layer", "in_place": True}
     assert make_strategy(node) == Strategy("x", Cut.layer, in_place=True)
 
 

@@ -1,6 +1,6 @@
 """``transport=auto``: p2p, or ipc on one node whose GPUs cannot hold p2p's NCCL pair groups.
 
-The GPU count is faked (``kvlab.config.visible_gpus``, which every count goes through) so that
+The GPU count is faked (``kvlab.config.schema.visible_gpus``, which every count goes through) so that
 the one-GPU decisions run on CPUs: the resolution in ``build``, the refusal of an explicit
 ``transport=p2p``, and the launcher path of ``kvlab run`` and ``kvlab plan`` in this process,
 with the ranks' start replaced.
@@ -12,10 +12,12 @@ import json
 import pytest
 import yaml
 
-from kvlab import cli, config, devices
-from kvlab.config import Setup, build, compose
-from kvlab.errors import ConfigError
-from kvlab.launch import Outcome
+from kvlab.cli import commands as cli
+from kvlab.cli.launch import Outcome
+from kvlab.config import devices
+from kvlab.config import schema as config
+from kvlab.config.schema import Setup, build, compose
+from kvlab.core.errors import ConfigError
 
 QUIET = ["logger=quiet"]
 
@@ -84,7 +86,7 @@ def no_ranks(monkeypatch):
         started.append(yaml.safe_load(kw["config_yaml"]))
         return Outcome(0)
 
-    monkeypatch.setattr("kvlab.run_cmd.launch_local", launch_local)
+    monkeypatch.setattr("kvlab.cli.run_cmd.launch_local", launch_local)
     return started
 
 
@@ -122,7 +124,7 @@ def test_run_refuses_p2p_on_one_gpu_before_any_rank(monkeypatch, tmp_path, capsy
 
 def test_launch_refuses_p2p_on_one_gpu(monkeypatch, tmp_path, no_ranks):
     # kvlab.api's path: launch itself checks before it starts anything
-    from kvlab.run_cmd import launch
+    from kvlab.cli.run_cmd import launch
 
     gpus(monkeypatch, 1)
     with pytest.raises(ConfigError, match=r"^transport=p2p: 1 GPU"):

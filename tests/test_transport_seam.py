@@ -19,7 +19,7 @@ from conftest import E2E, check_figures
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.schedule import Chunk
+from kvlab.model.schedule import Chunk
 from kvlab.transports import RankContext, Transport
 
 HERE = Path(__file__).resolve().parent

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from conftest import check_figures
 
-from kvlab.launch import free_port
+from kvlab.cli.launch import free_port
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The wandb sink as a team reads its dashboard: one run per job (rank 0's), grouped per experiment or sweep,
 named for what the sweep varied, tagged, with the merged summary, requests and percentiles and no raw
-wall-clock stamps; warnings are one kvlab line; the offline files read back (kvlab.wandb_read) into the
-table kvlab.analysis plots, and a real sweep's jobs form one group."""
+wall-clock stamps; warnings are one kvlab line; the offline files read back (kvlab.analysis.wandb_read) into the
+table kvlab.analysis.sweeps plots, and a real sweep's jobs form one group."""
 import dataclasses
 import functools
 import json
@@ -10,11 +10,12 @@ import sys
 import pytest
 import yaml
 
-from kvlab import analysis, wandb_read
-from kvlab.config import build, compose
-from kvlab.records import RequestRow, Summary, to_dict
-from kvlab.spec import WandbSpec
-from kvlab.wandb_sink import EPOCH, WandbSink, group_name, job_name
+from kvlab.analysis import sweeps as analysis
+from kvlab.analysis import wandb_read
+from kvlab.config.schema import build, compose
+from kvlab.model.spec import WandbSpec
+from kvlab.rank.wandb_sink import EPOCH, WandbSink, group_name, job_name
+from kvlab.results.records import RequestRow, Summary, to_dict
 
 
 @functools.cache

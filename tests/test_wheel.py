@@ -64,7 +64,7 @@ def installed(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
 def test_the_installed_package_finds_its_data_inside_itself(installed):
     bin_dir, cwd, env = installed
     out = _call([str(bin_dir / "python"), "-c",
-                 "import json, kvlab, kvlab.paths as p; print(json.dumps([kvlab.__file__, str(p.CONF_DIR), "
+                 "import json, kvlab, kvlab.core.paths as p; print(json.dumps([kvlab.__file__, str(p.CONF_DIR), "
                  "str(p.KERNELS_DIR), str(p.TRACES_DIR)]))"], cwd=cwd, env=env, timeout=120)
     package, conf, kernels, traces = (Path(s) for s in json.loads(out.stdout))
     venv = bin_dir.parent.resolve()

@@ -1,11 +1,11 @@
-"""``kvlab sim calibrate RUN...``: fit the transfer and prefill terms (kvlab.sim_terms) to kvlab runs' records.
+"""``kvlab sim calibrate RUN...``: fit the transfer and prefill terms (kvlab.core.sim_terms) to kvlab runs' records.
 
 A RUN is a run directory (``config.yaml``, ``results.jsonl``) or a results file of the benchmarks
 (``results/*.json``: entries with ``command``, ``summary`` and ``rows``), whole or one entry of it
 (``FILE.json#name``). Each run is replayed by the simulator on its own machine (``conf/cluster/one_host``:
 one ctx and one gen instance, its DP groups served as kvlab run serves them, its measured arrivals and
 prompt lengths, no decode), so the fit is of the same code that simulates fleets. The replay knows one rule of kvlab
-run's that a fleet does not have: its ranks serve chunks in one global order (kvlab.workload), so a request's
+run's that a fleet does not have: its ranks serve chunks in one global order (kvlab.config.workload), so a request's
 transfer may wait for the requests whose chunks come first in it (``order_wait`` says how much).
 
 1. The prefill: ``prefill_s = scale * model_s + bytes * byte_ns + fixed_ms`` by non-negative least squares
@@ -34,11 +34,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from kvlab.errors import ConfigError
+from kvlab.core.errors import ConfigError
+from kvlab.core.sim_terms import Fitted, PrefillTerms, TransportTerms
 from kvlab.sim import plans
 from kvlab.sim.cluster import ClusterSpec, LinkSpec, LinksSpec
 from kvlab.sim.engine import prefill_model_s, simulate
-from kvlab.sim_terms import Fitted, PrefillTerms, TransportTerms
 
 FIGS = ("exposed_p50", "exposed_p90", "ttft_p50", "ttft_p90")
 TERMS = ("byte_ns", "staged_byte_ns", "piece_us", "rtt_us", "host_wait", "order_wait")
@@ -64,7 +64,7 @@ class Replay:
 def _setup_from_command(command: str, transport: str | None = None):
     """The setup of a benchmark's ``kvlab run ...`` command, as the summary says it ran (its transport where
     ``auto`` chose one on that machine)."""
-    from kvlab.config import build, compose
+    from kvlab.config.schema import build, compose
 
     overrides = [] if transport is None or "transport=" in command else [f"transport={transport}"]
     for a in shlex.split(command)[2:]:
@@ -80,7 +80,7 @@ def _setup_from_command(command: str, transport: str | None = None):
 def _setup_from_dir(run_dir: Path):
     from omegaconf import OmegaConf
 
-    from kvlab.config import Config, build
+    from kvlab.config.schema import Config, build
 
     schema = OmegaConf.structured(Config)
     OmegaConf.set_struct(schema, False)
@@ -140,7 +140,7 @@ def replay_of(name: str, make_setup, rows: list[dict]) -> Replay:
     measured = {"exposed_p50": _p(exposed, 50), "exposed_p90": _p(exposed, 90), "ttft_p50": _p(ttft, 50),
                 "ttft_p90": _p(ttft, 90)}
     p = setup.prefill
-    from kvlab.paths import CONF_DIR
+    from kvlab.core.paths import CONF_DIR
     from kvlab.sim.run import _typed
 
     cluster = _typed(ClusterSpec, yaml.safe_load((CONF_DIR / "cluster" / "one_host.yaml").read_text()), "cluster")
@@ -155,8 +155,8 @@ def replay_of(name: str, make_setup, rows: list[dict]) -> Replay:
 
 def _order_waits(setup, ids: list[int]) -> list[np.ndarray]:
     """For each request (``ids``, the rows replayed): the rows whose chunks come before its last chunk in the global
-    order the run's ranks served (kvlab.workload.plan_run); [] where the run's own requests cannot be rebuilt."""
-    from kvlab.workload import plan_run
+    order the run's ranks served (kvlab.config.workload.plan_run); [] where the run's own requests cannot be rebuilt."""
+    from kvlab.config.workload import plan_run
 
     index = {rid: k for k, rid in enumerate(ids)}
     try:

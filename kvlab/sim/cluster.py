@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvlab.errors import ConfigError, require
+from kvlab.core.errors import ConfigError, require
 
 PLACEMENTS = ("separate", "mixed")
 ROUTINGS = ("least_loaded", "round_robin")

@@ -22,8 +22,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from kvlab.config import CONF_DIR
-from kvlab.errors import ConfigError
+from kvlab.config.schema import CONF_DIR
+from kvlab.core.errors import ConfigError
 from kvlab.sim import report
 from kvlab.sim.run import build_sim, compose_sim, max_rate, run
 

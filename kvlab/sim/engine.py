@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlab.config import Setup
-from kvlab.prefill import layer_seconds
-from kvlab.schedule import Ready
+from kvlab.config.schema import Setup
+from kvlab.core.sim_terms import PrefillTerms, TransportTerms
+from kvlab.model.prefill import layer_seconds
+from kvlab.model.schedule import Ready
 from kvlab.sim.cluster import ClusterSpec
 from kvlab.sim.plans import PlanTable
-from kvlab.sim_terms import PrefillTerms, TransportTerms
 
 READY, DONE, DECODED, LAST = 0, 1, 2, 3
 
@@ -100,8 +100,8 @@ def decode_rates(setup: Setup, cluster: ClusterSpec, kv_token_bytes: float) -> t
     g = cluster.gpu
     d = cluster.decode
     gpus = setup.gen.tp * setup.gen.pp
-    try:  # active parameters per token, as the prefill's formula counts them (kvlab.prefill)
-        from kvlab.prefill import layer_flops
+    try:  # active parameters per token, as the prefill's formula counts them (kvlab.model.prefill)
+        from kvlab.model.prefill import layer_flops
 
         active = sum(layer_flops(setup.model, layer, 1) for layer in range(setup.model.num_layers)) / 2
     except Exception:  # noqa: BLE001 - a model without dims: weights_gb must say
@@ -163,7 +163,8 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
     """Run the fleet over the requests (arrays in arrival order). ``links``: [ctx instance][gen instance] -> whether
     they share an NVLink domain, default ``cluster.same_domain``; ``prefill_s``: each prefill's duration as
     measured, in place of the calibrated model (a replay that isolates the transfer); ``after``: per request, the
-    requests whose chunks come before its last one in a kvlab run's global chunk order (kvlab.workload): every rank
+    requests whose chunks come before its last one in a kvlab run's global chunk order (kvlab.config.workload):
+    every rank
     serves its chunks in that order, so its transfer waits ``order_wait`` of the time until theirs could start."""
     t_wall = time.perf_counter()
     n = len(arrival)
@@ -233,7 +234,7 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
     if decode:
         worst = int(np.argmax(need))
         if need[worst] > cap:
-            from kvlab.errors import ConfigError
+            from kvlab.core.errors import ConfigError
 
             raise ConfigError("cluster.decode.capacity_tokens", cap, f"a gen DP group holds {cap} KV tokens and "
                               f"request {worst} needs {int(need[worst])} (prompt + output); give the gen side more "

@@ -1,6 +1,6 @@
 """Each request's transfer as the run's own plan: bytes, chunks and staged bytes per (ctx rank, gen rank).
 
-``kvlab.plan.plan`` and ``kvlab.schedule.schedule`` are run exactly, for the first DP group of each side,
+``kvlab.model.plan.plan`` and ``kvlab.model.schedule.schedule`` are run exactly, for the first DP group of each side,
 at a grid of prompt lengths: every distinct length when there are few (a kvlab run's replay: exact),
 else ``GRID`` lengths spaced geometrically over the workload's range plus every sliding window's size,
 where a pool's bytes stop growing. Between grid points each pair's figures are interpolated linearly:
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlab.config import Setup
-from kvlab.plan import Request, plan
-from kvlab.schedule import schedule
+from kvlab.config.schema import Setup
+from kvlab.model.plan import Request, plan
+from kvlab.model.schedule import schedule
 
 GRID = 14
 EXACT_BELOW = 48  # distinct prompt lengths planned one by one

@@ -1,9 +1,9 @@
-"""What ``kvlab sim`` reports: one table of figures (``TABLE``, entries of ``kvlab.figures.Figure`` as the run's
+"""What ``kvlab sim`` reports: one table of figures (``TABLE``, entries of ``kvlab.core.figures.Figure`` as the run's
 table has them), the summary they make and the terminal's view of it.
 
 A per-request figure (``request`` set: its value from an ``Outcome`` for every request at once) is reduced
 to ``sim.percentiles`` with mean and count, over the requests that have it; a fleet figure (``run``) is one
-number. Units and display as in kvlab.figures.DISPLAY.
+number. Units and display as in kvlab.core.figures.DISPLAY.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from kvlab.figures import DISPLAY, Figure
+from kvlab.core.figures import DISPLAY, Figure
 from kvlab.sim.cluster import SloSpec
 from kvlab.sim.engine import Outcome
 
@@ -44,7 +44,7 @@ TABLE: tuple[Figure, ...] = (
            "link waits included).", "transfer end - prefill end", request=lambda o: o.exposed, line="exposed transfer"),
     Figure("queue_s", "s", "Wait for a prefill server.", "prefill start - arrival", request=lambda o: o.queue,
            line="prefill queue"),
-    Figure("prefill_s", "s", "The prefill, calibrated (kvlab.sim_terms.PrefillTerms).", "scale * model + bytes * "
+    Figure("prefill_s", "s", "The prefill, calibrated (kvlab.core.sim_terms.PrefillTerms).", "scale * model + bytes * "
            "byte_ns + fixed", request=lambda o: o.prefill, line="prefill"),
     Figure("admit_wait_s", "s", "Wait for room on a gen DP group (KV tokens, batch) once the cache could move.",
            "admitted - ready", request=lambda o: o.admit_wait, line="admission wait"),

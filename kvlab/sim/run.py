@@ -2,7 +2,7 @@
 
 The config is kvlab run's (every group: model, ``ctx.*``/``gen.*`` for each instance's layout, transfer,
 transport, workload, prefill, cost) plus ``cluster`` (kvlab.sim.cluster.ClusterSpec) and ``sim``
-(``SimSpec``). The cost group must hold fitted terms (kvlab.sim_terms: ``kvlab sim calibrate`` writes them);
+(``SimSpec``). The cost group must hold fitted terms (kvlab.core.sim_terms: ``kvlab sim calibrate`` writes them);
 ``sim.terms`` names whose terms cost the transfers when they are not the transport's own (e.g. terms measured
 with ``ipc`` on one GPU, applied across NICs where the NIC's rate bounds them).
 """
@@ -16,15 +16,15 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from kvlab import traces
-from kvlab.checks import check_config
-from kvlab.config import CONF_DIR, Config, Setup, build, schema
-from kvlab.errors import ConfigError, require
+from kvlab.config.schema import CONF_DIR, Config, Setup, build, schema
+from kvlab.config.workload import make_requests
+from kvlab.core import traces
+from kvlab.core.checks import check_config
+from kvlab.core.errors import ConfigError, require
+from kvlab.core.sim_terms import PrefillTerms, TransportTerms
 from kvlab.sim import plans, report
 from kvlab.sim.cluster import ClusterSpec, SimSpec
 from kvlab.sim.engine import Outcome, simulate
-from kvlab.sim_terms import PrefillTerms, TransportTerms
-from kvlab.workload import make_requests
 
 SIM_KEYS = ("cluster", "sim")
 
@@ -98,7 +98,7 @@ def build_sim(cfg: DictConfig) -> SimSetup:
 
 
 def compose_sim(overrides=()) -> DictConfig:
-    from kvlab.config import compose
+    from kvlab.config.schema import compose
 
     return compose(list(overrides), config_name="sim")
 

@@ -6,22 +6,22 @@ the file's ``_target_`` names the class, its other keys are the constructor's op
 slots or in place; ``ipc`` (kvlab.transports.ipc) lets the gen rank map the ctx rank's
 pools and pull each chunk's runs straight into its own pool; ``nixl`` (kvlab.transports.nixl)
 WRITEs each chunk through NIXL's agents, staged or pool to pool; ``auto`` (the default) is
-``p2p``, or ``ipc`` where p2p's pair groups cannot be placed on the GPUs (kvlab.config
+``p2p``, or ``ipc`` where p2p's pair groups cannot be placed on the GPUs (kvlab.config.schema
 ``auto_transport``). A new transport is one module with a subclass of ``Transport`` and one
 YAML file naming it.
 
-The strategy (kvlab.schedule) decides what the chunks are, in which order they go and
-when each is ready; the executor (kvlab.executor) walks one rank's chunks in the global
+The strategy (kvlab.model.schedule) decides what the chunks are, in which order they go and
+when each is ready; the executor (kvlab.rank.executor) walks one rank's chunks in the global
 order with at most ``transfer.slots`` in flight and owns requests, faults and records;
 the transport moves bytes. Every strategy works with every transport.
 
 Protocol. Every rank of both sides makes these calls, in this order:
 
-1. ``cls.check(setup)`` (classmethod, in ``kvlab.config.build``): ``ConfigError`` for
+1. ``cls.check(setup)`` (classmethod, in ``kvlab.config.schema.build``): ``ConfigError`` for
    options or setups the transport cannot serve, before anything is allocated.
 2. ``Transport(setup, side, rank, world_rank, device, **options)``: no allocation yet.
 3. ``pool_storage(pool, nbytes)``: the zeroed uint8 tensor that holds one pool of this
-   rank's cache (``kvlab.cache.PagedCache`` asks for each pool once, at start). A pull
+   rank's cache (``kvlab.memory.cache.PagedCache`` asks for each pool once, at start). A pull
    transport puts the ctx pools where the gen ranks can map them.
 4. ``connect(executor)``: once, after the cache exists and after the device-memory
    baseline (what it allocates counts as the transfer's), before the barrier that starts
@@ -31,7 +31,7 @@ Protocol. Every rank of both sides makes these calls, in this order:
    and ``executor.chunks`` (this rank's chunks in the order ``start`` sees them) before
    the first ``start``.
 5. ``opened(request)`` on a ctx rank: the request's blocks are allocated (the prefill
-   writes them layer by layer later, kvlab.prefill); its block tables are
+   writes them layer by layer later, kvlab.model.prefill); its block tables are
    ``executor.cache.tables[request.id]``.
 6. ``start(i, chunk, rec) -> handle``: chunk ``i`` of this rank's chunks. On a ctx rank
    the chunk's layers are written (the strategy's readiness was waited for; on GPUs the
@@ -66,7 +66,7 @@ Protocol. Every rank of both sides makes these calls, in this order:
 10. ``close()``: once at the end, also after a failure, on every rank: unmap, unlink and
    free what ``connect`` and ``pool_storage`` made. Idempotent.
 
-``link_reference``: how kvlab.linkrate measures the link this transport's figures are a
+``link_reference``: how kvlab.rank.linkrate measures the link this transport's figures are a
 share of, in every run (``"p2p"``: raw messages over the pair groups; ``"nixl"``: raw NIXL
 WRITEs between the transport's agents; ``"copy"``: a local ``copy_`` of the same bytes, the
 default; ``None``: no in-run reference, no link figures).
@@ -74,12 +74,12 @@ default; ``None``: no in-run reference, no link figures).
 ``peak_staging_bytes``: the most staging memory the transport held at once on this rank
 (0 for a transport that moves chunks without buffers). ``pulls`` (class attribute): the gen
 rank copies each chunk straight from the ctx pool, with no staging, pack, message or unpack;
-the cost model (kvlab.cost) charges such a chunk one copy on the gen device and one
+the cost model (kvlab.sizing.cost) charges such a chunk one copy on the gen device and one
 control round trip. It also says whose ``rec.wire`` marks bracket a chunk in flight
-(kvlab.figures: ``busy_s``, delivered GB/s): the gen rank's for a pulling transport, else the
+(kvlab.core.figures: ``busy_s``, delivered GB/s): the gen rank's for a pulling transport, else the
 ctx rank's.
 
-Fault injection (kvlab.faults): the transfer's failure classes (``fault.transfer``) are injected where they
+Fault injection (kvlab.config.faults): the transfer's failure classes (``fault.transfer``) are injected where they
 would happen, through hooks of ``ctx.faults`` the transport calls: ``notice(i, chunk)`` where it sends a
 notice of its own (a completion, an acknowledgement, an announcement): the chunk the notice names, or None
 where it is dropped; ``stuck(i, chunk)`` where it posts a chunk's bytes: true where they must never
@@ -88,10 +88,10 @@ rank before a chunk's bytes are read and on a gen rank once they have landed; ``
 sender writes: write the first half (``ctx.faults.half`` of its runs), wait until it is there, then
 ``die()`` before the notice. ``injects`` (class attribute) maps each class the transport's hooks show to
 the sides whose rank injects it, and ``cannot`` each class that does not arise with this transport to why;
-``kvlab.faults.check`` refuses the others. A transport without hooks injects none.
+``kvlab.config.faults.check`` refuses the others. A transport without hooks injects none.
 
 ``has`` (class attribute): what the transport's runs have that the figures of some transports
-need (kvlab.figures, ``Figure.needs``): ``"slots"`` when a ctx rank's chunks wait for a free
+need (kvlab.core.figures, ``Figure.needs``): ``"slots"`` when a ctx rank's chunks wait for a free
 staging slot (``slot_wait_s``); a function of the transport's options where they decide it
 (nixl: none in ``mode=direct``). A figure whose need is not declared is absent from the run's
 rows, summary, terminal and wandb, not zero.
@@ -108,13 +108,13 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvlab.cache import PagedCache
-    from kvlab.clock import Clock
-    from kvlab.config import Setup
-    from kvlab.faults import RankFaults
-    from kvlab.metrics import RequestRecord
-    from kvlab.plan import Request
-    from kvlab.schedule import Chunk
+    from kvlab.config.faults import RankFaults
+    from kvlab.config.schema import Setup
+    from kvlab.core.clock import Clock
+    from kvlab.memory.cache import PagedCache
+    from kvlab.model.plan import Request
+    from kvlab.model.schedule import Chunk
+    from kvlab.results.metrics import RequestRecord
 
 
 class ChunkFailed(RuntimeError):
@@ -208,7 +208,7 @@ class Transport(ABC):
 
     has: frozenset[str] = frozenset()
 
-    injects: dict[str, frozenset[str]] = {}  # fault class -> the sides whose rank injects it (kvlab.faults)
+    injects: dict[str, frozenset[str]] = {}  # fault class -> the sides whose rank injects it (kvlab.config.faults)
     cannot: dict[str, str] = {}  # fault class -> why it does not arise with this transport
 
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device):
@@ -230,7 +230,7 @@ class Transport(ABC):
     @classmethod
     def pool_files(cls, setup: Setup) -> str | None:
         """The directory where this transport keeps the ctx ranks' pools as files (ipc on CPUs: /dev/shm), which
-        ``kvlab run`` checks for room before any rank starts (kvlab.budget); None: in the ranks' own memory."""
+        ``kvlab run`` checks for room before any rank starts (kvlab.sizing.budget); None: in the ranks' own memory."""
         return None
 
     def pool_storage(self, pool: str, nbytes: int) -> torch.Tensor:
@@ -267,7 +267,7 @@ class Transport(ABC):
         still waits for, so that the checks of the requests that did finish can run."""
 
     def leave(self) -> None:  # noqa: B027 -- an optional step of the protocol
-        """The rank is ending at once, from another thread (stopped during start-up, kvlab.interrupt.AtOnce):
+        """The rank is ending at once, from another thread (stopped during start-up, kvlab.core.interrupt.AtOnce):
         remove what would outlive the process (files); nothing that waits."""
 
     def close(self) -> None:  # noqa: B027 -- an optional step of the protocol

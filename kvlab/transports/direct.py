@@ -8,8 +8,8 @@ import json
 import numpy as np
 import torch
 
-from kvlab.layout import runs
-from kvlab.schedule import Chunk
+from kvlab.model.layout import runs
+from kvlab.model.schedule import Chunk
 from kvlab.transports import RankContext
 
 

@@ -68,19 +68,19 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from kvlab import devices
-from kvlab.errors import ConfigError
-from kvlab.layout import Rect, runs
-from kvlab.plan import Segment
-from kvlab.schedule import Chunk, cut_rect
-from kvlab.state import CacheState
+from kvlab.config import devices
+from kvlab.core.errors import ConfigError
+from kvlab.model.layout import Rect, runs
+from kvlab.model.plan import Segment
+from kvlab.model.schedule import Chunk, cut_rect
+from kvlab.model.state import CacheState
 from kvlab.transports import ChunkFailed, RankContext, Transport, cuda_ipc
 from kvlab.transports.deadline import wait_until
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 POOL_PREFIX = "kvlab-ipc-"  # a ctx pool's file in SHM_DIR: its creator holds a lock on it (flock) while it lives
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-# A chunk is not cut to a slot here (kvlab.config.Setup.chunk_cap), but the copies that build index tensors
+# A chunk is not cut to a slot here (kvlab.config.schema.Setup.chunk_cap), but the copies that build index tensors
 # (kernels=torch: one per byte; the CPU rows: one per row) would grow with it: they go in pieces of this size,
 # so the gen rank's temporaries stay flat in the prompt. The CUDA kernel computes its runs itself: one launch.
 COPY_PIECE_BYTES = 16 << 20

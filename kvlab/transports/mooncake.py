@@ -4,7 +4,7 @@ Transfer Engine.
 Mooncake's engine is SGLang's default disaggregation transport (also a backend of vLLM, TensorRT-LLM and
 LMCache): one-sided writes between registered buffers of two engines, over TCP, RDMA or, within a node
 between GPUs, NVLink (CUDA IPC). One engine per rank, started with ``P2PHANDSHAKE`` (no metadata
-server: the session ids ``host:port`` go through the torch.distributed store, kvlab.mooncake); every
+server: the session ids ``host:port`` go through the torch.distributed store, kvlab.transports.mooncake_engine); every
 pool, the staging slots and a small probe buffer are registered once in ``connect``, and the pools'
 addresses go through the store with the session ids. ``transport.protocol``: ``tcp`` (the CPU wheel's;
 GPU buffers go through the host), ``nvlink_intra`` (CUDA wheels, GPUs of one node), ``auto`` (the
@@ -14,7 +14,7 @@ order; only the ctx rank moves bytes. ``transport.mode``, as for nixl:
 - ``staged``: pack into a registered slot (or use the pool where the chunk lies in wire order), one
   write of the whole chunk into the gen rank's registered slot, unpack there. Same slots, same flow
   control, same bounded memory as ``p2p``.
-- ``direct``: no staging; one write per run (``kvlab.layout.runs`` of the same rectangle on both states,
+- ``direct``: no staging; one write per run (``kvlab.model.layout.runs`` of the same rectangle on both states,
   neighbours contiguous on both sides merged), from the ctx pool straight into the gen pool. The gen
   rank sends only its block tables, once per (request, ctx rank).
 
@@ -44,7 +44,7 @@ On GPUs nothing blocks the host on the device: a chunk is written once the event
 pack (or its layers' writes) has completed (the engine does not follow CUDA streams), and a gen slot is
 announced again once the event of its last unpack has.
 
-The in-run link reference (``link_reference = "mooncake"``, kvlab.linkrate): raw writes of the run's
+The in-run link reference (``link_reference = "mooncake"``, kvlab.rank.linkrate): raw writes of the run's
 chunk size from a registered buffer into one on each gen rank the ctx rank feeds, ``transfer.slots`` in
 flight, after one untimed round.
 """
@@ -59,11 +59,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvlab import mooncake
-from kvlab.errors import ConfigError
-from kvlab.schedule import Chunk, Staging
-from kvlab.state import CacheState
+from kvlab.core.errors import ConfigError
+from kvlab.model.schedule import Chunk, Staging
+from kvlab.model.state import CacheState
 from kvlab.transports import RankContext, Transport
+from kvlab.transports import mooncake_engine as mooncake
 from kvlab.transports.deadline import spin_for, wait_until
 from kvlab.transports.direct import block_tables, coalesce, flip_landed, own_runs, rank_runs
 from kvlab.transports.p2p import narrow
@@ -114,8 +114,8 @@ class Peer:
 
 
 class Mooncake(Transport):
-    link_reference = "mooncake"  # kvlab.linkrate: raw writes of the run's chunk size between its pairs
-    # kvlab.figures: a ctx rank's chunks wait for a free staging slot, except in direct mode, which has none
+    link_reference = "mooncake"  # kvlab.rank.linkrate: raw writes of the run's chunk size between its pairs
+    # kvlab.core.figures: a ctx rank's chunks wait for a free staging slot, except in direct mode, which has none
     has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else frozenset({"slots"}))
     # fault injection: a ctx rank's notice is its done key, a gen rank's its room or block tables key
     injects = {"drop_notice": frozenset({"ctx", "gen"}), "wrong_request": frozenset({"ctx", "gen"}),
@@ -521,7 +521,7 @@ class Mooncake(Transport):
                 pass
         self.regs, self.te = [], None
 
-    # -- the in-run link reference (kvlab.linkrate) -----------------------------------------
+    # -- the in-run link reference (kvlab.rank.linkrate) -----------------------------------------
     def raw_writes(self, nbytes: int, n: int, pairs: list[tuple[int, int]]) -> float:
         """Seconds this rank took, from a barrier, for its pairs' ``n`` raw writes of ``nbytes`` each (one
         untimed round first): a ctx rank writes round-robin over its gen ranks, ``transfer.slots`` in flight as

@@ -12,7 +12,7 @@ same chunk order; only the ctx rank moves bytes. ``transport.mode``:
   lies in wire order), one WRITE of one descriptor into the gen rank's registered slot,
   unpack there. Same slots, same flow control, same bounded memory as ``p2p``.
 - ``direct``: what vLLM's NixlConnector and TensorRT-LLM's Python transceiver do: no
-  staging; one WRITE whose descriptors are the chunk's runs (``kvlab.layout.runs`` of the
+  staging; one WRITE whose descriptors are the chunk's runs (``kvlab.model.layout.runs`` of the
   same rectangle on both states, neighbours that are contiguous on both sides merged), from
   the ctx pool straight into the gen pool. Both sides compute the runs; the gen rank sends
   only its block tables, once per request.
@@ -37,7 +37,7 @@ wait first spins (``SPIN_S``, yielding the core) before it sleeps between polls:
 costs more than a WRITE of a slot there, while on a CPU machine the ranks share the cores
 the WRITEs run on.
 
-The in-run link reference (``link_reference = "nixl"``, kvlab.linkrate) is raw NIXL: the
+The in-run link reference (``link_reference = "nixl"``, kvlab.rank.linkrate) is raw NIXL: the
 run's ctx ranks WRITE messages of the run's chunk size from a registered buffer into one
 on each gen rank they feed, ``transfer.slots`` in flight, after one untimed round.
 """
@@ -53,18 +53,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvlab import nixl
-from kvlab.errors import ConfigError
-from kvlab.schedule import Chunk, Staging
-from kvlab.state import CacheState
+from kvlab.core.errors import ConfigError
+from kvlab.model.schedule import Chunk, Staging
+from kvlab.model.state import CacheState
 from kvlab.transports import RankContext, Transport
+from kvlab.transports import nixl_agent as nixl
 from kvlab.transports.deadline import spin_for, wait_until
 from kvlab.transports.direct import block_tables, coalesce, flip_landed, own_runs, rank_runs
 from kvlab.transports.p2p import narrow
 from kvlab.transports.staged import ChunkStaging
 
 MODES = ("direct", "staged")
-STUCK = object()  # fault injection: the WRITE of a chunk that never progresses (kvlab.faults: stuck)
+STUCK = object()  # fault injection: the WRITE of a chunk that never progresses (kvlab.config.faults: stuck)
 
 
 def descs(addr: np.ndarray, length: np.ndarray, dev: int) -> np.ndarray:
@@ -112,7 +112,7 @@ class Peer:
 
 
 class Nixl(Transport):
-    link_reference = "nixl"  # kvlab.linkrate: raw NIXL WRITEs of the run's chunk size between its pairs
+    link_reference = "nixl"  # kvlab.rank.linkrate: raw NIXL WRITEs of the run's chunk size between its pairs
     polls = False  # its own notifications, not the pair groups' ops: finished when the executor must
     has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else frozenset({"slots"}))
     # fault injection: a ctx rank's notice is the WRITE's notification, a gen rank's its room or block tables
@@ -203,7 +203,7 @@ class Nixl(Transport):
             self._await(b"H", p.agent, deadline,
                         lambda p=p: RuntimeError(f"nixl: agent {p.agent} did not answer within the start-up deadline"))
 
-    # -- the in-run link reference (kvlab.linkrate) -----------------------------------------
+    # -- the in-run link reference (kvlab.rank.linkrate) -----------------------------------------
     def raw_writes(self, nbytes: int, n: int, pairs: list[tuple[int, int]]) -> float:
         """Seconds this rank took, from a barrier, for its pairs' ``n`` raw WRITEs of ``nbytes`` each (one
         untimed round first): a ctx rank WRITEs round-robin over its gen ranks, ``transfer.slots`` in flight

@@ -7,7 +7,7 @@ CPUs. Every chunk is one ``batch_isend_irecv`` of one contiguous uint8 tensor (b
 unlike plain send/recv, use the group's own communicator), whatever either side does with
 it: a side whose pool holds the chunk in wire order (``Chunk.ctx_in_place`` /
 ``gen_in_place`` and consecutive blocks) sends or receives in place, else through its
-staging (kvlab.staging: fixed slots, or a buffer per chunk for the naive baseline); chunk
+staging (kvlab.memory.staging: fixed slots, or a buffer per chunk for the naive baseline); chunk
 ``i`` uses slot ``i % slots``.
 
 - ctx: pack into the slot (or not) -> isend. Finishing = the send is done.
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kvlab import devices
-from kvlab.schedule import Chunk
+from kvlab.config import devices
+from kvlab.model.schedule import Chunk
 from kvlab.transports import RankContext, Transport
 from kvlab.transports.staged import ChunkStaging
 
@@ -149,8 +149,8 @@ class Posted:
 
 
 class P2P(Transport):
-    link_reference = "p2p"  # kvlab.linkrate: raw messages over the same pair groups
-    has = frozenset({"slots"})  # kvlab.figures: a ctx rank's chunks wait for a free staging slot
+    link_reference = "p2p"  # kvlab.rank.linkrate: raw messages over the same pair groups
+    has = frozenset({"slots"})  # kvlab.core.figures: a ctx rank's chunks wait for a free staging slot
     polls = True
     injects = {"stuck": frozenset({"ctx"}), "reused_block": frozenset({"ctx", "gen"})}
     cannot = {

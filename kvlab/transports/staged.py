@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.layout import first_byte
-from kvlab.schedule import Chunk, Staging
-from kvlab.staging import PerChunkBuffers, SlotPool
+from kvlab.memory.staging import PerChunkBuffers, SlotPool
+from kvlab.model.layout import first_byte
+from kvlab.model.schedule import Chunk, Staging
 from kvlab.transports import RankContext
 
 

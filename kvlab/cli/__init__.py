@@ -1,0 +1,11 @@
+"""The command line and the launching of ranks: ``kvlab run|plan|link|sim`` (``commands``, ``run_cmd``,
+``plan_cmd``, ``link_cmd``), the local launcher (``launch``) and the rank's entry point (``worker``,
+``python -m kvlab.cli.worker``). Imports kvlab.sim and every layer below."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``kvlab`` command (``[project.scripts]``). Imported here only when called: a rank's
+    ``python -m kvlab.cli.worker`` loads this package and must not pay for the whole command line."""
+    from kvlab.cli.commands import main as commands_main
+
+    commands_main(argv)

@@ -1,0 +1,140 @@
+"""Requests and the order in which every rank serves their chunks.
+
+Every request kvlab builds is built here: a run's (``make_requests``), ``kvlab plan``'s
+(``plan_requests``) and the cost model's from bare prompt lengths (``as_requests``).
+The request list, arrival times included (kvlab.core.arrivals), is a pure function of the
+workload spec (seed included), so every rank derives the same list; request ``i`` (the
+``i``-th to arrive) is prefilled by ctx DP group ``i % ctx.dp`` and decoded by gen DP group
+``i % gen.dp``. ``interleave`` merges the requests' schedules into one global chunk order,
+at most ``concurrency`` requests at a time, round-robin between them (fair: no request
+starves) and admitting the next request when one runs out of chunks; ``serve_order`` puts
+it on the prefill's timeline (kvlab.model.prefill), so that a chunk never waits behind one whose
+layer is computed later. Every rank serves its own chunks in that global order; since all
+ranks follow one total order, a sender and a receiver can never wait on each other in a
+cycle.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Iterable
+
+from kvlab.config.devices import pair_backend
+from kvlab.config.schema import Setup
+from kvlab.core import arrivals, traces
+from kvlab.model import prefill
+from kvlab.model.plan import Request, plan
+from kvlab.model.schedule import Chunk, Ready, schedule
+from kvlab.model.spec import WorkloadSpec
+
+
+def prompt_lengths(w: WorkloadSpec, n: int) -> list[int]:
+    if w.isl_list:
+        return [int(w.isl_list[i % len(w.isl_list)]) for i in range(n)]
+    rng = random.Random(w.seed)
+    if w.distribution == "fixed":
+        return [int(w.isl)] * n
+    if w.distribution == "uniform":
+        return [rng.randint(w.isl_min, w.isl_max) for _ in range(n)]
+    # lognormal around isl with a heavy tail, clipped to [isl_min, isl_max]
+    mu, sigma = math.log(w.isl), 1.0
+    return [min(w.isl_max, max(w.isl_min, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+
+
+def request(setup: Setup, i: int, isl: int, arrival_s: float = 0.0, osl: int | None = None) -> Request:
+    """Request ``i``: prefilled by ctx DP group ``i % ctx.dp``, decoded by gen DP group ``i % gen.dp``."""
+    return Request(i, int(isl), i % setup.ctx.dp, i % setup.gen.dp, arrival_s, osl)
+
+
+def output_lengths(w: WorkloadSpec, n: int) -> list[int | None]:
+    """Tokens each of ``n`` requests would decode: a trace's output lengths (Mooncake ``output_length``,
+    Azure ``GeneratedTokens``), else ``workload.osl`` (None: unknown). No decode runs here; the rows carry
+    them for whoever models decode (a fleet simulator)."""
+    if w.arrival == "trace":
+        return [r.output_tokens for r in traces.read(w.trace)[:n]]
+    return [w.osl] * n
+
+
+def make_requests(setup: Setup) -> list[Request]:
+    """The run's requests, in arrival order."""
+    w = setup.workload
+    if w.arrival == "trace":
+        timed = w.timed_trace(setup.cache.capacity_tokens)
+    else:
+        timed = list(zip(arrivals.times(w, w.requests), prompt_lengths(w, w.requests)))
+    osl = output_lengths(w, len(timed))
+    return [request(setup, i, isl, t, osl[i]) for i, (t, isl) in enumerate(timed)]
+
+
+def plan_requests(setup: Setup) -> list[Request]:
+    """``kvlab plan``'s requests: one of ``workload.isl`` tokens for every gen attention-DP group."""
+    return [request(setup, i, setup.workload.isl) for i in range(setup.gen.dp)]
+
+
+def as_requests(setup: Setup, requests: Iterable[Request | int] | None = None) -> list[Request]:
+    """The run's requests by default; bare prompt lengths are spread over the DP groups."""
+    if requests is None:
+        return make_requests(setup)
+    return [r if isinstance(r, Request) else request(setup, i, r) for i, r in enumerate(requests)]
+
+
+def interleave(schedules: list[list[Chunk]], concurrency: int) -> list[Chunk]:
+    """One global chunk order: round-robin over at most ``concurrency`` active requests."""
+    waiting = deque(range(len(schedules)))
+    active: deque[tuple[int, int]] = deque()  # (request index, next chunk)
+    out = []
+    while waiting and len(active) < concurrency:
+        active.append((waiting.popleft(), 0))
+    while active:
+        r, i = active.popleft()
+        if i < len(schedules[r]):
+            out.append(schedules[r][i])
+        if i + 1 < len(schedules[r]):
+            active.append((r, i + 1))
+        elif waiting:
+            active.append((waiting.popleft(), 0))
+    return out
+
+
+def serve_order(schedules: list[list[Chunk]], concurrency: int, ready, seconds) -> list[Chunk]:
+    """The global order on a serving timeline: the order one link would serve the chunks in, taking
+    the round-robin order of ``interleave`` among those whose layer is done. ``ready(chunk)``: when the
+    prefill lets it go; ``seconds(chunk)``: its time on the link (an estimate: kvlab.core.rates). When the
+    prefill is quick next to the transfer, this is ``interleave``'s order; when it is slow, a chunk never
+    waits behind one whose layer is computed later."""
+    base = interleave(schedules, concurrency)
+    by_ready = sorted(range(len(base)), key=lambda i: (ready(base[i]), i))
+    out, waiting, now, k = [], [], 0.0, 0
+    while len(out) < len(base):
+        while k < len(by_ready) and ready(base[by_ready[k]]) <= now:
+            heapq.heappush(waiting, by_ready[k])
+            k += 1
+        if not waiting:
+            now = ready(base[by_ready[k]])
+            continue
+        c = base[heapq.heappop(waiting)]
+        out.append(c)
+        now += seconds(c)
+    return out
+
+
+def chunks_of(order: list[Chunk], setup: Setup, world_rank: int) -> list[Chunk]:
+    """The chunks one rank sends (ctx) or receives (gen), in the global order."""
+    side, rank = setup.side_of(world_rank)
+    return [c for c in order if (c.src if side.name == "ctx" else c.dst) == rank]
+
+
+def plan_run(setup) -> tuple[list, dict, list[Chunk]]:
+    """(requests, segments by request, global chunk order): pure, the same on every rank."""
+    requests = make_requests(setup)
+    segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r, setup.fault.window_trim) for r in requests}
+    schedules = [schedule(setup.model, setup.ctx, setup.gen, segments[r.id], setup.transfer.strategy,
+                          setup.chunk_cap) for r in requests]
+    times = prefill.times_for(setup, requests)
+    per_layer = setup.transfer.strategy.ready == Ready.layer
+    link = setup.cost.rates(pair_backend(setup))  # an estimate of each chunk's time on the link
+    return requests, segments, serve_order(schedules, setup.workload.concurrency,
+                                           lambda c: prefill.ready_s(times[c.request], c.ready_layer, per_layer),
+                                           lambda c: link.message_s(c.nbytes))

@@ -1,0 +1,163 @@
+"""Ctrl-C and SIGTERM as a way to end a run, not a crash: one line on stderr, exit code 128 + signal.
+
+The ``kvlab`` parent turns either signal into ``Interrupted`` while it composes and checks
+(nothing to clean up yet); while ranks run, the launcher (kvlab.cli.launch) takes the signals
+over, stops the ranks and merges what they wrote. A rank turns its first signal into
+``kvlab.rank.executor.Stopped`` (kvlab.rank.runner) and ignores later ones, so that writing its part
+file is not cut short; before it has set that up, a signal just ends it (``quiet_until_ready``).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+PR_SET_PDEATHSIG = 1
+_starting = None  # quiet_until_ready's AtOnce, until ready()
+
+
+class Interrupted(BaseException):
+    """A signal asked the parent to stop; BaseException, so that no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def code(self) -> int:
+        return 128 + self.signum
+
+
+def ignore(signum, frame) -> None:
+    """Instead of SIG_IGN once a signal is being handled: Python raises "ignored due to race condition"
+    for a signal that arrived meanwhile when its handler has become SIG_IGN."""
+
+
+def name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+_pending: list[int] = []  # signals as_exit's handler took, kept in case what it raised was swallowed
+
+
+@contextlib.contextmanager
+def as_exit(what: str = ""):
+    """Within the block, SIGINT/SIGTERM end the process with one line and exit code 128 + signal.
+
+    The handler raises where the main thread happens to be, which may be inside a library's import
+    that catches it (torch imports numpy under ``try``) or fails differently for it (a C extension half
+    loaded): a signal that came is remembered, and the block ends as interrupted however it ends,
+    at the latest at ``check_pending`` (the launcher's, before any rank starts) or at its own end."""
+    def raise_it(signum, frame):
+        for s in SIGNALS:
+            signal.signal(s, ignore)  # one is enough
+        _pending.append(signum)
+        raise Interrupted(signum)
+
+    _pending.clear()
+    previous = {s: signal.signal(s, raise_it) for s in SIGNALS}
+    try:
+        yield
+        check_pending()
+    except BaseException as e:
+        if not (_pending or isinstance(e, KeyboardInterrupt)):
+            raise
+        signum = _pending[0] if _pending else signal.SIGINT
+        print(f"kvlab: interrupted by {name(signum)}{' ' + what if what else ''}", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+    finally:
+        _pending.clear()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def check_pending() -> None:
+    """Raise the signal ``as_exit`` took, if one came and what it raised was lost on the way."""
+    if _pending:
+        raise Interrupted(_pending[0])
+
+
+def quiet_until_ready(last_words) -> None:
+    """A rank before its handlers are set (imports, config): a signal ends it at once, without a
+    traceback, after ``last_words(signal name)`` (which leaves a part file that says so)."""
+    def leave(signum, frame):
+        try:
+            last_words(name(signum))
+        finally:
+            os._exit(128 + signum)
+
+    for s in SIGNALS:
+        signal.signal(s, leave)
+    global _starting
+    _starting = AtOnce(last_words)  # a signal during a slow import in C: the handler above would wait for it
+    _starting.start()
+
+
+def ready() -> None:
+    """The rank's own handlers take over from ``quiet_until_ready``'s."""
+    global _starting
+    if _starting is not None:
+        _starting.end()
+        _starting = None
+
+
+def die_with_parent(parent: int) -> None:
+    """In a child before exec: SIGTERM when the parent (pid ``parent``) dies, however it dies (Linux
+    prctl), so that no rank outlives the launcher; if the parent is already gone, now."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the launcher's own stop is all there is
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class AtOnce:
+    """A rank's start-up (joining, handshake, link reference, the barrier before the clock) blocks in
+    collectives that return only at their own timeout, and Python runs a signal's handler only when the
+    call returns: a rank told to stop there would sit out the whole ``transfer.timeout_s``. Between
+    ``start`` and ``end``, a thread woken by the signal itself (``signal.set_wakeup_fd``, written by the C
+    handler whatever the main thread is doing) ends the rank within moments, after ``last_words(signal
+    name)`` and every ``cleanups`` entry (what would outlive the process: files)."""
+
+    def __init__(self, last_words):
+        self.last_words = last_words
+        self.cleanups: list = []
+        self.active = threading.Event()
+        self.fds: tuple[int, int] | None = None
+        self.previous = -1
+
+    def start(self) -> None:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self.fds = (r, w)
+        self.previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self.active.set()
+        threading.Thread(target=self._watch, args=(r,), name="stop-at-once", daemon=True).start()
+
+    def _watch(self, r: int) -> None:
+        while (data := os.read(r, 1)) and data[0] not in SIGNALS:  # a signal's number; b"": end() closed it
+            pass
+        os.close(r)
+        if not data or not self.active.is_set():
+            return
+        try:
+            for clean in self.cleanups:
+                with contextlib.suppress(Exception):
+                    clean()
+            self.last_words(name(data[0]))
+        finally:
+            os._exit(1)  # what a rank stopped before its transfers returns (kvlab.rank.runner)
+
+    def end(self) -> None:
+        """From here the transfer loop sees signals itself (it returns to Python between its polls)."""
+        if self.fds is None:
+            return
+        self.active.clear()
+        signal.set_wakeup_fd(self.previous)
+        os.close(self.fds[1])
+        self.fds = None

@@ -1,0 +1,52 @@
+"""Where the repository's top-level ``conf/``, ``kernels/`` and ``traces/`` are, found through the package.
+
+``kvlab/_data`` holds a symlink to each top-level directory, so the same path serves a checkout (editable install)
+and a wheel, which carries the files themselves under ``kvlab/_data`` (``[tool.setuptools.package-data]``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # kvlab/, above kvlab/core/
+
+
+def shipped(name: str) -> Path:
+    inside = _PACKAGE / "_data" / name
+    # resolved so that a checkout names conf/ itself; a checkout made without symlinks (git's core.symlinks=false)
+    # has a small file there instead of the directory
+    return inside.resolve() if inside.is_dir() else _PACKAGE.parent / name
+
+
+CONF_DIR = shipped("conf")
+KERNELS_DIR = shipped("kernels")
+TRACES_DIR = shipped("traces")
+
+
+def provenance() -> dict:
+    """What a published figure needs beside it: the commit of the checkout kvlab runs from (with ``+dirty`` when
+    it has uncommitted changes; None from a wheel), the host, its load average when the run ended, and the
+    versions of what moved the bytes."""
+    import importlib.metadata
+    import os
+    import platform
+    import socket
+    import subprocess
+
+    commit = None
+    if (_PACKAGE.parent / ".git").exists():
+        try:
+            head = subprocess.run(["git", "-C", str(_PACKAGE.parent), "rev-parse", "HEAD"], capture_output=True,
+                                  text=True, timeout=5)
+            dirty = subprocess.run(["git", "-C", str(_PACKAGE.parent), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5)
+            if head.returncode == 0:
+                commit = head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        except (OSError, subprocess.SubprocessError):  # no git here: the commit is unknown, not an error
+            pass
+    versions = {"python": platform.python_version()}
+    for dist in ("kvlab", "torch", "nixl-cu13", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13",
+                 "transformers", "cuda-core"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"commit": commit, "host": socket.gethostname(), "load_avg": list(os.getloadavg()), "versions": versions}

@@ -1,0 +1,409 @@
+"""CUDA pack/unpack: ``kernels/kv_copy.cu`` compiled with NVRTC, launched on torch's current stream.
+
+Same signature as :mod:`kvlab.memory.ops.reference`, plus ``ctas``: the kernels walk work items of
+about one warp step (pieces of long runs, batches of short ones) in a grid-stride loop, so a
+launch on 8-32 CTAs moves the bytes while leaving NCCL's kernels the other SMs (docs/design.md),
+whatever the run lengths of the cache kind. The cubin is cached on disk per source, options
+and NVRTC version, so ranks after the first start without compiling.
+
+The kernel source has no ``#include``: NVRTC then needs no include path, and no header
+package on the GPU machine.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from functools import cache, lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvlab.core.paths import KERNELS_DIR
+from kvlab.memory.ops import convert
+from kvlab.memory.ops.reference import check_buffers, check_rect_pair
+from kvlab.model.layout import Rect, as_stored, converts
+from kvlab.model.state import RankPool, pool_format
+
+KERNEL_SOURCE = KERNELS_DIR / "kv_copy.cu"
+RUN_COPY_SOURCE = KERNELS_DIR / "run_copy.cu"
+DEFAULT_CTAS = 16
+_INT_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Shape of the kernels.
+
+    Warp path: ``threads`` per CTA (also the compiled launch bound), ``unroll`` vectors per
+    lane in flight. ``bulk`` (sm_90+): each warp streams its runs through ``stages``
+    shared-memory buffers of ``piece`` bytes with cp.async.bulk, for more bytes in flight per
+    SM than registers hold; runs that are not 16-byte aligned still take the warp path.
+    """
+
+    threads: int = 1024
+    unroll: int = 8
+    bulk: bool = False
+    stages: int = 4
+    piece: int = 12288
+
+    def __post_init__(self):
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"Tuning.threads={self.threads}: use a multiple of 32 in [32, 1024]")
+        if self.unroll < 1:
+            raise ValueError(f"Tuning.unroll={self.unroll}: must be >= 1")
+        if self.bulk:
+            if self.stages < 2:
+                raise ValueError(f"Tuning.stages={self.stages}: the bulk ring needs >= 2 buffers")
+            if self.piece % 16 or not 16 <= self.piece < 2**20:
+                raise ValueError(f"Tuning.piece={self.piece}: use a multiple of 16 below 1 MiB")
+
+    def defines(self) -> tuple[tuple[str, str], ...]:
+        return (("KV_THREADS", str(self.threads)), ("KV_UNROLL", str(self.unroll)))
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a bulk launch (layout in kernels/kv_copy.cu)."""
+        if not self.bulk:
+            return 0
+        slots = self.threads // 32 * self.stages
+        return (slots * 20 + 127) // 128 * 128 + slots * self.piece
+
+
+DEFAULT_TUNING = Tuning()
+
+
+def _source(path: Path = KERNEL_SOURCE) -> str:
+    if not path.is_file():
+        raise FileNotFoundError(f"CUDA kernel source {path} not found (a checkout has it in kernels/, a "
+                                "wheel installs it under kvlab/_data/kernels of the package: reinstall kvlab)")
+    return path.read_text()
+
+
+@lru_cache(maxsize=1)
+def _nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    if int(err) != 0:
+        raise RuntimeError(f"nvrtcVersion failed: {err}")
+    return f"{major}.{minor}"
+
+
+def _options(arch: str, tuning: Tuning, name: str = "kv_copy"):
+    from cuda.core import ProgramOptions
+
+    return ProgramOptions(arch=arch, std="c++17", name=name, define_macro=list(tuning.defines()))
+
+
+def cache_dir() -> Path:
+    """Where cubins are kept: $KVLAB_CACHE_DIR, else $XDG_CACHE_HOME/kvlab, else ~/.cache/kvlab."""
+    if os.environ.get("KVLAB_CACHE_DIR"):
+        return Path(os.environ["KVLAB_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvlab"
+
+
+def _cache_key(src: str, arch: str, tuning: Tuning) -> str:
+    import cuda.core
+
+    h = hashlib.sha256()
+    for part in (src, arch, "c++17", repr(tuning.defines()), _nvrtc_version(), cuda.core.__version__):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def compile_for_arch(arch: str, tuning: Tuning = DEFAULT_TUNING, *, use_cache: bool = True,
+                     source: Path = KERNEL_SOURCE) -> bytes:
+    """Cubin of ``source`` (``kernels/kv_copy.cu`` by default) for ``arch`` (e.g. ``sm_90``); needs NVRTC,
+    not a GPU."""
+    from cuda.core import Program
+
+    src = _source(source)
+    path = cache_dir() / f"{source.stem}-{arch}-{_cache_key(src, arch, tuning)}.cubin"
+    if use_cache and path.is_file():
+        return path.read_bytes()
+    log = io.StringIO()
+    try:
+        cubin = bytes(Program(src, "c++", options=_options(arch, tuning, source.stem)).compile("cubin", logs=log).code)
+    except Exception as e:
+        raise RuntimeError(f"NVRTC failed on {source} for {arch}: {e}\n{log.getvalue()}") from e
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # ranks starting together may compile at once: publish whole files only
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache only costs a recompile next time
+    return cubin
+
+
+def device_arch(index: int) -> str:
+    from cuda.core import Device
+
+    cc = Device(index).compute_capability
+    return f"sm_{cc.major}{cc.minor}"
+
+
+_loaded: dict[tuple[int, str | None, tuple], tuple] = {}
+_lock = threading.Lock()
+
+
+@cache
+def _smem_optin(index: int) -> int:
+    from cuda.core import Device
+
+    return Device(index).properties.max_shared_memory_per_block_optin
+
+
+def _allow_large_smem(kernel, index: int) -> None:
+    """Let a bulk kernel take the device's opt-in shared memory, beyond the default 48 KiB."""
+    from cuda.bindings import driver
+
+    optin = _smem_optin(index)
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    h = kernel.handle
+    if isinstance(h, driver.CUfunction):  # module-loaded (older cuda.core) rather than library-loaded
+        (err,) = driver.cuFuncSetAttribute(h, attr, optin)
+    else:
+        (err,) = driver.cuKernelSetAttribute(attr, optin, h, driver.CUdevice(index))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuKernelSetAttribute(max dynamic shared memory={optin}) failed: {err}")
+
+
+def _kernels(index: int, tuning: Tuning = DEFAULT_TUNING, arch: str | None = None):
+    """(pack, unpack, ObjectCode) for device ``index``: the warp or the bulk kernels, as ``tuning`` says."""
+    key = (index, arch, tuning.defines(), tuning.bulk)
+    got = _loaded.get(key)
+    if got is None:
+        from cuda.core import Device, ObjectCode
+
+        with _lock:
+            got = _loaded.get(key)
+            if got is None:
+                Device(index).set_current()
+                arch = arch or device_arch(index)
+                if tuning.bulk and int(arch.removeprefix("sm_").rstrip("a")) < 90:
+                    raise RuntimeError(f"bulk kernels need sm_90 or newer, the device is {arch}")
+                obj = ObjectCode.from_cubin(compile_for_arch(arch, tuning), name="kv_copy")
+                suffix = "_bulk" if tuning.bulk else ""
+                got = (obj.get_kernel("kv_pack" + suffix), obj.get_kernel("kv_unpack" + suffix), obj)
+                if tuning.bulk:
+                    for k in got[:2]:
+                        _allow_large_smem(k, index)
+                _loaded[key] = got
+    return got
+
+
+def ensure_compiled(device: int | None = None, arch: str | None = None, tuning: Tuning = DEFAULT_TUNING) -> None:
+    """Compile (or load from the disk cache) and load the kernels on a CUDA device; raises without one."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device")
+    _kernels(torch.cuda.current_device() if device is None else device, tuning, arch)
+
+
+def _work_items(tile: int, rows: tuple[int, ...], runs_per_tile: int, ntiles: int, unroll: int) -> int:
+    """Work items of a launch: ``plan`` in kernels/kv_copy.cu, item for item (it sizes the grid)."""
+    lane_step = 16 * unroll
+    per_tile = 0
+    for row in rows:
+        run = tile * row
+        lg = 0
+        while lg < 5 and lane_step << lg < run:
+            lg += 1
+        if lg == 5:
+            per_tile += runs_per_tile * -(-run // (32 * lane_step))
+        else:
+            per_tile += -(-runs_per_tile // (32 >> lg))
+    return ntiles * per_tile
+
+
+def _check_cuda(pool_bytes: torch.Tensor, pool: RankPool, rect: Rect, block_ids: torch.Tensor, block_base: int,
+                buf: torch.Tensor) -> None:
+    dev = pool_bytes.device
+    if dev.type != "cuda":
+        raise ValueError(f"CUDA pack/unpack need CUDA tensors; the pool is on {dev}")
+    for what, t in (("wire buffer", buf), ("block_ids", block_ids)):
+        if t.device != dev:
+            raise ValueError(f"{what} is on {t.device}, the pool on {dev}")
+    if block_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_ids must be int32 or int64, not {block_ids.dtype}")
+    tpb, T = pool.tokens_per_block, rect.tile
+    if T <= 0 or tpb % T:
+        raise ValueError(f"tile {T} must divide tokens_per_block {tpb}: a run never crosses a block")
+    if not (pool.layers.start <= rect.l0 and rect.l1 <= pool.layers.stop):
+        raise ValueError(f"rect layers [{rect.l0}, {rect.l1}) outside the held layers {pool.layers}")
+    if not (pool.heads.start <= rect.h0 and rect.h1 <= pool.heads.stop):
+        raise ValueError(f"rect heads [{rect.h0}, {rect.h1}) outside the held heads {pool.heads}")
+    if rect.t0 < block_base * tpb:
+        raise ValueError(f"rect starts at token {rect.t0}, before the block table's first block {block_base}")
+    need = (rect.t1 - 1) // tpb - block_base + 1
+    if block_ids.numel() < need:
+        raise ValueError(f"block table has {block_ids.numel()} blocks, tokens [{rect.t0}, {rect.t1}) need {need}")
+    ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
+    nruns = ntiles * rect.n_layers * len(pool.rows) * rect.n_heads * _sub_runs(pool, T)
+    # pieces of a run may overshoot it by up to 15 bytes each: 2^30-byte runs keep their offsets in int
+    if nruns > _INT_MAX or T * max(pool.rows) > 2**30 or tpb > _INT_MAX or len(pool.rows) > 2:
+        raise ValueError(f"rect {rect} exceeds the kernel's limits (2^31 runs, 2^30-byte runs, 2 components)")
+
+
+def _launch(pack_dir: bool, pool_bytes, pool, num_blocks, rect, block_ids, block_base, buf, ctas, tuning):
+    check_buffers(pool_bytes, pool, num_blocks, rect, buf)
+    _check_cuda(pool_bytes, pool, rect, block_ids, block_base, buf)
+    if buf.numel() == 0:
+        return
+    if ctas < 1:
+        raise ValueError(f"ctas={ctas}: must be >= 1")
+    from cuda.core import Device, LaunchConfig, Stream, launch
+
+    index = pool_bytes.device.index
+    # cuda.core launches in the calling thread's current context, which a fresh thread lacks
+    Device(index).set_current()
+    k_pack, k_unpack, _ = _kernels(index, tuning)
+    block_ids = block_ids.contiguous()
+
+    rows = pool.rows
+    T = rect.tile
+    S = _sub_runs(pool, T)
+    ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
+    warps = tuning.threads // 32
+    if tuning.bulk:
+        work = ntiles * rect.n_layers * len(rows) * rect.n_heads * S  # the bulk kernels take whole runs
+    else:
+        work = _work_items(T if S == 1 else 1, rows, rect.n_layers * rect.n_heads * S, ntiles, tuning.unroll)
+    # the kernel's item counter and its stride (all warps of the grid) stay below 2^32 together
+    if work > _INT_MAX:
+        raise ValueError(f"rect {rect} makes {work} work items, more than the kernel's 2^31")
+    grid = max(1, min(ctas, -(-work // warps)))
+    smem = tuning.smem_bytes()
+    if smem > 48 * 1024 and smem > _smem_optin(index):
+        raise ValueError(f"{tuning} needs {smem} bytes of shared memory per CTA, more than the device has")
+    i32, i64 = np.int32, np.int64
+    extra = (i32(tuning.stages), i32(tuning.piece)) if tuning.bulk else ()
+    row1 = rows[1] if len(rows) > 1 else 0
+    # a non-owning wrapper of torch's stream: cuda.core deprecates passing foreign stream objects to launch
+    stream = Stream.from_handle(torch.cuda.current_stream(pool_bytes.device).cuda_stream)
+    # pointers as Python ints (cuda.core passes them as pointers), every scalar with its C type
+    launch(stream, LaunchConfig(grid=grid, block=tuning.threads, shmem_size=smem), k_pack if pack_dir else k_unpack,
+           pool_bytes.data_ptr(), buf.data_ptr(), block_ids.data_ptr(), i32(block_ids.element_size()),
+           i64(num_blocks), i64(block_base), i32(pool.tokens_per_block), i32(T), i64(rect.t0), i64(rect.t1),
+           i32(rect.l0 - pool.layers.start), i32(rect.n_layers), i32(rect.h0 - pool.heads.start), i32(rect.n_heads),
+           i32(len(rows)), i32(rows[0]), i32(row1), i32(S), *_comp_params(pool, num_blocks), *extra)
+
+
+def _sub_runs(*pools_and_tile) -> int:
+    """Runs per (tile, layer, component, head) in the kernels: 1 where every pool keeps a head's token rows
+    back to back, else the tile's rows one by one (kvlab.model.layout.runs)."""
+    *pools, T = pools_and_tile
+    return 1 if all(p.token_runs for p in pools) else T
+
+
+def _comp_params(pool: RankPool, num_blocks: int) -> tuple:
+    """off0, off1, bs0, bs1, ls0, ls1, hs0, hs1, ns0, ns1: both components' strides (RankPool.comp_strides;
+    zeros for a pool of one component), as ``Runs`` in kernels/kv_copy.cu takes them."""
+    s = pool.comp_strides(num_blocks)
+    two = (s[0], s[1] if len(s) > 1 else s[0])
+    return tuple(np.int64(getattr(x, f)) for f in ("offset", "block", "layer", "head", "token") for x in two)
+
+
+def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *, ctas: int = DEFAULT_CTAS,
+         tuning: Tuning = DEFAULT_TUNING) -> None:
+    if converts(pool, rect):  # another KV dtype on the wire: the kernel moves the pool's rows, torch converts
+        return convert.pack(pack, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, ctas=ctas,
+                            tuning=tuning)
+    _launch(True, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, ctas, tuning)
+
+
+def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, *, ctas: int = DEFAULT_CTAS,
+           tuning: Tuning = DEFAULT_TUNING) -> None:
+    if converts(pool, rect):
+        return convert.unpack(unpack, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, ctas=ctas,
+                              tuning=tuning)
+    _launch(False, pool_bytes, pool, num_blocks, rect, block_ids, block_base, wire_buf, ctas, tuning)
+
+
+RECT_TUNING = Tuning(threads=256, unroll=8)  # 64 registers, 1024 threads per SM; see scripts/ipc_bench.py
+
+
+def ensure_run_copy(index: int, tuning: Tuning = RECT_TUNING) -> None:
+    """Load the rectangle-copy kernel on device ``index`` now, not inside the first timed copy."""
+    _rect_kernel(index, tuning)
+
+
+@lru_cache(maxsize=8)
+def _rect_kernel(index: int, tuning: Tuning):
+    """(kernel, CTAs that are resident at once on the device, ObjectCode): a grid of exactly the resident
+    CTAs walks the runs in one wave, with no tail of late CTAs."""
+    from cuda.core import Device, ObjectCode
+
+    Device(index).set_current()
+    cubin = compile_for_arch(device_arch(index), tuning, source=RUN_COPY_SOURCE)
+    obj = ObjectCode.from_cubin(cubin, name="run_copy")
+    kernel = obj.get_kernel("kv_copy_rect")
+    per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(tuning.threads, 0)
+    return kernel, max(1, per_sm) * _sm_count(index), obj
+
+
+def _side(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, block_base: int) -> tuple:
+    """One side's kernel parameters (``RUN_AT`` in kernels/run_copy.cu)."""
+    i32, i64 = np.int32, np.int64
+    return (block_ids.data_ptr(), i32(block_ids.dtype == torch.int64), i32(pool.tokens_per_block), i64(block_base),
+            *_comp_params(pool, num_blocks), i32(rect.l0 - pool.layers.start), i32(rect.h0 - pool.heads.start))
+
+
+def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool, dst_num_blocks, dst_ids,
+              dst_base, rect, *, ctas: int | None = None, tuning: Tuning = RECT_TUNING) -> None:
+    """``kernels/run_copy.cu`` on the current stream: every run of ``rect`` from the source pool into the
+    destination pool in one launch, both sides' addresses computed on the device from their block tables
+    (no index tensors, no host sync). ``src_bytes`` may be another process's pool opened through CUDA IPC."""
+    dev = dst_bytes.device
+    if pool_format(src_pool.spec) != pool_format(dst_pool.spec):  # another KV dtype: converted in the copy
+        return convert.copy_rect(pack, unpack, src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
+                                 dst_pool, dst_num_blocks, dst_ids, dst_base, rect)
+    rect = as_stored(rect)
+    check_rect_pair(src_bytes, src_pool, src_num_blocks, dst_bytes, dst_pool, dst_num_blocks, rect)
+    for side, (pool_bytes, pool, ids, base) in (("source", (src_bytes, src_pool, src_ids, src_base)),
+                                                ("destination", (dst_bytes, dst_pool, dst_ids, dst_base))):
+        if pool_bytes.device != dev:
+            raise ValueError(f"copy_rect needs both pools on one CUDA device: the {side} is on {pool_bytes.device}, "
+                             f"the destination on {dev}")
+        _check_cuda(pool_bytes, pool, rect, ids, base, dst_bytes)
+    if not (src_ids.is_contiguous() and dst_ids.is_contiguous()):
+        raise ValueError("copy_rect needs contiguous block tables")
+    T = rect.tile
+    S = _sub_runs(src_pool, dst_pool, T)
+    ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
+    rows = src_pool.rows
+    nruns = ntiles * rect.n_layers * len(rows) * rect.n_heads * S
+    if nruns > _INT_MAX:
+        raise ValueError(f"rect {rect} makes {nruns} runs, more than the rectangle copy's 2^31")
+    if rect.n_tokens <= 0:
+        return
+    # the kernel indexes tokens with int too (_check_cuda bounds the runs and their lengths)
+    if rect.t1 > _INT_MAX:
+        raise ValueError(f"rect {rect} exceeds the rectangle copy's limits (2^31 tokens)")
+    from cuda.core import Device, LaunchConfig, Stream, launch
+
+    Device(dev.index).set_current()
+    kernel, resident, _ = _rect_kernel(dev.index, tuning)
+    ctas = ctas or resident
+    grid = max(1, min(ctas, -(-nruns // (tuning.threads // 32))))
+    stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
+    i32, i64 = np.int32, np.int64
+    launch(stream, LaunchConfig(grid=grid, block=tuning.threads), kernel, src_bytes.data_ptr(), dst_bytes.data_ptr(),
+           *_side(src_pool, src_num_blocks, rect, src_ids, src_base),
+           *_side(dst_pool, dst_num_blocks, rect, dst_ids, dst_base),
+           i32(T), i64(rect.t0), i64(rect.t1), i32(rect.n_layers), i32(rect.n_heads), i32(len(rows)), i32(rows[0]),
+           i32(rows[1] if len(rows) > 1 else 0), i32(S), i64(nruns))
+
+
+@cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -1,0 +1,262 @@
+"""``check=decode`` on one rank: the model's own cache is what moves, and the gen side decodes from it.
+
+Before the clock starts (nothing here is on the measured path):
+- a ctx rank runs its decode model's prefill (kvlab.rank.hf_models) for each request its DP group
+  prefills, and keeps every pool's planes; the prefill thread then writes them where it wrote the
+  hash fill, layer by layer as the serving timeline says (``PagedCache.contents``), for the heads
+  and layers this rank holds. The first TP rank of the first stage posts the prefill's first
+  token to the key-value store, as the prefill instance hands it to the decode instance;
+- a gen rank loads (or computes, and keeps on disk: ``reference``) the reference of each request
+  its DP group decodes: the same prefill in one process, then ``check.tokens`` greedy tokens. Its
+  prefill's planes are what the byte check compares the received bytes with.
+
+After a request's byte check the gen rank copies what it holds of it out of its pool (its share),
+before its blocks are freed (``PagedCache.after_verify``). After the transfer loop every gen rank
+posts its shares to the store, and the first rank of each gen DP group gathers its group's,
+rebuilds the model's cache from them, decodes and compares tokens and logits with the reference.
+A request that does not decode as the reference fails with one line naming the step, the layers
+whose cache differs from the reference's in the tokens decoding reads, and the byte check's verdict
+beside it.
+
+The models run on the rank's device, in bf16 on a GPU too, and the reference on the same kind of
+device: the gen side's decode then runs the same kernels on the same shapes as the reference, so
+that bytes that arrived whole decode to the same logits there as well (``check.tolerance`` admits
+a difference where a device's kernels are not deterministic).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from kvlab.model.layout import convert_wire
+from kvlab.model.plan import Request
+from kvlab.model.spec import Kind
+from kvlab.rank import hf_models
+from kvlab.results.records import DecodeResult, RankPart
+
+KEY = "kvlab/decode/"
+COMPONENTS = {Kind.kv: ("K", "V"), Kind.mla: ("latent and RoPE",), Kind.indexer: ("fp8 values", "scales")}
+CACHE_ENV = "KVLAB_DECODE_CACHE"  # where references are kept; ~/.cache/kvlab/decode by default
+FORMAT = 1  # of a reference file: bump when what it holds changes
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvlab" / "decode")
+
+
+@dataclass
+class Reference:
+    """One request decoded without disaggregation: its prefill's planes (kvlab.rank.hf_models.pool_rows), the
+    prefill's greedy token, and the tokens and logits of ``check.tokens`` steps after it."""
+
+    planes: dict[str, list[torch.Tensor]]
+    first: int
+    tokens: list[int]
+    logits: torch.Tensor  # [steps, vocab] fp32
+
+
+def reference_key(model, check, ids: torch.Tensor) -> str:
+    import transformers
+
+    net_cfg = hf_models.hf_config(model).to_json_string(use_diff=False)
+    what = {"format": FORMAT, "config": net_cfg, "init_std": hf_models.INIT_STD, "seed": check.seed,
+            "tokens": check.tokens, "prompt": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+            "isl": int(ids.shape[1]), "transformers": transformers.__version__, "torch": torch.__version__,
+            "pools": [(p.name, p.layers, p.window, p.heads, p.comp_row_bytes()) for p in model.pools("bf16")]}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def reference(model, check, ids: torch.Tensor, use_disk: bool = True, device="cpu") -> Reference:
+    """The reference of the prompt ``ids`` computed on ``device``'s kind, from the disk cache when it holds it
+    (keyed by the decode model's config, the seed, the prompt, the device kind and the library versions), else
+    computed and kept there."""
+    kind = torch.device(device).type
+    path = cache_dir() / f"{reference_key(model, check, ids)}{'' if kind == 'cpu' else '-' + kind}.pt"
+    if use_disk and path.exists():
+        try:
+            d = torch.load(path, weights_only=True)
+            return Reference(d["planes"], d["first"], d["tokens"], d["logits"])
+        except Exception:  # noqa: BLE001 - a torn or stale file is recomputed
+            pass
+    net, cfg = hf_models.build(model, check.seed, str(device))
+    isl = int(ids.shape[1])
+    cache, last = hf_models.full_prefill(net, cfg, ids)
+    planes = hf_models.pool_rows(model, cache)
+    first = int(last.argmax())
+    hf_models.reference_cache(model, cache, isl)
+    tokens, logits = hf_models.decode(net, cache, first, check.tokens)
+    ref = Reference(planes, first, tokens, logits)
+    if use_disk:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # several gen ranks may write it at once
+        torch.save({"planes": planes, "first": first, "tokens": tokens, "logits": logits}, tmp)
+        tmp.replace(path)
+    return ref
+
+
+def compare(tokens: list[int], logits: torch.Tensor, ref: Reference, tolerance: float) -> DecodeResult:
+    """Tokens and logits of one decode against the reference's."""
+    diff = (logits - ref.logits).abs().amax(-1)  # per step
+    bad = [i for i, (t, r, d) in enumerate(zip(tokens, ref.tokens, diff.tolist())) if t != r or not d <= tolerance]
+    return DecodeResult(tokens=len(tokens), equal=sum(t == r for t, r in zip(tokens, ref.tokens)),
+                        max_logit_diff=float(diff.max()) if diff.numel() else 0.0,
+                        first_divergent=bad[0] if bad else None)
+
+
+class DecodeCheck:
+    """One rank's part of check=decode (see the module's docstring); ``store``: the run's key-value store."""
+
+    def __init__(self, setup, side: str, rank: int, requests: list[Request], store):
+        self.setup, self.side, self.rank, self.store = setup, side, rank, store
+        self.model, self.check = setup.model, setup.check
+        spec = setup.ctx if side == "ctx" else setup.gen
+        self.coord = spec.coord(rank)
+        self.requests = [r for r in requests if (r.ctx_dp if side == "ctx" else r.gen_dp) == self.coord.dp]
+        self.group = [g for g in range(spec.size) if spec.coord(g).dp == self.coord.dp]
+        self.lead = side == "gen" and rank == self.group[0]
+        self.planes: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self.refs: dict[int, Reference] = {}
+        self.shares: dict[int, dict] = {}  # request -> pool -> (rect bounds, component planes)
+        self.byte_ok: dict[int, bool] = {}
+        self.cache = None
+        # a side keeping the cache in another KV dtype (kvlab.model.kv_dtype): decoding measures what it costs
+        self.lossy = bool(setup.ctx.fmt or setup.gen.fmt)
+
+    # -- before the clock -------------------------------------------------------------------
+    def prepare(self, cache, beat=lambda: None) -> None:
+        """Prefill (ctx) or load the references (gen) of this rank's requests; hook into its cache."""
+        for r in self.requests:
+            beat()
+            ids = hf_models.prompt(self.check, self.model, r.id, r.isl)
+            if self.side == "ctx":
+                net, cfg = hf_models.build(self.model, self.check.seed, str(cache.device))
+                out, last = hf_models.full_prefill(net, cfg, ids)
+                self.planes[r.id] = hf_models.pool_rows(self.model, out)
+                if self.coord.tp == 0 and self.coord.pp == 0:
+                    self.store.set(f"{KEY}first/{r.id}", str(int(last.argmax())))
+            else:
+                ref = reference(self.model, self.check, ids, device=cache.device)
+                self.planes[r.id] = ref.planes
+                if self.lead:
+                    self.refs[r.id] = ref
+        self.cache = cache
+        cache.contents = self.expected
+        if self.side == "gen":
+            cache.after_verify = self.keep
+
+    def expected(self, request: int, pool, rect, device="cpu", out: torch.Tensor | None = None) -> torch.Tensor:
+        """kvlab.memory.fill.expected's counterpart: the model's bytes of ``rect`` in wire order."""
+        data = hf_models.wire_bytes(self.planes[request][pool.name], rect)
+        if pool.spec.fmt:  # a pool in another KV dtype holds the model's values in it (kvlab.model.kv_dtype)
+            data = convert_wire(data, rect, replace(pool.spec, fmt=""), pool.spec)
+        if out is None:
+            return data.to(device)
+        out.copy_(data)
+        return out
+
+    # -- after each request's byte check (gen) ------------------------------------------------
+    def keep(self, req: Request, ops, errors: list[str]) -> None:
+        """This rank's share of ``req``: everything its pools hold of it, before its blocks are freed."""
+        cache, share = self.cache, {}
+        for name, store in cache.pools.items():
+            table = cache.tables[req.id][name]
+            rect = cache.held_rect(name, req.isl)
+            buf = torch.empty(rect.nbytes(store.pool.rows), dtype=torch.uint8, device=cache.device)
+            ops.pack(store.storage, store.pool, store.num_blocks, rect, table.ids, table.base, buf)
+            base = replace(store.pool.spec, fmt="")  # read back as the model's values (dequantized from fp8)
+            buf = convert_wire(buf.cpu(), rect, store.pool.spec, base)
+            planes = hf_models.from_wire(buf, rect, base.comp_row_bytes())
+            share[name] = ((rect.l0, rect.l1, rect.h0, rect.h1, rect.t0, rect.t1), planes)
+        self.shares[req.id] = share
+        self.byte_ok[req.id] = not errors
+
+    # -- after the transfer loop (gen) --------------------------------------------------------
+    def finish(self, parts: list[RankPart], beat=lambda: None) -> None:
+        """Post this rank's shares; the group's first rank decodes each request and records the result in
+        its part (a request that does not decode as the reference gets an error line)."""
+        if self.side != "gen":
+            return
+        mine = {}
+        for r in self.requests:
+            payload = ({"byte_ok": self.byte_ok[r.id], "share": self.shares[r.id]} if r.id in self.shares
+                       else {"missing": True})
+            mine[r.id] = payload
+            if not self.lead:
+                self.store.set(f"{KEY}share/{r.id}/{self.rank}", _dumps(payload))
+        if not self.lead:
+            return
+        by_id = {p.request: p for p in parts}
+        for r in self.requests:
+            beat()
+            part = by_id.get(r.id)
+            if part is None:
+                continue
+            result, error = self.decode(r, mine[r.id], beat)
+            part.decode = result
+            if error:
+                part.errors.append(error)
+
+    def _payloads(self, r: Request, own: dict, beat) -> dict[int, dict]:
+        out = {self.rank: own}
+        for g in self.group:
+            if g != self.rank:
+                beat()
+                out[g] = _loads(self.store.get(f"{KEY}share/{r.id}/{g}"))
+        return out
+
+    def decode(self, r: Request, own: dict, beat=lambda: None) -> tuple[DecodeResult | None, str | None]:
+        payloads = self._payloads(r, own, beat)
+        missing = [g for g, p in payloads.items() if p.get("missing")]
+        if missing:
+            return None, None  # those ranks failed the request and say why in their parts
+        planes = {p.name: [torch.zeros(len(p.layers), p.heads, r.isl, row, dtype=torch.uint8)
+                           for row in p.comp_row_bytes()] for p in self.model.pools(self.setup.gen.dtype)}
+        for p in payloads.values():
+            for name, ((l0, l1, h0, h1, t0, t1), comps) in p["share"].items():
+                for c, plane in enumerate(comps):
+                    planes[name][c][l0:l1, h0:h1, t0:t1] = plane
+        ref = self.refs[r.id]
+        first = int(self.store.get(f"{KEY}first/{r.id}"))
+        net, cfg = hf_models.build(self.model, self.check.seed, str(self.cache.device))
+        tokens, logits = hf_models.decode(net, hf_models.model_cache(self.model, cfg, planes, r.isl,
+                                                                     self.cache.device), first, self.check.tokens)
+        result = compare(tokens, logits, ref, self.check.tolerance)
+        failed_bytes = [f"gen{g}" for g, p in sorted(payloads.items()) if not p["byte_ok"]]
+        result.byte_failures = len(failed_bytes)
+        diffs = hf_models.cache_differences(self.model, planes, ref.planes, r.isl)
+        result.layers = sorted({d["layer"] for d in diffs})
+        if first == ref.first and result.first_divergent is None or self.lossy:
+            return result, None  # a lossy KV dtype's cost is reported (tokens equal, logit difference), not failed
+        what = (f"the prefill's first token {first} is not the reference's {ref.first}" if first != ref.first
+                else f"diverges from the reference at step {result.first_divergent}")
+        by_layer: dict[tuple, list[dict]] = {}
+        for d in diffs:
+            by_layer.setdefault((d["layer"], d["pool"]), []).append(d)
+        named = []
+        for (layer, pool), ds in by_layer.items():
+            comps = ", ".join(COMPONENTS[hf_models.pool_spec(self.model, pool).kind][d["component"]] for d in ds)
+            named.append(f"layer {layer} ({pool} {comps}: {max(d['tokens'] for d in ds)} token(s) from token "
+                         f"{min(d['token'] for d in ds)})")
+        where = ("; its cache differs from the reference's in " + ", ".join(named[:4])
+                 + (f" and {len(named) - 4} more layers" if len(named) > 4 else "")
+                 if named else "; its cache equals the reference's in every token decoding reads")
+        verdict = (f"; byte check failed on {', '.join(failed_bytes)}" if failed_bytes
+                   else "; byte check passed on every gen rank")
+        return result, (f"request {r.id}: decode from the moved cache {what} ({result.equal}/{result.tokens} tokens "
+                        f"equal, max |logit difference| {result.max_logit_diff:.4g}){where}{verdict}")

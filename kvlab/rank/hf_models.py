@@ -1,0 +1,310 @@
+"""The decode models of ``check=decode``, in transformers: built from a preset's ``model.decode``, run in
+the cache's dtype (bf16) on the CPU, and their caches as kvlab's pools hold them.
+
+A pool (kvlab.model.spec) holds per layer a list of components, each ``heads`` planes of token rows.
+``pool_rows`` turns a model's cache after prefill into those planes, one uint8 tensor
+``[pool layers, heads, tokens, row bytes]`` per component; ``wire_bytes`` and ``from_wire`` are the
+wire order of a rectangle of them (kvlab.model.layout), which ``PagedCache.fill`` unpacks into a pool and
+``ops.pack`` reads back; ``model_cache`` puts planes gathered from the gen ranks back into a fresh
+``DynamicCache``. What lands in each pool, per kind:
+
+- GQA: K and V, ``[kv heads, tokens, head_dim]`` each, as the model's cache holds them;
+- MLA: one row per token, the latent (transformers' ``keys``) then its RoPE part (``values``), the
+  engines' 512 + 64 row;
+- DeepSeek-V3.2's indexer keys: 128 fp8 (e4m3) values and one fp32 scale per token, quantized as the
+  engines quantize them (a scale per 128 values, a power of two: ``ue8m0``); transformers scores them
+  in bf16, so the reference (kvlab.rank.decode_check) decodes with the same round trip applied to its own
+  keys, and equality stays exact.
+
+Everything here runs on one thread: the CPU's reductions then add in one order, so two processes
+that compute the same thing from the same bytes get the same bits.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from kvlab.core.decode_spec import ROPE_DIM, CheckSpec
+from kvlab.model.layout import Rect
+from kvlab.model.spec import INDEXER_HEAD_DIM, Kind, ModelSpec, PoolSpec
+
+FP8_MAX = 448.0  # largest float8_e4m3fn
+MAX_POSITIONS = 32768
+# weights' spread: transformers' 0.02 leaves a random model's attention almost uniform, and a wrong key then
+# moves the logits less than bf16 resolves; wider weights make every cached row count
+INIT_STD = 0.1
+
+
+@contextlib.contextmanager
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def layer_types(model: ModelSpec) -> list[str]:
+    return ["sliding_attention" if model.layer_window(layer) else "full_attention" for layer in range(model.num_layers)]
+
+
+def hf_config(model: ModelSpec):
+    """The transformers config of ``model``'s decode model (``model`` as ``kvlab.core.decode_spec.tiny`` made it)."""
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()  # the tiny configs' RoPE notes are not the run's business
+    d = model.decode
+    common = dict(hidden_size=d.hidden_size, num_hidden_layers=model.num_layers, num_attention_heads=d.q_heads,
+                  intermediate_size=d.intermediate_size, vocab_size=d.vocab_size,
+                  max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
+                  initializer_range=INIT_STD)
+    gqa = dict(common, num_key_value_heads=model.kv_heads, head_dim=model.head_dim)
+    sliding = dict(sliding_window=model.window, layer_types=layer_types(model)) if model.window else {}
+    if d.family == "llama":
+        cfg = tf.LlamaConfig(**gqa)
+    elif d.family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**gqa, num_experts=d.experts or 1, num_experts_per_tok=d.experts_per_token,
+                                moe_intermediate_size=d.moe_intermediate_size)
+    elif d.family == "gpt_oss":
+        cfg = tf.GptOssConfig(**gqa, num_local_experts=d.experts or 1, num_experts_per_tok=d.experts_per_token,
+                              **sliding)
+    elif d.family == "gemma3":
+        cfg = tf.Gemma3TextConfig(**gqa, **sliding)
+    else:  # deepseek_v3, deepseek_v32: the latent and its RoPE part make the MLA row
+        # transformers' DeepSeek attention wants as many kv heads as query heads (the latent is shared anyway)
+        mla = dict(common, num_key_value_heads=d.q_heads, kv_lora_rank=model.mla_dim - ROPE_DIM,
+                   qk_rope_head_dim=ROPE_DIM, q_lora_rank=d.q_lora_rank, qk_nope_head_dim=d.qk_nope_head_dim,
+                   v_head_dim=d.v_head_dim, n_routed_experts=d.experts or 1,
+                   num_experts_per_tok=min(d.experts_per_token, d.experts or 1), n_shared_experts=1,
+                   moe_intermediate_size=d.moe_intermediate_size, first_k_dense_replace=1, n_group=1, topk_group=1,
+                   rope_scaling=None)
+        if d.family == "deepseek_v3":
+            cfg = tf.DeepseekV3Config(**mla)
+        else:
+            from transformers.models.deepseek_v32 import DeepseekV32Config
+
+            cfg = DeepseekV32Config(**mla, index_n_heads=d.indexer_heads, index_head_dim=INDEXER_HEAD_DIM,
+                                    index_topk=d.indexer_topk)
+    # one attention path per family everywhere (none picked per machine): sdpa prefills a 1024-token prompt
+    # about ten times faster than eager on a CPU; gpt-oss's attention sinks have only the eager path
+    cfg._attn_implementation = "eager" if d.family == "gpt_oss" else "sdpa"
+    return cfg
+
+
+def _model_class(family: str):
+    import transformers as tf
+
+    if family == "deepseek_v32":
+        from transformers.models.deepseek_v32 import DeepseekV32ForCausalLM
+
+        return DeepseekV32ForCausalLM
+    return {"llama": tf.LlamaForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
+            "deepseek_v3": tf.DeepseekV3ForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
+            "gemma3": tf.Gemma3ForCausalLM}[family]
+
+
+@functools.lru_cache(maxsize=2)
+def build(model: ModelSpec, seed: int, device: str = "cpu"):
+    """(transformers model in bf16, eval mode, its config) on ``device``: weights drawn from ``seed`` on the
+    CPU, so that every device holds the same ones."""
+    cfg = hf_config(model)
+    g = torch.random.fork_rng()
+    with g, one_thread():
+        torch.manual_seed(seed)
+        net = _model_class(model.decode.family)(cfg)
+    return net.to(torch.bfloat16).to(device).eval(), cfg
+
+
+def prompt(check: CheckSpec, model: ModelSpec, request: int, isl: int) -> torch.Tensor:
+    """Request ``request``'s prompt: ``isl`` token ids drawn from ``check.seed`` and the request."""
+    g = torch.Generator().manual_seed(check.seed * 1_000_003 + request)
+    return torch.randint(0, model.decode.vocab_size, (1, isl), generator=g)
+
+
+# ---------------------------------------------------------------- the indexer keys as the engines store them
+
+def quantize(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 e4m3 values, fp32 scales [..., 1]) of ``keys`` [..., 128]: one power-of-two scale per 128 values
+    (DeepSeek-V3.2's ``ue8m0`` scale format), so that every value fits fp8's range."""
+    x = keys.float()
+    amax = x.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    return (x / scale).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    return (values.float() * scales).to(dtype)
+
+
+def round_trip(keys: torch.Tensor) -> torch.Tensor:
+    """The indexer keys as the gen side reads them back from the pool."""
+    return dequantize(*quantize(keys), keys.dtype)
+
+
+# ---------------------------------------------------------------- model cache <-> pool planes
+
+def full_prefill(net, cfg, ids: torch.Tensor):
+    """Prefill ``ids``; returns (cache, last position's logits in fp32). Sliding-window layers keep every token
+    (``activate_past_recording``: the pool holds the whole window, the model's cache one token less)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=cfg)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            layer.activate_past_recording()
+    with torch.no_grad(), one_thread():
+        out = net(input_ids=ids.to(net.device), past_key_values=cache, use_cache=True)
+    return cache, out.logits[0, -1].float().cpu()
+
+
+def pool_rows(model: ModelSpec, cache, dtype: str = "bf16") -> dict[str, list[torch.Tensor]]:
+    """Pool name -> per component uint8 ``[pool layers, heads, tokens, row bytes]`` in host memory, from a
+    prefill's cache."""
+    out = {}
+    for p in model.pools(dtype):
+        layers = [cache.layers[g] for g in p.layers]
+        if p.kind == Kind.kv:
+            for attr in ("keys", "values"):
+                out.setdefault(p.name, []).append(
+                    torch.stack([getattr(layer, attr)[0] for layer in layers]).contiguous().view(torch.uint8))
+        elif p.kind == Kind.mla:
+            rows = torch.stack([torch.cat([layer.keys[0, 0], layer.values[0, 0]], -1) for layer in layers])
+            out[p.name] = [rows[:, None].contiguous().view(torch.uint8)]
+        else:
+            vals, scales = quantize(torch.stack([layer.indexer_keys[0] for layer in layers]))
+            out[p.name] = [vals[:, None].contiguous().view(torch.uint8), scales[:, None].contiguous().view(torch.uint8)]
+    return {name: [plane.cpu() for plane in planes] for name, planes in out.items()}
+
+
+def _tile_groups(rect: Rect) -> list[tuple[int, int, int]]:
+    from kvlab.memory.fill import _tile_groups
+
+    return _tile_groups(rect)
+
+
+def wire_bytes(rows: list[torch.Tensor], rect: Rect, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bytes of ``rect`` of a pool's planes ``rows`` in wire order (kvlab.model.layout): for each tile, each
+    layer, each component, each head, the tile's token rows."""
+    n = rect.n_layers * rect.n_heads * rect.n_tokens * sum(r.shape[-1] for r in rows)
+    out = torch.empty(n, dtype=torch.uint8) if out is None else out
+    nl, nh, off = rect.n_layers, rect.n_heads, 0
+    for ts, ntiles, ntok in _tile_groups(rect):
+        pieces = []
+        for r in rows:
+            x = r[rect.l0:rect.l1, rect.h0:rect.h1, ts:ts + ntiles * ntok]
+            pieces.append(x.reshape(nl, nh, ntiles, ntok, -1).permute(2, 0, 1, 3, 4).reshape(ntiles, nl, -1))
+        g = torch.cat(pieces, 2).reshape(-1)
+        out[off:off + g.numel()].copy_(g)
+        off += g.numel()
+    return out
+
+
+def from_wire(data: torch.Tensor, rect: Rect, row_bytes: tuple[int, ...]) -> list[torch.Tensor]:
+    """``wire_bytes``' inverse: per component uint8 ``[rect layers, rect heads, rect tokens, row]``."""
+    nl, nh = rect.n_layers, rect.n_heads
+    outs = [torch.empty(nl, nh, rect.n_tokens, row, dtype=torch.uint8) for row in row_bytes]
+    off = 0
+    for ts, ntiles, ntok in _tile_groups(rect):
+        size = ntiles * nl * ntok * nh * sum(row_bytes)
+        g = data[off:off + size].view(ntiles, nl, -1)
+        o = 0
+        for c, row in enumerate(row_bytes):
+            x = g[:, :, o:o + nh * ntok * row].reshape(ntiles, nl, nh, ntok, row)
+            outs[c][:, :, ts - rect.t0:ts - rect.t0 + ntiles * ntok] = x.permute(1, 2, 0, 3, 4).reshape(nl, nh, -1, row)
+            o += nh * ntok * row
+        off += size
+    return outs
+
+
+def _bf16(plane: torch.Tensor) -> torch.Tensor:
+    return plane.contiguous().view(torch.bfloat16)
+
+
+def model_cache(model: ModelSpec, cfg, rows: dict[str, list[torch.Tensor]], isl: int, device="cpu"):
+    """A fresh ``DynamicCache`` holding a prefill of ``isl`` tokens, from every pool's planes (tokens
+    ``[0, isl)``; a sliding-window layer reads only its window's tail, which it keeps with the
+    prefill's length, as the model's own cache does), on ``device``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=cfg)
+    by_layer: dict[int, dict] = {}
+    for p in model.pools("bf16"):
+        for i, g in enumerate(p.layers):
+            by_layer.setdefault(g, {})[p.kind] = (p, i)
+    for g, layer in enumerate(cache.layers):
+        kinds = by_layer[g]
+        if Kind.kv in kinds:
+            p, i = kinds[Kind.kv]
+            k, v = (_bf16(rows[p.name][c][i])[None] for c in (0, 1))
+        else:
+            p, i = kinds[Kind.mla]
+            row = _bf16(rows[p.name][0][i, 0])
+            k, v = row[None, None, :, :-ROPE_DIM], row[None, None, :, -ROPE_DIM:]
+        k, v = k[:, :, :isl].contiguous().to(device), v[:, :, :isl].contiguous().to(device)
+        if p.window:
+            keep = p.window - 1  # what transformers' sliding layer keeps of a prefill
+            layer.update(k[:, :, -keep:], v[:, :, -keep:])
+            layer.cumulative_length = isl
+        else:
+            layer.update(k, v)
+        if Kind.indexer in kinds:
+            q, j = kinds[Kind.indexer]
+            vals = rows[q.name][0][j, 0, :isl].contiguous().view(torch.float8_e4m3fn)
+            scales = rows[q.name][1][j, 0, :isl].contiguous().view(torch.float32)
+            layer.update_indexer(dequantize(vals, scales)[None].to(device))
+    return cache
+
+
+def reference_cache(model: ModelSpec, cache, isl: int) -> None:
+    """Turn a ``full_prefill`` cache into what the model would hold after an ordinary prefill, with the
+    indexer keys' fp8 round trip applied: sliding layers keep their window's tail (a prefill of ``isl``
+    tokens), indexer keys read as the gen side will read them."""
+    for g, layer in enumerate(cache.layers):
+        w = model.layer_window(g)
+        if getattr(layer, "is_sliding", False):
+            keep = w - 1
+            layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
+            layer.record_past = False
+            layer.cumulative_length = isl
+        if getattr(layer, "indexer_keys", None) is not None:
+            layer.indexer_keys = round_trip(layer.indexer_keys)
+
+
+def decode(net, cache, first: int, steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding of ``steps`` tokens after ``first``: (tokens, logits [steps, vocab] in fp32, on the CPU)."""
+    tok, tokens, logits = first, [], []
+    with torch.no_grad(), one_thread():
+        for _ in range(steps):
+            out = net(input_ids=torch.tensor([[tok]], device=net.device), past_key_values=cache, use_cache=True)
+            lg = out.logits[0, -1].float().cpu()
+            logits.append(lg)
+            tok = int(lg.argmax())
+            tokens.append(tok)
+    return tokens, torch.stack(logits)
+
+
+def cache_differences(model: ModelSpec, rows: dict[str, list[torch.Tensor]], want: dict[str, list[torch.Tensor]],
+                      isl: int) -> list[dict]:
+    """Where ``rows`` differ from ``want`` in the tokens decoding reads (a sliding layer: the last ``window - 1``
+    of the prompt): per layer and component, the first token that differs and how many do."""
+    out = []
+    for p in model.pools("bf16"):
+        start = max(0, isl - p.window + 1) if p.window else 0
+        for c, (got, exp) in enumerate(zip(rows[p.name], want[p.name])):
+            bad = (got[:, :, start:isl] != exp[:, :, start:isl]).flatten(3).any(-1).any(1)  # [layers, tokens]
+            for i in torch.nonzero(bad.any(-1)).flatten().tolist():
+                toks = torch.nonzero(bad[i]).flatten()
+                out.append({"layer": p.layers[i], "pool": p.name, "component": c, "token": start + int(toks[0]),
+                            "tokens": int(toks.numel())})
+    return sorted(out, key=lambda d: (d["layer"], d["component"]))
+
+
+def pool_spec(model: ModelSpec, name: str) -> PoolSpec:
+    return next(p for p in model.pools("bf16") if p.name == name)
+
+
+def planes_bytes(rows: dict[str, list[torch.Tensor]]) -> int:
+    return sum(t.numel() for ts in rows.values() for t in ts)

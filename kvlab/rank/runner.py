@@ -1,0 +1,275 @@
+"""One rank of a run, from its config to its part of the results (kvlab.cli.run_cmd starts the ranks).
+
+    build specs -> init torch.distributed -> handshake (cache states) -> pair groups
+    -> requests, plans, schedules, global order (pure, identical everywhere: kvlab.config.workload)
+    -> checks that need the plan (kvlab.sizing.preflight) -> cache + staging allocated once
+    -> barrier -> executor -> canaries
+    -> its part: parts/rank<N>.json and the store (kvlab.rank.report: no collective after the transfers)
+    -> rank 0 merges every part it gets (kvlab.rank.report.finalize): results.jsonl, timeline.jsonl,
+       summary.json, table
+
+A rank that fails a chunk (timeout, lost peer) fails the requests it has open, frees their
+blocks and stops its loop; rank 0 reports every request that did not arrive whole, with the
+reason, and the ranks that fell silent. Exit codes: 0 verified, 1 failures, 2 bad config,
+3 killed by fault injection (kvlab.config.faults).
+"""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from kvlab import transports
+from kvlab.config import faults
+from kvlab.config.schema import build
+from kvlab.config.workload import chunks_of, plan_run
+from kvlab.core.clock import Clock
+from kvlab.core.errors import ConfigError
+from kvlab.core.interrupt import AtOnce, ignore, ready
+from kvlab.memory.cache import PagedCache
+from kvlab.memory.ops import get_ops
+from kvlab.model.state import CacheState
+from kvlab.rank import control as transport
+from kvlab.rank import linkcurve, linkrate, report
+from kvlab.rank.executor import Executor, Stopped
+from kvlab.rank.progress import Progress
+from kvlab.rank.wandb_sink import WandbSink
+from kvlab.results import metrics
+from kvlab.results.records import Env, PartFile, Peak, marked_dead, read_part, write_part
+from kvlab.sizing import budget
+from kvlab.sizing.cost import predict_run
+from kvlab.sizing.preflight import preflight
+
+ALONE_LENGTHS = 4  # prompt lengths whose prefill=gpu runs alone first, as the reference of the slowdown
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class _Stop:
+    """The stop signals' handler: raises Stopped, saying which peers the launcher had found dead (it
+    stops a rank still waiting on a dead peer; the rank's requests then name the cause, not the signal)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.setup = None  # names the dead ranks once built
+
+    def __call__(self, signum, frame) -> None:
+        for s in STOP_SIGNALS:  # one is enough: let this rank write what it knows (a no-op, not SIG_IGN: a
+            signal.signal(s, ignore)  # signal already pending would otherwise raise "ignored due to race")
+        raise Stopped(f"stopped by {signal.Signals(signum).name}{self.dead()}")
+
+    def dead(self) -> str:
+        if self.setup is None:
+            return ""
+        gone = [w for w in range(self.setup.world_size) if marked_dead(self.run_dir, w)]
+        return "".join(f" after {report.rank_name(self.setup, w)} (rank {w}) died" for w in gone[:1])
+
+
+def _parent_merges() -> bool:
+    """Whether the local launcher that started this rank is alive to merge the part files itself."""
+    parent = os.environ.get("KVLAB_PARENT")
+    return parent is not None and os.getppid() == int(parent)
+
+
+def worker_main(cfg: DictConfig, run_dir: Path) -> int:
+    """One rank; returns its exit code (0: every request verified; 1: failures; 2: bad config).
+
+    SIGTERM or SIGINT (Ctrl-C, the local launcher stopping the run, or torchrun's agent after another
+    rank failed) ends the transfers like a lost peer, so that this rank still writes its part file;
+    stopped before its transfers, it writes an empty one."""
+    stop = _Stop(run_dir)
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    world_rank = int(os.environ.get("RANK", 0))
+
+    def last_words(signame: str) -> None:
+        if read_part(run_dir, world_rank) is None:
+            write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
+                f"rank {world_rank}: stopped by {signame} before its transfers"]))
+
+    at_once = AtOnce(last_words)
+    ready()
+    at_once.start()
+    try:
+        try:
+            setup = stop.setup = build(cfg)
+            world_rank, device = transport.init(setup, setup.transfer.timeout_s)
+        except ConfigError as e:
+            if world_rank == 0:
+                print(f"kvlab: error: {e}", file=sys.stderr)
+            return 2
+        try:
+            return _worker(setup, run_dir, world_rank, device, at_once)
+        except ConfigError as e:
+            if world_rank == 0:
+                print(f"kvlab: error: {e}", file=sys.stderr)
+            return 2
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except (Stopped, dist.DistError) as e:  # stopped, or a peer gone while joining: an empty part says so
+        if read_part(run_dir, world_rank) is None:
+            why = e if isinstance(e, Stopped) else f"lost the others ({type(e).__name__})"
+            write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
+                f"rank {world_rank}: {why} before its transfers"]))
+        return 1
+    finally:
+        at_once.end()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _worker(setup, run_dir: Path, world_rank: int, device: torch.device, at_once: AtOnce) -> int:
+    side_spec, rank = setup.side_of(world_rank)
+    side = side_spec.name
+    state = CacheState(setup.model, side_spec, rank)
+    transport.handshake(state)
+    mover = transports.create(setup, side, rank, world_rank, device)
+    at_once.cleanups.append(mover.leave)
+    try:
+        return _transfer(setup, run_dir, world_rank, device, side, rank, state, mover, at_once)
+    finally:
+        mover.close()  # unmapped and unlinked also after a failure
+
+
+def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side: str, rank: int,
+              state: CacheState, mover, at_once: AtOnce) -> int:
+
+    requests, segments, order = plan_run(setup)
+    needed = preflight(setup, requests, order, world_rank)  # the same checks on every rank: all stop or none
+    if device.type == "cuda":  # the host's memory was checked before the ranks started; the GPUs only here
+        problem = budget.device_problem(setup, world_rank, torch.cuda.device_count(),
+                                        torch.cuda.mem_get_info(device)[0],
+                                        int(os.environ.get("LOCAL_WORLD_SIZE", setup.world_size)))
+        problems: list = [None] * setup.world_size
+        dist.all_gather_object(problems, problem)  # every rank stops, or none
+        if any(problems):
+            raise ConfigError(*next(p for p in problems if p))
+    mine = chunks_of(order, setup, world_rank)
+
+    ops = get_ops(setup.kernels, device.type)
+    cache = PagedCache(state, needed, setup.cache.spare_blocks, setup.cache.fragmentation,
+                       setup.workload.seed + 17 * world_rank, device, mover.pool_storage)
+    gpu_prefill, alone = None, {}
+    if side == "ctx" and setup.prefill.kind == "gpu":
+        from kvlab.rank.prefill_gpu import GpuPrefill
+
+        # before the baseline: its weights are the model's, not the transfer's; the prefill alone (nothing
+        # else on the GPU) is the reference of the same prefill under transfers, for a few prompt lengths
+        gpu_prefill = GpuPrefill(setup.model, setup.ctx.tp, device, setup.workload.seed + world_rank)
+        # the same layers each followed by the same cache write as in the run, on a request of each length (its
+        # blocks taken for the measure and given back: before the run opens any)
+        first = {}  # prompt length -> the first request of that length this rank sends
+        for r in requests:
+            if any(c.request == r.id for c in mine):
+                first.setdefault(r.isl, r)
+        alone = {n: gpu_prefill.alone_with_cache_s(first[n], cache, ops) for n in sorted(first)[:ALONE_LENGTHS]}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base_alloc = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        free0 = torch.cuda.mem_get_info(device)[0]
+    progress = Progress(sum(c.nbytes for c in mine), world_rank == 0 and setup.logger.progress)
+    board = report.Board(dist.distributed_c10d._get_default_store(), world_rank, setup.world_size,
+                         report.stale_s(setup))
+    board.gone = lambda r: marked_dead(run_dir, r)
+    cache.tick = board.beat
+    if setup.check.decode:  # the decode model's own cache instead of the hash fill; before the clock
+        from kvlab.rank.decode_check import DecodeCheck
+
+        decode_check = DecodeCheck(setup, side, rank, requests, dist.distributed_c10d._get_default_store())
+        decode_check.prepare(cache, board.beat)
+    executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
+                        faults.for_rank(setup.fault, world_rank, mine), board.beat)
+    executor.connect()  # after the baseline: what the transport allocates (slots, NCCL's buffers) is extra
+    if os.environ.get(linkcurve.ENV):  # kvlab link: the curve over message sizes instead of the transfers
+        return linkcurve.run(setup, mover, world_rank, order, run_dir, device)
+    link = linkrate.measure(setup, mover, world_rank, order) if setup.transfer.baseline else None
+    if device.type == "cuda":
+        # the baseline's own buffers are freed by now: keep them out of the transfer's peak, which still
+        # starts from everything connect allocated (slots, the transport's buffers)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    executor.gpu_prefill, executor.prefill_alone = gpu_prefill, alone
+    dist.barrier()
+    at_once.end()  # the loop returns to Python between its waits: a signal from here on is Stopped there
+    clock = executor.clock = Clock(device)  # started right after the barrier: one epoch for every rank
+    board.watch()
+
+    records = executor.run(order, {r.id: r for r in requests}, segments)
+    failures = dict(executor.failures)
+    errors = [executor.error] if executor.error else []
+    progress.close()
+    staging = mover.peak_staging_bytes
+    peak = Peak(staging=staging, extra=staging, cache=cache.nbytes,
+                max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # host memory, Linux KiB
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        # staging is allocated after the baseline, so the allocator's peak growth includes it
+        peak.extra = max(0, max(executor.transfer_peak, executor.tracked_peak()) - base_alloc)
+        torch.cuda.empty_cache()  # cached blocks of fill/verify are not the transfer's
+        peak.free_drop = free0 - torch.cuda.mem_get_info(device)[0]
+    errors += cache.check_canaries()  # after the peak: its temporaries are not the transfer's
+    for rec in records:
+        if rec.end is None:
+            rec.end = clock.mark()
+    parts = [metrics.resolve(r, clock, setup.model.num_layers) for r in records]
+    if setup.check.decode:
+        decode_check.finish(parts, board.beat)
+
+    part = PartFile(
+        rank=world_rank, side=side, side_rank=rank, parts=parts, failures=failures, errors=errors,
+        error_at=executor.error_at, peak=peak, host=socket.gethostname(), link=link,
+        held_blocks=sum(len(t.host) for ts in cache.tables.values() for t in ts.values()),  # 0: all freed
+        node=os.environ.get("GROUP_RANK"),
+        env=Env(backend=dist.get_backend(), kernels=ops.name,
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"))
+    write_part(run_dir, part)  # before any exchange: what this rank knows survives it
+    if executor.stopped and world_rank != 0:
+        return 1
+    summary = None
+    if world_rank == 0:
+        why = f"dead, or silent for more than {board.stale_s:g} s"
+        try:
+            if executor.stopped:
+                raise Stopped()
+            board.post(part)
+            gathered, silent = board.collect()
+        except Stopped:
+            if _parent_merges():  # kvlab run's launcher merges once every rank has written its part
+                return 1
+            # torchrun's agent stops every rank once one has died: the others are writing their part
+            # files right now (those blocked in a transfer within transfer.timeout_s); merge what lands
+            board.broken, why = "stopped", "dead, or stopped before it could report"
+            gathered, silent = report.wait_for_parts(run_dir, range(1, setup.world_size),
+                                                     min(setup.transfer.timeout_s + 2.0, 20.0))
+        gathered[0] = part
+        for r in list(silent):  # a shared run dir may hold what the store could not bring
+            late = read_part(run_dir, r)
+            if late is not None:
+                gathered[r] = late
+                silent.remove(r)
+        sink = WandbSink.create(setup, run_dir, world_rank)  # its warnings before the results line
+        summary = report.finalize(setup, run_dir, requests, order, gathered, silent, why,
+                                  predict_run(setup, requests))
+        if executor.stopped or board.broken == "stopped":
+            return 1
+        board.publish({"verified": summary.verified}, sorted(set(gathered) - {0, *silent}))
+        verified = summary.verified
+    else:
+        board.post(part)
+        verdict = board.await_verdict()
+        # without rank 0's verdict this rank can only vouch for itself
+        verified = verdict["verified"] if verdict else not (failures or errors or any(p.errors for p in parts))
+    board.stop()
+    if summary is not None:  # one wandb run per job: rank 0's, with the merged results
+        sink.log_summary(summary)
+        sink.finish()
+    return 0 if verified else 1
+
+

@@ -1,0 +1,285 @@
+"""Per-request figures and the run summary, from every rank's parts (kvlab.results.records types), the terminal's
+table, and the identities they obey.
+
+Times are absolute wall seconds on a shared epoch (kvlab.core.clock). What each figure means and how
+it is computed is kvlab.core.figures.TABLE: ``merge`` makes one row per request from its parts with it,
+``summarize`` the run's figures, ``print_table`` shows the figures it gives a column, and
+``violations`` checks the identities the figures obey (kvlab.core.figures says which).
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvlab.core import figures, serving
+from kvlab.core.clock import Clock
+from kvlab.core.decode_spec import check_line
+from kvlab.core.paths import provenance
+from kvlab.results.records import Env, Link, Peak, RankPart, RequestRow, Summary, TimelineRow
+
+
+@dataclass
+class RequestRecord:
+    """This rank's part of one request while it runs (clock marks); ``resolve`` turns it into plain values."""
+
+    request: int
+    isl: int
+    side: str
+    rank: int
+    chunks_total: int
+    start: object = None
+    end: object = None
+    bytes: int = 0
+    peer_bytes: dict = field(default_factory=dict)  # side-local rank of the other side -> bytes moved with it
+    chunks: int = 0
+    in_place: int = 0
+    descriptors: int = 0  # memory descriptors the transport posted for this rank's chunks (nixl direct: runs)
+    pack: list = field(default_factory=list)  # (start mark, end mark) per packed/unpacked chunk
+    wire: list = field(default_factory=list)  # (posted mark, done mark) per chunk
+    prefill_start: object = None  # host seconds (prefill=sim) or a GPU event (prefill=gpu)
+    prefill_end: object = None
+    arrival: float | None = None  # host time (kvlab.core.clock epoch + the timeline's arrival)
+    next_layer: int = 0  # the prefill's next global layer (ctx)
+    layer_ready: dict = field(default_factory=dict)  # global layer -> when its cache was written (mark)
+    first_post: object = None  # mark of its first chunk's start on this rank
+    slot_wait: float = 0.0  # host seconds its chunks waited for a free slot
+    prefill_alone_s: float | None = None  # prefill=gpu: the same prefill with nothing else on the GPU
+    layer_done: dict = field(default_factory=dict)  # global layer -> mark of its last chunk's completion
+    errors: list = field(default_factory=list)
+    fill_s: float = 0.0  # host seconds writing the request's cache (ctx)
+    verify_s: float = 0.0  # host seconds checking it (gen)
+    in_loop: list = field(default_factory=list)  # ["verify"] when the check ran inside the transfer loop
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested dicts as one level of dotted keys (summary fields as table columns)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
+    """Plain values of one rank's record (GPU events turned into seconds)."""
+    s = clock.seconds
+    opt = lambda mark: None if mark is None else s(mark)  # noqa: E731 -- host seconds or GPU events
+    return RankPart(
+        request=rec.request, isl=rec.isl, side=rec.side, rank=rec.rank, start=opt(rec.start), end=opt(rec.end),
+        bytes=rec.bytes, peer_bytes=dict(rec.peer_bytes), chunks=rec.chunks, in_place=rec.in_place,
+        descriptors=rec.descriptors,
+        copy_s=sum(clock.span(a, b) for a, b in rec.pack),
+        wire=[(s(a), s(b)) for a, b in rec.wire],
+        prefill_start=opt(rec.prefill_start), prefill_end=opt(rec.prefill_end),
+        layer_done={int(k): s(v) for k, v in rec.layer_done.items()},
+        errors=list(rec.errors), num_layers=num_layers,
+        arrival=rec.arrival, epoch=clock.epoch, chunks_total=rec.chunks_total, first_post=opt(rec.first_post),
+        slot_wait=rec.slot_wait, prefill_alone_s=rec.prefill_alone_s,
+        layer_ready={int(k): s(v) for k, v in rec.layer_ready.items()},
+        fill_s=rec.fill_s, verify_s=rec.verify_s, in_loop=list(rec.in_loop))
+
+
+
+
+def _by_request(parts: list[RankPart]) -> dict[int, list[RankPart]]:
+    out: dict[int, list[RankPart]] = {}
+    for p in parts:
+        out.setdefault(p.request, []).append(p)
+    return out
+
+
+def _pairs(order) -> dict[int, list[tuple[int, int]]] | None:
+    if order is None:
+        return None
+    out: dict[int, list[tuple[int, int]]] = {}
+    for c in order:
+        out.setdefault(c.request, []).append((c.src, c.dst))
+    return out
+
+
+def _parts(rid: int, ps: list[RankPart], traits: figures.Traits, pairs) -> figures.Parts:
+    return figures.Parts([p for p in ps if p.side == "ctx"], [p for p in ps if p.side == "gen"], traits,
+                         None if pairs is None else pairs.get(rid, []))
+
+
+def merge(parts: list[RankPart], failures: dict[int, str], ctx_dp: dict[int, int], gen_dp: dict[int, int],
+          layerwise: bool = True, traits: figures.Traits = figures.PLAIN, order=None, slo=None
+          ) -> tuple[list[RequestRow], list[TimelineRow]]:
+    """(results rows, timeline rows: per layer, for layer-wise runs) from every rank's parts. ``traits``: the
+    run's transport's (kvlab.core.figures.Traits.of): which figures it has; ``order``: the global chunk order
+    (kvlab.config.workload), which pairs each chunk's marks on its two sides (kvlab.core.figures: in flight);
+    ``slo``: the
+    run's SLOs (kvlab.core.serving.SloSpec), which each request meets or not."""
+    by_req, pairs = _by_request(parts), _pairs(order)
+    rows, timeline = [], []
+    for rid in sorted(set(by_req) | set(failures)):
+        ps = by_req.get(rid, [])
+        request = _parts(rid, ps, traits, pairs)
+        errors = [e for p in request.gen for e in p.errors]
+        if rid in failures:
+            errors.append(failures[rid])
+        request.verified, request.slo = bool(request.gen) and not errors and rid not in failures, slo
+        rows.append(RequestRow(
+            request=rid, isl=ps[0].isl if ps else None, ctx_dp=ctx_dp.get(rid), gen_dp=gen_dp.get(rid),
+            verified=request.verified, error="; ".join(errors) or None,
+            in_loop=sorted({w for p in ps for w in p.in_loop}), **figures.request_values(request)))
+        for p in request.ctx:
+            if p.prefill_end is None or not layerwise:
+                continue
+            for layer, done in p.layer_done.items():
+                timeline.append(TimelineRow(request=rid, rank=p.rank, layer=layer,
+                                            prefill_done_s=p.layer_ready[layer] - p.prefill_start,
+                                            transfer_done_s=done - p.prefill_start))
+    return rows, timeline
+
+
+def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[Peak], env: Env,
+              errors: list[str], predicted_s: float | None, silent: list[int], link: Link | None = None,
+              traits: figures.Traits = figures.PLAIN, order=None) -> Summary:
+    """The run's figures (kvlab.core.figures) and what it was; ``traits`` and ``order`` as for ``merge``."""
+    pairs = _pairs(order)
+    run = figures.Run(rows, [_parts(rid, ps, traits, pairs) for rid, ps in _by_request(parts).items()], peaks, link)
+    isl = [r.isl for r in rows if r.isl]
+    side = lambda s: {"tp": s.tp, "pp": s.pp, "dp": s.dp, "tokens_per_block": s.tokens_per_block,  # noqa: E731
+                      "layout": s.layout.value}
+    return Summary(
+        verified=bool(rows) and all(r.verified for r in rows) and not errors,
+        requests=len(rows),
+        failed_requests=[r.request for r in rows if not r.verified],
+        errors=list(errors),
+        strategy=setup.transfer.strategy.name,
+        transport=setup.transport.name,
+        model=setup.model.name,
+        isl_mean=sum(isl) / len(isl) if isl else 0,
+        isl_max=max(isl, default=0),
+        slot_bytes=setup.transfer.slot_bytes,
+        slots=setup.transfer.slots,
+        ctx=side(setup.ctx), gen=side(setup.gen),
+        world_size=setup.world_size,
+        backend=env.backend, device=env.device, kernels=env.kernels,
+        torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        predicted_s=predicted_s,
+        silent_ranks=list(silent),
+        arrival=setup.workload.arrival, prefill=setup.prefill.kind,
+        serving=serving.percentiles(rows, setup.serving.percentiles),
+        slo={k: v for k, v in vars(setup.serving.slo).items() if v is not None},
+        repeat=setup.repeat,
+        link=link,
+        in_loop_requests={"verify": sum("verify" in r.in_loop for r in rows)},
+        provenance=provenance(),
+        **figures.run_values(run, traits),
+    )
+
+
+def violations(rows: list[RequestRow], summary: Summary | None = None, parts: list[RankPart] | None = None,
+               plan=None, tol: float = 1e-5) -> list[str]:
+    """The identities of kvlab.core.figures that the rows, the summary and the parts break, one line each (none: []).
+
+    ``plan``: what the run was to move, as segments by request (``kvlab.config.workload.plan_run``'s) or any
+    iterable of segments or chunks (``request``, ``src``, ``dst``, ``nbytes``). ``tol``: seconds of slack in
+    the time identities, for marks of absolute wall time (about 0.2 us resolution each) subtracted and added.
+    """
+    out = []
+    for r in rows:
+        q = f"request {r.request}"
+        parts_of_ttft = (r.queue_s, r.prefill_s, r.exposed_s)
+        if r.ttft_s is not None and None not in parts_of_ttft and abs(r.ttft_s - sum(parts_of_ttft)) > tol:
+            out.append(f"{q}: ttft_s {r.ttft_s:.6f} != queue_s + prefill_s + exposed_s {sum(parts_of_ttft):.6f}")
+        if r.exposed_s is not None and r.exposed_s < 0:
+            out.append(f"{q}: exposed_s {r.exposed_s:.6f} < 0")
+        if r.exposed_s is not None and r.seconds is not None and r.exposed_s > r.seconds + tol:
+            out.append(f"{q}: exposed_s {r.exposed_s:.6f} > its transfer span (seconds) {r.seconds:.6f}")
+        if r.busy_s is not None and r.seconds is not None and r.busy_s > r.seconds + tol:
+            out.append(f"{q}: busy_s {r.busy_s:.6f} > its transfer span (seconds) {r.seconds:.6f}")
+    if summary is not None and summary.busy_s is not None and summary.makespan_s is not None \
+            and summary.busy_s > summary.makespan_s + tol:
+        out.append(f"run: busy_s {summary.busy_s:.6f} > makespan_s {summary.makespan_s:.6f}")
+    if plan is not None:
+        out += _bytes_violations(rows, parts or [], plan)
+    return out
+
+
+def _bytes_violations(rows: list[RequestRow], parts: list[RankPart], plan) -> list[str]:
+    """Bytes each rank moved for each request, and each verified request's, against the plan's."""
+    pieces = [s for v in plan.values() for s in v] if isinstance(plan, dict) else list(plan)
+    side: dict[tuple, int] = {}
+    pair: dict[tuple, int] = {}
+    total: dict[int, int] = {}
+    for s in pieces:
+        side[(s.request, "ctx", s.src)] = side.get((s.request, "ctx", s.src), 0) + s.nbytes
+        side[(s.request, "gen", s.dst)] = side.get((s.request, "gen", s.dst), 0) + s.nbytes
+        pair[(s.request, s.src, s.dst)] = pair.get((s.request, s.src, s.dst), 0) + s.nbytes
+        total[s.request] = total.get(s.request, 0) + s.nbytes
+    out = []
+    for p in parts:
+        if p.chunks != p.chunks_total:  # stopped part way: it moved less, and says so elsewhere
+            continue
+        want = side.get((p.request, p.side, p.rank), 0)
+        if p.bytes != want:
+            out.append(f"request {p.request} {p.side}{p.rank}: {p.bytes} bytes moved, the plan's {want}")
+        for peer, got in p.peer_bytes.items():
+            key = (p.request, p.rank, peer) if p.side == "ctx" else (p.request, peer, p.rank)
+            if got != pair.get(key, 0):
+                out.append(f"request {p.request} ctx{key[1]} -> gen{key[2]}: {got} bytes moved "
+                           f"({p.side} side), the plan's {pair.get(key, 0)}")
+    for r in rows:
+        if r.verified and r.bytes != total.get(r.request, 0):
+            out.append(f"request {r.request}: {r.bytes} bytes delivered, the plan's {total.get(r.request, 0)}")
+    return out
+
+
+def print_table(rows: list[RequestRow], summary: Summary, console: Console | None = None, limit: int = 12) -> None:
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file or a pipe: rich's 80 columns would cut the table's columns
+            console = Console(width=max(console.width, 132))
+    c, g = summary.ctx, summary.gen
+    t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx tp{c['tp']} pp{c['pp']} dp{c['dp']} -> "
+                    f"gen tp{g['tp']} pp{g['pp']} dp{g['dp']}, {summary.device}")
+    cols = [f for f in figures.columns()
+            if f.name not in figures.OPTIONAL_COLUMNS or any(getattr(r, f.name) is not None for r in rows)]
+    for col in ("request", "tokens", *(f.column for f in cols), "verified"):
+        t.add_column(col, justify="right")
+    shown = rows if len(rows) <= limit else rows[: limit - 1]
+    for r in shown:
+        t.add_row(str(r.request), str(r.isl), *(f.show(getattr(r, f.name)) for f in cols),
+                  "yes" if r.verified else "[red]NO[/red]")
+    if len(shown) < len(rows):
+        t.add_row("...", f"{len(rows) - len(shown)} more", *[""] * len(cols), "")
+    t.add_section()
+    # the run's own value of a column (a total, a union, a rate), not one request's (the largest)
+    t.add_row("all", "", *(f.show(getattr(summary, f.summary_name)) if f.run not in (None, "max") else ""
+                           for f in cols), "yes" if summary.verified else "[red]NO[/red]")
+    console.print(t)
+    busy, span = figures.BY_NAME["busy_s"], figures.BY_NAME["makespan_s"]
+    if summary.busy_s:
+        console.print(f"delivered {summary.gbps or 0:,.2f} GB/s over {busy.show(summary.busy_s)} ms with chunks in "
+                      f"flight, of the run's {span.show(summary.makespan_s)} ms")
+    link = summary.link
+    if summary.link_gbps:
+        # requests share the link with each other: only the run as a whole has a ratio
+        if summary.link_ratio is None:  # nothing measured in flight: no ratio, rather than a ratio of 0
+            console.print(f"link {link.describe()}, in the same run; no delivered figure")
+        else:
+            console.print(f"link_ratio {summary.link_ratio:.3f}: delivered {summary.gbps:,.2f} GB/s against "
+                          f"{link.describe()}, in the same run")
+            beaten = link.beaten_by(summary.gbps)
+            if beaten:
+                console.print(beaten, markup=False, highlight=False)
+    if summary.serving:
+        console.print(serving.table(summary.serving))
+        console.print(f"{summary.arrival} arrivals, prefill={summary.prefill}; "
+                      + "; ".join(serving.report_lines(summary)), markup=False, highlight=False)
+    check = check_line(rows)
+    if check:
+        console.print(check, markup=False, highlight=False)
+    console.print(f"peak staging {summary.peak_staging_bytes / 2**20:,.2f} MiB per rank, "
+                  f"peak extra device memory {summary.peak_extra_device_bytes / 2**20:,.2f} MiB")

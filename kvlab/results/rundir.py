@@ -1,0 +1,113 @@
+"""One run per run directory: a lock taken before anything is written there.
+
+The lock is ``<run_dir>/run.lock``, held with ``flock`` by the process that owns the run (the
+``kvlab`` parent, or rank 0 under torchrun) and holding that process's pid, host and the
+time it was taken. ``flock`` goes away with its process however it ends, so a lock file left by a run that
+died is taken over (and said so on stderr); a live holder is refused with one line naming
+``hydra.run.dir``. Workers never read a file another run could replace: the parent hands them
+its resolved config in the environment (``CONFIG_ENV``).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from kvlab.core.errors import ConfigError
+
+LOCK_NAME = "run.lock"
+CONFIG_ENV = "KVLAB_CONFIG_YAML"  # the resolved config of this run, handed to its workers
+_held: dict[Path, int] = {}  # run dir -> fd of its lock, in this process (re-entrant)
+
+
+def ensure_writable(run_dir: Path, field: str = "hydra.run.dir") -> Path:
+    """Create ``run_dir`` (and parents) and prove a file can be written there; ConfigError otherwise."""
+    run_dir = Path(run_dir)
+    if str(run_dir).strip() == "":
+        raise ConfigError(field, "''", "an empty path; give a directory, e.g. hydra.run.dir=outputs/my_run")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write_probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        if isinstance(e, FileExistsError) or (run_dir.exists() and not run_dir.is_dir()):
+            why = "a file is in the way" if run_dir.exists() and not run_dir.is_dir() else why
+        raise ConfigError(field, run_dir, f"cannot create or write the run directory ({why}); "
+                          "use a writable directory path") from None
+    return run_dir
+
+
+def _holder(fd: int) -> dict:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        return json.loads(os.read(fd, 4096) or b"{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def acquire(run_dir: Path, field: str = "hydra.run.dir") -> None:
+    """Take the run directory's lock for this process (a no-op if it already holds it)."""
+    run_dir = ensure_writable(run_dir, field).resolve()
+    if run_dir in _held:
+        return
+    path = run_dir / LOCK_NAME
+    for _ in range(20):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            h = _holder(fd)
+            os.close(fd)
+            since = time.strftime("%H:%M:%S", time.localtime(h["time"])) if "time" in h else "?"
+            raise ConfigError(field, run_dir, f"another run (pid {h.get('pid', '?')} on {h.get('host', '?')}, "
+                              f"since {since}) is using this directory; wait for it or give another "
+                              "hydra.run.dir") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # the previous holder removed the file between our open and our lock: retry
+            os.close(fd)
+            continue
+        old = _holder(fd)
+        if old.get("pid"):
+            print(f"kvlab: {run_dir / LOCK_NAME} was left by run pid {old['pid']} on {old.get('host', '?')}, "
+                  "which is no longer running; taking it over", file=sys.stderr)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, json.dumps(me).encode())
+        os.fsync(fd)
+        _held[run_dir] = fd
+        return
+    raise ConfigError(field, run_dir, "its lock file keeps changing hands; give another hydra.run.dir")
+
+
+def release(run_dir: Path) -> None:
+    run_dir = Path(run_dir).resolve()
+    fd = _held.pop(run_dir, None)
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.unlink(run_dir / LOCK_NAME)  # under our lock: whoever opened it meanwhile retries on a new file
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def hold(run_dir: Path, field: str = "hydra.run.dir"):
+    """The lock for the duration of a block; re-entrant: an inner hold of a held directory does nothing."""
+    run_dir = Path(run_dir)
+    mine = run_dir.resolve() not in _held if run_dir.exists() else True
+    acquire(run_dir, field)
+    try:
+        yield run_dir
+    finally:
+        if mine:
+            release(run_dir)

@@ -1,0 +1,275 @@
+"""What each rank will hold, and whether the machine can give it, before anything is allocated.
+
+Per world rank: the cache (every pool, as ``PagedCache`` sizes it: the blocks of the requests
+open at the worst moment plus the canaries, or ``cache.capacity_tokens``), the staging slots
+(or the naive baseline's per-chunk buffers; none for a pulling transport), the block tables, the temporaries of fill and
+verify, the plan (every rank holds the whole global chunk order) and the process itself. On
+a CPU all of it comes from host memory; on a GPU the first four come from its device (plus
+NCCL's own buffers) and the rest from the host. The figures are upper bounds computed without
+building the request list: at most ``workload.concurrency + transfer.slots`` requests are open
+on a rank at once (a request stays open until ``slots`` chunks after its last), each at most
+the longest prompt the workload can produce; its chunks are counted from one planned request
+of that length. A run whose ranks need more than a memory can give (host: MemAvailable less a
+margin; GPU: free memory less a margin) stops with one line naming the field that makes it
+too large, the bytes needed and available, and a value of that field that fits.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+
+from kvlab.config.schema import Setup
+from kvlab.core.errors import ConfigError
+from kvlab.memory.cache import verify_piece_bytes
+from kvlab.model.plan import Request, plan
+from kvlab.model.schedule import Cut, Staging
+from kvlab.model.state import CacheState
+
+# Host bytes per element of the plan every rank keeps (measured with tracemalloc over plan_run of
+# 240 lognormal requests, 97120 chunks: 384 B per chunk, segments and requests included)
+CHUNK_BYTES = 400
+REQUEST_BYTES = 400
+PROCESS_BYTES = 200 << 20  # a rank's own memory: interpreter, torch, gloo (measured: 160 MiB private after imports)
+FILL_PIECE_FACTOR = 16  # fill/verify temporaries per byte of a 16 MiB piece (measured: 229 MiB peak)
+FILL_PIECE_BYTES = 16 << 20
+NCCL_BYTES = 1 << 30  # NCCL's own device buffers per rank (measured on H200: about 0.8 GiB)
+DEVICE_PARTS = ("cache", "staging", "tables", "temps", "transport")  # on the GPU when there is one
+MARGIN_SHARE, MARGIN_MIN = 0.10, 512 << 20  # kept free: the kernel, other processes, estimates' slack
+
+
+@dataclass
+class RankNeed:
+    world_rank: int
+    name: str  # ctx0, gen1, ...
+    memory: str  # where cache and staging live: "host" or "cuda:<index>"
+    cache: int
+    staging: int
+    tables: int
+    temps: int
+    plan: int
+    process: int = PROCESS_BYTES
+    transport: int = 0  # NCCL's buffers on a GPU
+
+    def parts(self) -> dict[str, int]:
+        return {"cache": self.cache, "staging": self.staging, "tables": self.tables, "temps": self.temps,
+                "transport": self.transport, "plan": self.plan, "process": self.process}
+
+    def on(self, memory: str) -> dict[str, int]:
+        """The parts of this rank that come from ``memory``."""
+        return {k: v for k, v in self.parts().items() if (self.memory if k in DEVICE_PARTS else "host") == memory}
+
+
+@dataclass
+class Budget:
+    ranks: list[RankNeed]
+    open_requests: int  # requests a rank may hold at once, at most
+    longest: tuple[str, object, int]  # (field, value, tokens) of the longest prompt
+    chunks_per_request: int
+    available: dict[str, int] = field(default_factory=dict)  # memory -> usable bytes, once measured
+
+    def need(self, memory: str) -> dict[str, int]:
+        """Bytes per part that the ranks take from ``memory`` together."""
+        out: dict[str, int] = {}
+        for r in self.ranks:
+            for k, v in r.on(memory).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def memories(self) -> list[str]:
+        return sorted({r.memory for r in self.ranks} | {"host"})
+
+    def to_dict(self) -> dict:
+        return {"ranks": [dict(rank=r.world_rank, name=r.name, memory=r.memory, **r.parts()) for r in self.ranks],
+                "open_requests": self.open_requests, "chunks_per_request": self.chunks_per_request,
+                "need": {m: sum(self.need(m).values()) for m in self.memories()}, "available": dict(self.available)}
+
+
+def _memory_of(setup: Setup, world_rank: int, gpus: int) -> str:
+    if not gpus:
+        return "host"
+    from kvlab.config.devices import gpu_index
+
+    world = setup.world_size
+    return f"cuda:{gpu_index(setup, world_rank, world_rank, world, gpus)}"
+
+
+def estimate(setup: Setup, gpus: int = 0) -> Budget:
+    """Upper bounds of what every rank holds (``gpus``: devices the ranks of this host share; 0: CPU)."""
+    t, w = setup.transfer, setup.workload
+    longest = w.longest_prompt()
+    tokens = longest[2]
+    open_requests = min(w.requests, w.concurrency + t.slots)
+    # one request of the longest prompt per combination of DP groups that requests cycle through
+    dps = math.lcm(setup.ctx.dp, setup.gen.dp)
+    samples = [plan(setup.model, setup.ctx, setup.gen, Request(i, tokens, i % setup.ctx.dp, i % setup.gen.dp))
+               for i in range(dps)]
+
+    cap = setup.chunk_cap  # None: a pulling transport's chunks are not cut by size
+    pulls = setup.transport.cls().pulls
+
+    def chunks(segs) -> int:  # kvlab.model.schedule cuts a segment into cap-sized pieces (per layer for layerwise)
+        if t.strategy.cut == Cut.segment:
+            return len(segs)
+        if cap is None:
+            return sum(s.rect.l1 - s.rect.l0 if t.strategy.cut == Cut.layer else 1 for s in segs)
+        return sum(math.ceil(s.nbytes / cap) + (s.rect.l1 - s.rect.l0) for s in segs)
+
+    per_request = max(chunks(s) for s in samples)
+    plan_bytes = w.requests * (per_request * CHUNK_BYTES + REQUEST_BYTES)
+    capacity = setup.cache.capacity_tokens
+    ranks = []
+    for wr in range(setup.world_size):
+        side, r = setup.side_of(wr)
+        state = CacheState(setup.model, side, r)
+        mine = [[s for s in segs if (s.src if side.name == "ctx" else s.dst) == r] for segs in samples]
+        cache = tables = 0
+        for pool in state.pools():
+            per_req = math.ceil(tokens / pool.tokens_per_block) - pool.held_start(tokens) // pool.tokens_per_block
+            blocks = math.ceil(capacity / pool.tokens_per_block) if capacity else open_requests * per_req
+            cache += pool.pool_bytes(blocks + setup.cache.spare_blocks)
+            tables += open_requests * per_req * 8 * 2  # int64 ids on the device, and their host copy
+        biggest = max((s.nbytes for segs in mine for s in segs), default=0)
+        if t.strategy.cut != Cut.segment and cap is not None:
+            biggest = min(biggest, cap)
+        held = max((sum(s.nbytes for s in segs) for segs in mine), default=0)
+        # naive: a buffer per chunk in flight, at most the slots, and at most the segments of the open requests
+        in_flight = min(t.slots, open_requests * max((len(segs) for segs in mine), default=0)) \
+            if t.strategy.cut == Cut.segment else t.slots
+        staging = in_flight * biggest if t.strategy.staging == Staging.per_chunk else t.slots * t.slot_bytes
+        if pulls:  # the gen rank copies straight out of the mapped ctx pool: no slot, no buffer
+            staging = 0
+        memory = _memory_of(setup, wr, gpus)
+        piece = FILL_PIECE_BYTES if memory == "host" else verify_piece_bytes("cuda")
+        temps = FILL_PIECE_FACTOR * min(piece, max(held, cache // max(1, open_requests)))
+        ranks.append(RankNeed(wr, f"{side.name}{r}", memory, cache, staging, tables, temps, plan_bytes,
+                              transport=NCCL_BYTES if memory != "host" else 0))
+    return Budget(ranks, open_requests, longest, per_request)
+
+
+def host_available() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (what the kernel can give without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def usable(available: int) -> int:
+    return max(0, available - max(MARGIN_MIN, int(MARGIN_SHARE * available)))
+
+
+def fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _culprit(setup: Setup, b: Budget, part: str, fraction: float) -> tuple[str, object, str]:
+    """(field, value, what fits) for the part that makes the run too large, its share ``fraction`` of
+    what it needs being all that is left for it."""
+    t = setup.transfer
+    name, value, tokens = b.longest
+    if part == "plan":
+        n = int(setup.workload.requests * fraction)
+        return "workload.requests", setup.workload.requests, f"at most {n} requests fit ({b.chunks_per_request} " \
+                                                          "chunks each at the longest prompt)"
+    if part == "staging" and t.strategy.staging == Staging.per_chunk:
+        return name, value, f"the naive buffers grow with the prompt: prompts of at most {int(tokens * fraction)} " \
+                            "tokens fit, or use transfer=chunked"
+    if part == "staging":
+        slots, mib = t.slots, t.slot_bytes / 2**20
+        if slots / 4 >= mib / 16:  # the knob furthest above its default
+            return "transfer.slots", slots, f"transfer.slots <= {max(0, int(slots * fraction))} fits"
+        return "transfer.slot_mib", mib, f"transfer.slot_mib <= {mib * fraction:.4g} fits"
+    for side in (setup.ctx, setup.gen):  # the cache
+        if side.tokens_per_block > max(tokens, 1) * 2:  # blocks far larger than any prompt: mostly padding
+            return f"{side.name}.tokens_per_block", side.tokens_per_block, \
+                f"a block of {side.tokens_per_block} tokens is larger than any prompt ({tokens}); " \
+                f"{side.name}.tokens_per_block <= {max(1, int(side.tokens_per_block * fraction))} fits"
+    cap = setup.cache.capacity_tokens
+    if cap:
+        return "cache.capacity_tokens", cap, f"cache.capacity_tokens <= {int(cap * fraction)} fits"
+    n = b.open_requests
+    return name, value, f"prompts of at most {int(tokens * fraction)} tokens fit, with {n} request" \
+                        f"{'s' if n != 1 else ''} open per rank (fewer with a lower workload.concurrency)"
+
+
+def check(setup: Setup, b: Budget) -> None:
+    """ConfigError for the first memory whose ranks need more than it can give (``b.available``)."""
+    for memory, have in sorted(b.available.items()):
+        need = b.need(memory)
+        total = sum(need.values())
+        if total <= have:
+            continue
+        sizable = {k: v for k, v in need.items() if k in ("cache", "staging", "plan")}
+        part = max(sizable, key=sizable.get)
+        # what grows with the culprit's field: block tables with the cache, and the naive buffers with the prompt
+        scales = {"cache": ("cache", "tables"), "staging": ("staging",), "plan": ("plan",)}[part]
+        if setup.transfer.strategy.staging == Staging.per_chunk and part in ("cache", "staging"):
+            scales = ("cache", "tables", "staging")
+        grows = sum(need.get(k, 0) for k in scales)
+        fraction = max(0.0, (have - (total - grows)) / grows) if grows else 0.0
+        where = [r.name for r in b.ranks if r.on(memory)]
+        f, value, fits = _culprit(setup, b, part, fraction)
+        shown = ", ".join(f"{k} {fmt(v)}" for k, v in sorted(need.items(), key=lambda kv: -kv[1]) if v)
+        src = "MemAvailable less a margin" if memory == "host" else "free memory less a margin"
+        raise ConfigError(f, value, f"{' + '.join(where) if len(where) <= 4 else f'{len(where)} ranks'} need "
+                          f"{fmt(total)} of {memory} memory ({shown}), {fmt(have)} available ({src}); {fits}")
+
+
+def measure(setup: Setup) -> Budget:
+    """The budget of a run whose ranks all run on this host, with what the host can give. With GPUs the
+    device part is left to the ranks themselves (they hold the CUDA contexts that can read it)."""
+    from kvlab.config.devices import gpu_count
+
+    b = estimate(setup, gpu_count(setup))
+    b.available["host"] = usable(host_available())
+    return b
+
+
+def device_problem(setup: Setup, world_rank: int, gpus: int, free: int, local_world: int) -> tuple | None:
+    """On a rank's GPU (``free`` bytes free, read by the rank): (field, value, hint) of the ConfigError
+    to raise if the ranks that share it need more, else None. Ranks of other hosts (torchrun across
+    nodes) are not counted as sharing it."""
+    b = estimate(setup, gpus)
+    memory = b.ranks[world_rank].memory
+    if local_world != setup.world_size:  # only this host's ranks share its GPUs; which ones is not known here
+        b.ranks = [b.ranks[world_rank]]
+    b.available = {memory: usable(free)}
+    try:
+        check(setup, b)
+    except ConfigError as e:
+        return e.field, e.value, e.hint
+    return None
+
+
+def check_files(setup: Setup, b: Budget) -> None:
+    """ConfigError where the transport keeps the ctx pools as files (ipc on CPUs: /dev/shm) and that place cannot
+    be written or has no room for them: a pool that does not fit there dies of SIGBUS at its first write."""
+    where = setup.transport.cls().pool_files(setup)
+    if where is None:
+        return
+    name = f"transport={setup.transport.name}"
+    if os.statvfs(where).f_flag & os.ST_RDONLY or not os.access(where, os.W_OK):
+        raise ConfigError("transport", setup.transport.name, f"{name} keeps the ctx pools in {where}, which "
+                          "cannot be written here; use transport=p2p")
+    need, free = sum(r.cache for r in b.ranks if r.name.startswith("ctx")), shutil.disk_usage(where).free
+    if need > free:
+        f, value, fits = _culprit(setup, b, "cache", free / need)
+        raise ConfigError(f, value, f"{name} keeps the ctx pools in {where}: they need {fmt(need)}, "
+                          f"{fmt(free)} free there; {fits}, or use transport=p2p")
+
+
+def check_host(setup: Setup) -> Budget:
+    b = measure(setup)
+    check(setup, b)
+    check_files(setup, b)
+    return b

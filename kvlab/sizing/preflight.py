@@ -1,0 +1,94 @@
+"""Checks that need the run's plan, made before anything is allocated, and the cache blocks each rank needs.
+
+Every rank makes the same checks on the same pure plan, so that all ranks stop or none does.
+"""
+from __future__ import annotations
+
+import math
+
+from kvlab.config import faults
+from kvlab.config.workload import chunks_of, plan_run
+from kvlab.core.errors import ConfigError
+from kvlab.memory.cache import blocks_for
+from kvlab.model.schedule import Chunk
+from kvlab.model.state import CacheState
+
+
+def held_spans(mine: list[Chunk], window: int, order: list[Chunk] | None = None,
+               fcfs: list[int] | None = None) -> dict[int, tuple[int, int]]:
+    """When each request holds its blocks on one rank, as [first, last) positions of one chunk order.
+
+    A gen rank holds a request from its first chunk until ``window`` of its chunks after its last
+    (completion lags posting by up to the window): positions of its own chunks. A ctx rank's prefill
+    allocates a request when the prefill takes it (kvlab.rank.prefiller), first come first served
+    (``fcfs``: its requests in arrival order), possibly long before the transfer loop needs it; the
+    prefill waits for blocks, and is needed (by this rank, or by a tensor-parallel peer whose prefill
+    ends in step with it) from the request's first chunk in the global ``order``. So it holds a
+    request from there, or from a later-arriving request's first chunk if that comes first (the
+    prefill takes requests in arrival order), until the global position of its own chunk ``window``
+    after the request's last: positions of the global order."""
+    last = {}
+    for i, c in enumerate(mine):
+        last[c.request] = i + window
+    if order is None:
+        first = {}
+        for i, c in enumerate(mine):
+            first.setdefault(c.request, i)
+        return {r: (first[r], last[r]) for r in first}
+    at = {id(c): g for g, c in enumerate(order)}
+    first_any: dict[int, int] = {}
+    for g, c in enumerate(order):
+        first_any.setdefault(c.request, g)
+    spans, start = {}, len(order)
+    for r in reversed([r for r in (fcfs or []) if r in last]):
+        start = min(start, first_any[r])
+        spans[r] = (start, at[id(mine[last[r]])] if last[r] < len(mine) else len(order))
+    return spans
+
+
+def peak_blocks(state: CacheState, spans: dict[int, tuple[int, int]], isl: dict[int, int]) -> dict[str, int]:
+    """Blocks per pool held at the worst moment, given when each request holds its blocks (``held_spans``)."""
+    events = sorted([(a, 1, r) for r, (a, _) in spans.items()] + [(b, -1, r) for r, (_, b) in spans.items()],
+                    key=lambda e: (e[0], -e[1]))
+    out = {}
+    for pool in state.pools():
+        cur = peak = 0
+        for _, sign, r in events:
+            cur += sign * blocks_for(pool, isl[r])
+            peak = max(peak, cur)
+        out[pool.name] = peak
+    return out
+
+
+def preflight(setup, requests=None, order=None, rank: int | None = None) -> dict[str, int] | None:
+    """Checks that need the plan, before anything is allocated; returns the blocks per pool that world
+    rank ``rank`` allocates. With ``cache.capacity_tokens`` every pool holds that many tokens, and the
+    requests in flight at the worst moment must fit on every rank (checked for all of them, so that
+    every rank stops or none does): kvlab has no admission control for cache blocks."""
+    if requests is None:
+        requests, _, order = plan_run(setup)
+    faults.check(setup, order)
+    isl = {r.id: r.isl for r in requests}
+    fcfs = [r.id for r in sorted(requests, key=lambda r: (r.arrival_s, r.id))]
+    cap = setup.cache.capacity_tokens
+    out = None
+    for w in range(setup.world_size) if cap else ([] if rank is None else [rank]):
+        side, side_rank = setup.side_of(w)
+        state = CacheState(setup.model, side, side_rank)
+        mine = chunks_of(order, setup, w)
+        spans = (held_spans(mine, setup.transfer.slots, order, fcfs) if side.name == "ctx"
+                 else held_spans(mine, setup.transfer.slots))
+        need = peak_blocks(state, spans, isl)
+        if cap:
+            for pool in state.pools():
+                have = math.ceil(cap / pool.tokens_per_block)
+                if need[pool.name] > have:
+                    tokens = need[pool.name] * pool.tokens_per_block
+                    raise ConfigError("cache.capacity_tokens", cap,
+                                      f"the requests {side.name}{side_rank} holds at once need {need[pool.name]} "
+                                      f"blocks ({tokens} tokens) of pool {pool.name}; raise it to >= {tokens} or "
+                                      "lower workload.concurrency (0 sizes the cache to the workload)")
+            need = {pool.name: math.ceil(cap / pool.tokens_per_block) for pool in state.pools()}
+        if w == rank:
+            out = need
+    return out
