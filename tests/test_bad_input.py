@@ -100,6 +100,19 @@ CATALOGUE = [
     ("trace-prompt-refused-by-cache",
      ["workload=mooncake", "cache.capacity_tokens=8192", "workload.long_prompts=refuse"],
      ["workload.trace=mooncake_conversation_300.jsonl", "cache.capacity_tokens=8192", "line "]),
+    # prefix reuse on the decode side
+    ("prefix-cache-negative", ["workload=mooncake", "gen.prefix_cache_tokens=-1"],
+     ["gen.prefix_cache_tokens=-1", ">= 0"]),
+    ("prefix-cache-below-one-block", ["workload=mooncake", "gen.prefix_cache_tokens=100"],
+     ["gen.prefix_cache_tokens=100", "512-token block", ">= 512"]),
+    ("prefix-cache-on-ctx", ["workload=mooncake", "ctx.prefix_cache_tokens=4096"],
+     ["ctx.prefix_cache_tokens=4096", "gen.prefix_cache_tokens"]),
+    ("prefix-cache-without-hash-ids", ["gen.prefix_cache_tokens=4096"],
+     ["gen.prefix_cache_tokens=4096", "hash_ids", "workload=mooncake", "workload.arrival=burst"]),
+    ("prefix-cache-trace-without-hash-ids", ["workload=azure_code", "gen.prefix_cache_tokens=4096"],
+     ["gen.prefix_cache_tokens=4096", "workload.trace=azure_code_2023_300.csv", "line 2"]),
+    ("prefix-cache-with-decode-check", ["workload=mooncake", "gen.prefix_cache_tokens=4096", "check=decode"],
+     ["gen.prefix_cache_tokens=4096", "check=bytes"]),
     # fault injection
     ("kill-rank-out-of-range", ["fault.kill_rank=3", "fault.kill_at_chunk=0"], ["fault.kill_rank=3", "[0, 3)"]),
     ("kill-without-chunk", ["fault.kill_rank=1"], ["fault.kill_at_chunk=-1", ">= 0"]),
@@ -162,7 +175,8 @@ def test_what_the_knobs_accept_passes():
     (["cache.capacity_tokens=1000"], "cache.capacity_tokens=1000"),
     (["fault.kill_rank=1", "fault.kill_at_chunk=100000"], "fault.kill_at_chunk=100000"),
     (["ctx.tpp=2"], "ctx.tpp=2"),
-], ids=["split", "prompt-longer-than-cache", "fault-past-the-end", "misspelt-key"])
+    (["workload=mooncake", "gen.prefix_cache_tokens=100"], "gen.prefix_cache_tokens=100"),
+], ids=["split", "prompt-longer-than-cache", "fault-past-the-end", "misspelt-key", "prefix-cache-below-one-block"])
 def test_kvlab_run_exits_2_with_one_line_and_writes_nothing(overrides, names, tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
     p = kvlab_cli("run", f"hydra.run.dir={run_dir}", "logger=quiet", *overrides, cwd=tmp_path, timeout=120)

@@ -22,7 +22,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from kvlab.core import paths
+from kvlab.core import paths, traces
 from kvlab.core.checks import check_config
 from kvlab.core.decode_spec import CheckSpec
 from kvlab.core.errors import ConfigError, positive, require
@@ -31,6 +31,7 @@ from kvlab.core.rates import CostSpec
 from kvlab.core.serving import ServingSpec
 from kvlab.model.parallel import SideSpec
 from kvlab.model.prefill import PrefillSpec, check_gpu
+from kvlab.model.prefix import BLOCK_TOKENS
 from kvlab.model.schedule import make_strategy
 from kvlab.model.spec import CacheSpec, FaultSpec, LoggerSpec, ModelSpec, WorkloadSpec
 from kvlab.model.state import check_kv_dtypes
@@ -199,6 +200,8 @@ class Setup:
                     f"a {longest}-token prompt does not fit cache.capacity_tokens={cap}; keep prompts at or below "
                     f"{cap} tokens or raise cache.capacity_tokens to >= {longest} (0 sizes the cache to the "
                     "workload)")
+        if gen.prefix_cache_tokens:
+            self._check_prefix_cache()
         require(self.kernels in KERNELS, "kernels", self.kernels, "use auto, torch or cuda")
         require(isinstance(self.repeat, int) and self.repeat >= 0, "repeat", self.repeat,
                 "must be a repeat index >= 0; sweep it for repeats: kvlab run -m repeat=0,1,2")
@@ -220,6 +223,24 @@ class Setup:
                 "prefill=gpu computes on the ctx ranks' GPUs; use device=cuda (or auto), or prefill=sim")
         self.check.validate(self)
         self.transport.cls().check(self)  # what only the chosen transport knows it cannot serve
+
+    def _check_prefix_cache(self) -> None:
+        """Prefix reuse needs the blocks of every prompt named (a Mooncake trace's hash_ids, kvlab.model.prefix)."""
+        field, tokens, w = "gen.prefix_cache_tokens", self.gen.prefix_cache_tokens, self.workload
+        where = f"workload.trace={w.trace}" if w.arrival == "trace" else f"workload.arrival={w.arrival}"
+        rows = traces.read(w.trace)[:w.requests] if w.arrival == "trace" else ()
+        missing = next((r for r in rows if r.hash_ids is None), None)
+        if missing is not None or not rows:
+            raise ConfigError(field, tokens, "needs requests that name their prompt blocks (a Mooncake trace's "
+                              f"hash_ids: workload=mooncake); {where} has none"
+                              f"{f' (line {missing.line})' if missing else ''}; or use 0 (off)")
+        for r, (_, isl) in zip(rows, w.timed_trace(self.cache.capacity_tokens)):
+            require(len(r.hash_ids) * BLOCK_TOKENS >= isl, "workload.trace", w.trace,
+                    f"line {r.line}: {len(r.hash_ids)} hash_ids name {len(r.hash_ids) * BLOCK_TOKENS} tokens, "
+                    f"fewer than its {isl}-token prompt (one id per {BLOCK_TOKENS} tokens)")
+        require(not self.check.decode, field, tokens,
+                "with check=decode the decode model draws each request's prompt apart, so equal prefixes do not "
+                "have equal caches; use check=bytes, or 0 (off)")
 
     @property
     def world_size(self) -> int:

@@ -20,11 +20,12 @@ import math
 import random
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import replace
 
 from kvlab.config.devices import pair_backend
 from kvlab.config.schema import Setup
 from kvlab.core import arrivals, traces
-from kvlab.model import prefill
+from kvlab.model import prefill, prefix
 from kvlab.model.plan import Request, plan
 from kvlab.model.schedule import Chunk, Ready, schedule
 from kvlab.model.spec import WorkloadSpec
@@ -58,14 +59,21 @@ def output_lengths(w: WorkloadSpec, n: int) -> list[int | None]:
 
 
 def make_requests(setup: Setup) -> list[Request]:
-    """The run's requests, in arrival order."""
+    """The run's requests, in arrival order; with ``gen.prefix_cache_tokens`` each one carries what the gen
+    DP group's prefix cache holds of it at its arrival (kvlab.model.prefix: the same on every rank)."""
     w = setup.workload
     if w.arrival == "trace":
         timed = w.timed_trace(setup.cache.capacity_tokens)
     else:
         timed = list(zip(arrivals.times(w, w.requests), prompt_lengths(w, w.requests)))
     osl = output_lengths(w, len(timed))
-    return [request(setup, i, isl, t, osl[i]) for i, (t, isl) in enumerate(timed)]
+    out = [request(setup, i, isl, t, osl[i]) for i, (t, isl) in enumerate(timed)]
+    if setup.gen.prefix_cache_tokens:
+        ids = [r.hash_ids for r in traces.read(w.trace)[:len(out)]]  # Setup checked that the trace has them
+        held = prefix.assign([(r.id, r.isl, ids[r.id], r.gen_dp) for r in out], setup.gen.prefix_cache_tokens,
+                             setup.gen.dp)
+        out = [replace(r, prefix=held[r.id]) for r in out]
+    return out
 
 
 def plan_requests(setup: Setup) -> list[Request]:

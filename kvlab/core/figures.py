@@ -40,7 +40,9 @@ Identities, checked on every run by kvlab.results.metrics.violations (the run pr
 fails) and by the tests on every end-to-end run: ``ttft_s = queue_s + prefill_s + exposed_s``;
 ``0 <= exposed_s <= seconds`` (the request's transfer span: its first chunk free to go is at the
 latest its prefill's end); ``busy_s <= seconds`` per request and ``busy_s <= makespan_s`` for the
-run; the bytes of each (request, ctx rank) and (request, gen rank), and of each (ctx, gen) pair
+run; with prefix reuse, ``0 <= prefix_hit_blocks <= prefix_blocks``, ``skipped_bytes`` 0 without a
+hit and ``ttft_no_reuse_s >= ttft_s`` (and, in the tests, bytes + skipped_bytes = the plan's without
+reuse); the bytes of each (request, ctx rank) and (request, gen rank), and of each (ctx, gen) pair
 where the parts carry ``peer_bytes``, equal the plan's.
 
 Schema 2 (kvlab.results.records.SCHEMA): a figure's ``was`` is its name in older files, which read under
@@ -310,6 +312,28 @@ TABLE: tuple[Figure, ...] = (
     Figure("prefill_slowdown", "x", "The prefill in the run over the same prefill alone on the GPU (prefill=gpu).",
            "prefill_s / prefill_alone_s", request=lambda r: None if r.prefill_s is None or not r.prefill_alone_s
            else r.prefill_s / r.prefill_alone_s, line="prefill slowdown x"),
+    # -- prefix reuse on the decode side (gen.prefix_cache_tokens, kvlab.model.prefix); absent with it off
+    Figure("skipped_bytes", "B", "Bytes of the request's cache its gen ranks already held from earlier prompts "
+           "(prefix reuse), so that nothing moved them: bytes + skipped_bytes is what it moves without reuse.",
+           "sum of the gen parts' skipped_bytes", request=lambda r: _sum(r.gen, "skipped_bytes"), default=0,
+           run="sum", run_default=0),
+    Figure("prefix_hit_blocks", "count", "Leading 512-token blocks of the prompt the gen DP group's prefix cache "
+           "held at its arrival.", "max of the gen parts' prefix_hit_blocks; the run: their sum",
+           request=lambda r: max((p.prefix_hit_blocks for p in r.gen if p.prefix_hit_blocks is not None),
+                                 default=None), run=_over_rows("prefix_hit_blocks", sum)),
+    Figure("prefix_blocks", "count", "Full 512-token blocks of the prompt, the ones the prefix cache was asked "
+           "for.", "max of the gen parts' prefix_blocks; the run: their sum",
+           request=lambda r: max((p.prefix_blocks for p in r.gen if p.prefix_blocks is not None), default=None),
+           run=_over_rows("prefix_blocks", sum)),
+    Figure("prefix_hit_rate", "x", "The share of the prompt's full blocks found in the prefix cache.",
+           "prefix_hit_blocks / prefix_blocks; the run: sum over sum",
+           request=lambda r: r.prefix_hit_blocks / r.prefix_blocks if r.prefix_blocks else None,
+           run=lambda run: run.prefix_hit_blocks / run.prefix_blocks if run.prefix_blocks else None),
+    Figure("ttft_no_reuse_s", "s", "An estimate of the TTFT without prefix reuse, from the same run: the skipped "
+           "bytes added after the moved ones at the request's own delivered rate (a second run with "
+           "gen.prefix_cache_tokens=0 measures it instead).", "ttft_s + skipped_bytes / (bytes / busy_s)",
+           request=lambda r: None if r.prefix_blocks is None or r.ttft_s is None or not r.busy_s or not r.bytes
+           else r.ttft_s + r.skipped_bytes * r.busy_s / r.bytes, line="TTFT without reuse (est.)"),
     # -- around the transfer
     Figure("fill_s", "s", "Host time writing the request's cache, inside the prefill (ctx ranks together).",
            "sum of the ctx parts' fill_s", request=lambda r: _sum(r.ctx, "fill_s"), default=0.0, run="sum",

@@ -5,8 +5,10 @@ a line with ``timestamp`` in ms, ``input_length``, ``output_length``) and the Az
 inference trace (``.csv``: ``TIMESTAMP,ContextTokens,GeneratedTokens`` with wall-clock
 timestamps). Arrivals count in seconds from the first request. A relative path is looked up
 in the working directory, then among the samples shipped in ``traces/`` (their README names
-the sources and licenses). Anything that cannot be read stops with one line naming the file
-and, for a bad row, its line number.
+the sources and licenses). A Mooncake row's ``hash_ids`` (one id per 512-token block of the prompt,
+equal ids meaning an equal prefix) are kept for prefix reuse on the decode side (kvlab.model.prefix).
+Anything that cannot be read stops with one line naming the file and, for a bad row, its line
+number.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     line: int  # line of the file it came from, for messages
+    hash_ids: tuple[int, ...] | None = None  # Mooncake: one id per 512-token block of the prompt; None: not given
 
 
 def shipped() -> list[str]:
@@ -74,8 +77,13 @@ def _mooncake(path: str, text: str) -> list[TraceRequest]:
         ts = row["timestamp"]
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0 or ts != ts:
             raise _bad(path, n, f"timestamp={ts!r} is not a time >= 0 in ms")
+        ids = row.get("hash_ids")
+        if ids is not None and (not isinstance(ids, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids)):
+            raise _bad(path, n, f"hash_ids={ids!r} is not a list of block ids >= 0")
         out.append(TraceRequest(ts / 1e3, _count(path, n, "input_length", row["input_length"]),
-                                _count(path, n, "output_length", row.get("output_length", 0)), n))
+                                _count(path, n, "output_length", row.get("output_length", 0)), n,
+                                None if ids is None else tuple(ids)))
     return out
 
 

@@ -6,6 +6,13 @@ draws from a shuffled free list, so block ids of a request are not consecutive a
 transfer must follow the block table. A few *canary* blocks at both ends of each pool
 are never handed out: they hold a known pattern that must survive every transfer.
 Sliding-window pools hold only the blocks that overlap the window.
+
+With prefix reuse (a gen rank's ``share``, kvlab.model.prefix) a request's leading blocks may be another
+request's: its block table points at the source's physical blocks, and each such block counts its
+references, the source and every planned sharer, so that it is freed only when the last of them is
+released, whatever order they finish in. The references are planned (the same pure LRU both sides
+derive the plan from), not taken at run time: a block is never freed while a later sharer still
+needs it, and never kept past the last one.
 """
 from __future__ import annotations
 
@@ -15,9 +22,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvlab.memory.fill import expected, locate, mix
+from kvlab.memory.fill import expected, key_of, locate, mix
 from kvlab.model.layout import Rect, as_stored
 from kvlab.model.plan import Request, Segment
+from kvlab.model.prefix import users
 from kvlab.model.schedule import cut_rect
 from kvlab.model.state import CacheState, RankPool
 
@@ -98,6 +106,12 @@ class PagedCache:
         self.after_verify = None  # called with (request, ops, errors) after its byte check, before its release
         self.pools: dict[str, PoolStore] = {}
         self.tables: dict[int, dict[str, BlockTable]] = {}
+        # prefix reuse (``share``): (source request, pool, block n) -> its requests sharing it; the physical block of
+        # each such block once its source allocated it; references left per (pool, physical block)
+        self.sharers: dict[tuple[int, str, int], list[int]] = {}
+        self.kept: dict[tuple[int, str, int], int] = {}
+        self.kept_as: dict[tuple[str, int], tuple[int, str, int]] = {}  # the other way round
+        self.refs: dict[tuple[str, int], int] = {}
         # fill's and verification's two scratch pieces (expected and packed bytes), allocated with the pools,
         # before the transfer's baseline: they are the emulated prefill's and decode's memory, not the transfer's
         self._scratch = torch.empty(2, verify_piece_bytes(device), dtype=torch.uint8, device=device)
@@ -120,23 +134,70 @@ class PagedCache:
         return sum(s.storage.numel() for s in self.pools.values())
 
     # -- blocks ---------------------------------------------------------------------------
-    def allocate(self, req: Request) -> dict[str, BlockTable]:
-        tables = {}
+    def share(self, requests: list[Request]) -> None:
+        """A gen rank's prefix reuse: plan which of its blocks each request shares with which earlier one."""
+        pools = [(name, s.pool.tokens_per_block, not s.pool.spec.window) for name, s in self.pools.items()]
+        self.sharers = users({r.id: r.prefix for r in requests if r.prefix is not None},
+                             {r.id: r.isl for r in requests}, pools)
+
+    def shared(self, req: Request) -> dict[str, list[tuple[int, int]]]:
+        """Per pool, (source request, block n) of each leading block ``req`` shares (none without prefix reuse)."""
+        if req.prefix is None or not self.sharers:
+            return {}
+        out = {}
         for name, store in self.pools.items():
+            tpb = store.pool.tokens_per_block
+            if not store.pool.spec.window:
+                out[name] = [(req.prefix.source(n, tpb), n) for n in range(req.prefix.shared_blocks(req.isl, tpb))]
+        return out
+
+    def sources(self, req: Request) -> set[int]:
+        """The earlier requests whose blocks ``req`` shares here."""
+        return {src for pairs in self.shared(req).values() for src, _ in pairs}
+
+    def missing(self, req: Request) -> set[int]:
+        """The sources of ``req`` not allocated here yet (their blocks must exist before ``req`` points at them)."""
+        return {src for name, pairs in self.shared(req).items() for src, n in pairs if (src, name, n) not in self.kept}
+
+    def allocate(self, req: Request) -> dict[str, BlockTable]:
+        tables, shared = {}, self.shared(req)
+        for name, store in self.pools.items():
+            reused = [self.kept[(src, name, n)] for src, n in shared.get(name, ())]  # KeyError: a source not here
             try:
-                ids = store.allocator.allocate(blocks_for(store.pool, req.isl))
+                ids = reused + store.allocator.allocate(blocks_for(store.pool, req.isl) - len(reused))
             except MemoryError:  # all pools or none: a request waiting for blocks must not hold some
                 for done, table in tables.items():
-                    self.pools[done].allocator.release(list(table.host))
+                    self._free(done, table.host)
                 raise
+            for n in range(len(reused), len(ids)):  # its own blocks that later requests will share
+                users_n = self.sharers.get((req.id, name, n))
+                if users_n:
+                    self.kept[(req.id, name, n)] = ids[n]
+                    self.kept_as[(name, ids[n])] = (req.id, name, n)
+                    self.refs[(name, ids[n])] = 1 + len(users_n)
             base = store.pool.held_start(req.isl) // store.pool.tokens_per_block
             tables[name] = BlockTable(torch.tensor(ids, dtype=torch.int64, device=self.device), base, tuple(ids))
         self.tables[req.id] = tables
         return tables
 
+    def _free(self, name: str, blocks) -> None:
+        """Give back one holder's blocks: a shared block only once its last reference goes."""
+        free = []
+        for b in blocks:
+            left = self.refs.get((name, b))
+            if left is None:
+                free.append(b)
+            elif left > 1:
+                self.refs[(name, b)] = left - 1
+            else:
+                del self.refs[(name, b)]
+                del self.kept[self.kept_as.pop((name, b))]
+                free.append(b)
+        self.pools[name].allocator.release(free)
+
     def release(self, req_id: int) -> None:
         for name, table in self.tables.pop(req_id).items():
-            self.pools[name].allocator.release(list(table.host))
+            self._free(name, table.host)
 
     # -- contents -------------------------------------------------------------------------
     def _pieces(self, rect: Rect, pool: RankPool) -> list[Rect]:
@@ -167,19 +228,27 @@ class PagedCache:
                 rect = replace(rect, l0=i, l1=i + 1)
             for piece in self._pieces(rect, store.pool):
                 self.tick()
-                data = self.contents(req.id, store.pool, piece, out=self._buffers(piece.nbytes(store.pool.rows))[0])
+                data = self.contents(key_of(req), store.pool, piece,
+                                     out=self._buffers(piece.nbytes(store.pool.rows))[0])
                 ops.unpack(data, store.pool, store.num_blocks, piece, table.ids, table.base, store.storage)
 
     def verify(self, req: Request, segments: list[Segment], ops) -> list[str]:
-        """Bit-exact check of everything this rank received for ``req``; one line per wrong piece."""
+        """Bit-exact check of everything this rank received for ``req``, and of the blocks it shares with earlier
+        requests (prefix reuse: what it would have received); one line per wrong piece."""
         errors = []
-        for seg in segments:
-            store = self.pools[seg.rect.pool]
-            table = self.tables[req.id][seg.rect.pool]
-            for piece in self._pieces(seg.rect, store.pool):
+        checks = [(seg.rect, f"from ctx{seg.src}") for seg in segments]
+        for name, pairs in self.shared(req).items():
+            if pairs:
+                rect = replace(self.held_rect(name, req.isl), t1=len(pairs) * self.pools[name].pool.tokens_per_block)
+                sources = ", ".join(str(s) for s in sorted({src for src, _ in pairs}))
+                checks.append((rect, f"in the prefix shared from request {sources}"))
+        for rect, where in checks:
+            store = self.pools[rect.pool]
+            table = self.tables[req.id][rect.pool]
+            for piece in self._pieces(rect, store.pool):
                 self.tick()
                 want, got = self._buffers(piece.nbytes(store.pool.rows))
-                self.contents(req.id, store.pool, piece, out=want)
+                self.contents(key_of(req), store.pool, piece, out=want)
                 ops.pack(store.storage, store.pool, store.num_blocks, piece, table.ids, table.base, got)
                 if same_bytes(got, want):
                     continue
@@ -187,7 +256,7 @@ class PagedCache:
                 at = locate(store.pool, piece, int(bad[0]))
                 block = table.host[at["token"] // store.pool.tokens_per_block - table.base]  # where it lies here
                 errors.append(
-                    f"request {req.id}: {bad.numel()} wrong bytes from ctx{seg.src}, first at pool {at['pool']} "
+                    f"request {req.id}: {bad.numel()} wrong bytes {where}, first at pool {at['pool']} "
                     f"layer {at['layer']} component {at['component']} head {at['head']} token {at['token']} "
                     f"byte {at['byte']} (block {block})")
         if self.after_verify is not None:

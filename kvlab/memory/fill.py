@@ -2,7 +2,12 @@
 
 Byte ``x`` of the row of (request, pool kind, global layer, component, global head, token)
 is a hash of those coordinates: misplaced rows, swapped heads or layers, a shifted token
-and the MLA latent delivered as indexer keys all change the bytes. ``expected`` produces
+and the MLA latent delivered as indexer keys all change the bytes. With prefix reuse on the
+decode side (kvlab.model.prefix) the request's place is taken, token by token, by the chain key of the
+trace block holding the token (``PrefixKey``): a prefix two prompts share then has the same bytes
+in both, as a real model's cache would, so a gen rank may hold it once for both and the check of
+each request covers the blocks it shares; everything after the shared prefix stays distinct,
+since the chain keys of different prompts differ from their first different block on. ``expected`` produces
 a rectangle's bytes in wire order, so fill is "unpack the expected bytes" and verify is
 "pack and compare" with the very ops under test.
 """
@@ -14,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvlab.model.layout import Rect, as_stored, convert_wire, tile_groups
+from kvlab.model.prefix import BLOCK_TOKENS
 from kvlab.model.spec import KINDS
 from kvlab.model.state import RankPool
 
@@ -40,17 +46,43 @@ def _layers(layers: tuple[int, ...], device: str) -> torch.Tensor:
     return torch.tensor(layers, dtype=torch.int64, device=device)
 
 
-def row_seeds(request: int, pool: RankPool, rect: Rect, comp: int, device) -> torch.Tensor:
-    """int64 [layers, heads, tokens]: one seed per row of component ``comp`` of ``rect``."""
+@dataclass(frozen=True)
+class PrefixKey:
+    """A request's contents keyed by its trace blocks (kvlab.model.prefix.Prefix.keys) instead of its id."""
+
+    keys: tuple[int, ...]  # chain key of every trace block of the prompt
+
+
+def key_of(req):
+    """What a request's contents are a hash of: its id, or its blocks' chain keys with prefix reuse on."""
+    return req.id if req.prefix is None else PrefixKey(req.prefix.keys)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_keys(keys: tuple[int, ...], device: str) -> torch.Tensor:
+    # built once per request and device (a host-to-device copy queues behind the device's work: not per piece)
+    return torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys], dtype=torch.int64, device=device)
+
+
+def row_seeds(request, pool: RankPool, rect: Rect, comp: int, device) -> torch.Tensor:
+    """int64 [layers, heads, tokens]: one seed per row of component ``comp`` of ``rect``; ``request``: its id,
+    or a PrefixKey (a key per token, from the trace block holding it)."""
     # no tensor built from host data on the device: that copy would wait for every kernel queued before it
     layers = _layers(pool.spec.layers, str(device))[rect.l0:rect.l1]
     heads = torch.arange(rect.h0, rect.h1, device=device, dtype=torch.int64)
     tokens = torch.arange(rect.t0, rect.t1, device=device, dtype=torch.int64)
-    key = int(mix(torch.tensor(request * 0x9E3779B1 + KINDS[pool.spec.kind].fill_tag * 0x7F4A7C15 + comp * 0x6A09E667,
-                               dtype=torch.int64)))
+    tag = KINDS[pool.spec.kind].fill_tag * 0x7F4A7C15 + comp * 0x6A09E667
+    # a block's key joins the token's term, in the last mix: no more work per row than a request's id (the fill
+    # is part of the emulated prefill's time)
+    per_token = tokens * 0x510E527F
+    if isinstance(request, PrefixKey):
+        blocks = _block_keys(request.keys, str(device))[torch.div(tokens, BLOCK_TOKENS, rounding_mode="floor")]
+        per_token = per_token + mix(blocks) * 0x2545F491
+        request = 0
+    key = int(mix(torch.tensor(request * 0x9E3779B1 + tag, dtype=torch.int64)))
     v = mix(key + layers[:, None, None] * 0x3C6EF372)
     v = mix(v + heads[None, :, None] * 0xBB67AE85)
-    return mix(v + tokens[None, None, :] * 0x510E527F)
+    return mix(v + per_token[None, None, :])
 
 
 def _tile_groups(rect: Rect) -> list[tuple[int, int, int]]:
@@ -109,7 +141,7 @@ def _row_table(row: int, device: str) -> _RowTable:
     return _RowTable(below.to(device), inside.to(torch.int32).to(device), table.to(device))
 
 
-def expected(request: int, pool: RankPool, rect: Rect, device="cpu", out: torch.Tensor | None = None) -> torch.Tensor:
+def expected(request, pool: RankPool, rect: Rect, device="cpu", out: torch.Tensor | None = None) -> torch.Tensor:
     """The bytes of ``rect`` for ``request`` in wire order (uint8, ``rect.nbytes(pool.rows)`` long), written
     into ``out`` when given. Per row one search and a gather of a table row (``_row_table``), a few
     layers at a time so that the pieces stay in cache: no arithmetic per byte but one add."""

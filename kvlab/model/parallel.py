@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from kvlab.core.errors import ConfigError, positive, require
 from kvlab.model import kv_dtype
 from kvlab.model.engine_layouts import LAYOUTS, NAMES, EngineLayout, Layout, layout_of
+from kvlab.model.prefix import BLOCK_TOKENS
 from kvlab.model.spec import DTYPE_BYTES, ModelSpec
 
 __all__ = ["EngineLayout", "Layout", "RankCoord", "SideSpec"]
@@ -41,6 +42,9 @@ class SideSpec:
     # the dtype its K/V (or MLA) rows are kept in (kvlab.model.kv_dtype): bf16, fp16, or fp8 e4m3 with fp32 scales;
     # None: ``dtype``. Where the two sides differ the values are converted in flight
     kv_dtype: str | None = None
+    # gen only: tokens of earlier prompts' blocks each gen DP group keeps for prefix reuse (each rank its share), LRU by
+    # block hash (kvlab.model.prefix; needs a trace with hash_ids, workload=mooncake); 0: off
+    prefix_cache_tokens: int = 0
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp"):
@@ -59,6 +63,14 @@ class SideSpec:
                     f"use one of {', '.join(kv_dtype.KV_DTYPES)} (fp8: e4m3 with fp32 scales), or leave it unset")
             require(self.dtype in kv_dtype.BASES, f"{self.name}.kv_dtype", self.kv_dtype,
                     f"converts bf16 or fp16 values; {self.name}.dtype={self.dtype} is neither")
+        field, tokens = f"{self.name}.prefix_cache_tokens", self.prefix_cache_tokens
+        require(isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0, field, tokens,
+                "must be a token count >= 0 (0: no prefix cache)")
+        if tokens:
+            require(self.name == "gen", field, tokens, "the prefill side keeps no prefix cache here; set "
+                    "gen.prefix_cache_tokens, or 0")
+            require(tokens >= BLOCK_TOKENS, field, tokens, f"holds less than one {BLOCK_TOKENS}-token block of the "
+                    f"trace's hash_ids; use 0 (off) or >= {BLOCK_TOKENS}")
         if self.layer_split is not None:
             object.__setattr__(self, "layer_split", tuple(self.layer_split))
             require(len(self.layer_split) == self.pp, f"{self.name}.layer_split", list(self.layer_split),

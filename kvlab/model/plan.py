@@ -6,7 +6,10 @@ stage whose layers overlap its own and every ctx TP rank whose heads overlap its
 segment. Data held by several ctx ranks (MLA latents and indexer keys on every TP rank,
 kv heads duplicated when ``tp > kv_heads``) comes from exactly one of them, picked by the
 gen rank's TP index so that the load spreads: each element a gen rank holds arrives once.
-Sliding-window pools move only the tiles that overlap the window.
+Sliding-window pools move only the tiles that overlap the window. A request whose leading blocks the gen DP
+group's prefix cache holds (``Request.prefix``, kvlab.model.prefix) moves, in every pool without a window, only
+the tokens from the first gen block the hit does not cover: a multiple of that gen pool's block, and so of
+the wire tile, whatever the ctx side's block size.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from kvlab.core.errors import positive, require
 from kvlab.model.layout import Rect
 from kvlab.model.parallel import SideSpec
+from kvlab.model.prefix import Prefix
 from kvlab.model.spec import ModelSpec
 from kvlab.model.state import CacheState, check_kv_dtypes, pool_format, side_pools, window_start, wire_pool, wire_tile
 
@@ -27,6 +31,8 @@ class Request:
     gen_dp: int = 0  # attention-DP group that decodes it
     arrival_s: float = 0.0  # when it arrives, seconds from the run's start (kvlab.core.arrivals)
     osl: int | None = None  # tokens it would decode (a trace's output_length, or workload.osl); None: unknown
+    # its blocks as the gen DP group's prefix cache saw them (kvlab.model.prefix); None: off
+    prefix: Prefix | None = None
 
     def validate(self, ctx: SideSpec, gen: SideSpec) -> None:
         positive("workload.isl", self.isl)
@@ -67,6 +73,8 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
             t0 = window_start(spec, req.isl, tile)
             if window_trim and spec.window:
                 t0 = min(req.isl - 1, max(0, req.isl - spec.window + 1) + window_trim)
+            if req.prefix is not None and not spec.window:  # the gen rank holds these blocks already
+                t0 = max(t0, req.prefix.shared_tokens(req.isl, gp.tokens_per_block))
             for c_pp in range(ctx.pp):
                 stage = ctx.stage_layers(model, c_pp)
                 local = [i for i in gp.layers if spec.layers[i] in stage]

@@ -238,7 +238,7 @@ def check_compatible(a: dict, b: dict, names: tuple[str, str] = ("ctx", "gen")) 
         raise ConfigError("dtype", f"{a['side']['dtype']} ({names[0]}) vs {b['side']['dtype']} ({names[1]})",
                           "kvlab moves cache bytes as they are; give both sides the same dtype")
     if a["side"]["name"] == b["side"]["name"]:
-        for key in ("tp", "pp", "dp", "tokens_per_block", "layout", "layer_split", "kv_dtype"):
+        for key in ("tp", "pp", "dp", "tokens_per_block", "layout", "layer_split", "kv_dtype", "prefix_cache_tokens"):
             if a["side"].get(key) != b["side"].get(key):
                 side = a["side"]["name"]
                 raise ConfigError(f"{side}.{key}", f"{a['side'][key]} ({names[0]}) vs {b['side'][key]} ({names[1]})",

@@ -21,7 +21,11 @@ the next chunk if it is ready and the window has room, and otherwise waits: for 
   its prefill marks go into its record, and its blocks are freed (which may let the prefill
   take the next request).
 - gen: open a request at its first chunk (allocate) -> start. After its last chunk is
-  finished (its clock stops there): verify it bit-exactly, then free its blocks.
+  finished (its clock stops there): verify it bit-exactly, then free its blocks. With prefix
+  reuse (kvlab.model.prefix) a request's table points at blocks of the earlier requests it shares
+  them with (its sources, allocated first, ahead of their own first chunk if need be), and it is
+  complete only once their chunks have landed too: its clock stops at the later of the two, so
+  TTFT counts the wait for a shared block still arriving, and it is verified after them.
 
 Nothing the prefill waits for depends on a later chunk (kvlab.rank.prefiller says why), and every
 rank follows one global order, so no wait cycle can form between ranks, whatever the window.
@@ -102,6 +106,12 @@ class Executor:
         self.looping = False
         self.prefiller: Prefiller | None = None  # a ctx rank's prefill thread (kvlab.rank.prefiller), made by run
         self.requests: dict[int, Request] = {}
+        # prefix reuse (gen): requests allocated ahead of their first chunk, as the source of an earlier-opened
+        # sharer's blocks; those closed here; and those whose own chunks landed before their sources' did
+        self.ahead: set[int] = set()
+        self.closed: set[int] = set()
+        self.pending: dict[int, tuple[Request, list[Segment], set[int]]] = {}
+        self.skipped: dict[int, int] = {}  # request -> bytes this gen rank did not need moved (set by the runner)
         held = [p.spec.layers[i] for p in cache.state.pools() for i in p.layers] if side == "ctx" else []
         self.held_layers = frozenset(held)  # global layers whose cache this (ctx) rank writes
         self.gpu_prefill = None  # kvlab.rank.prefill_gpu.GpuPrefill with prefill=gpu (set by the runner)
@@ -154,7 +164,10 @@ class Executor:
         else:
             while True:
                 try:
-                    self._allocate_aside(req)
+                    if req.id in self.ahead:
+                        self.ahead.discard(req.id)
+                    else:
+                        self._allocate_with_sources(req)
                     break
                 except MemoryError:
                     if not self.unverified:
@@ -163,6 +176,9 @@ class Executor:
         rec = RequestRecord(req.id, req.isl, self.side, self.rank, n_chunks)
         if not self.sending:
             rec.start = self.clock.mark()
+            if req.prefix is not None:
+                rec.prefix_hit_blocks, rec.prefix_blocks = req.prefix.hit, req.prefix.full
+                rec.skipped_bytes = self.skipped.get(req.id, 0)
         self.records[req.id] = rec
         return rec
 
@@ -173,11 +189,36 @@ class Executor:
         if self.sending:
             self._release(req.id)
         else:
-            landed = None
-            if self.stream is not None:  # its bytes are in once the work queued so far on the stream has run
-                landed = torch.cuda.Event()
-                landed.record(self.stream)
-            self.unverified.append((req, [s for s in segments if s.dst == self.rank], landed))
+            mine = [s for s in segments if s.dst == self.rank]
+            waits = self.cache.sources(req) - self.closed
+            if waits:  # blocks it shares are still arriving for an earlier request: complete once they are in
+                rec.end = None
+                self.pending[req.id] = (req, mine, waits)
+                return
+            self._landed(req, mine)
+
+    def _landed(self, req: Request, mine: list[Segment]) -> None:
+        """A gen rank holds all of ``req``'s cache: queue its check, and complete the sharers that waited for it."""
+        landed = None
+        if self.stream is not None:  # its bytes are in once the work queued so far on the stream has run
+            landed = torch.cuda.Event()
+            landed.record(self.stream)
+        self.unverified.append((req, mine, landed))
+        self.closed.add(req.id)
+        for rid, (other, theirs, waits) in list(self.pending.items()):
+            waits.discard(req.id)
+            if not waits and rid in self.pending:
+                del self.pending[rid]
+                self.records[rid].end = self.records[req.id].end
+                self._landed(other, theirs)
+
+    def _allocate_with_sources(self, req: Request) -> None:
+        """``req``'s blocks, after those of the sources it shares blocks with that have not opened yet (their own
+        first chunk comes later here: they are allocated ahead, and opened without allocating)."""
+        for src in sorted(self.cache.missing(req)):
+            self._allocate_with_sources(self.requests[src])
+            self.ahead.add(src)
+        self._allocate_aside(req)
 
     def _release(self, rid: int) -> None:
         with self.prefiller.cond if self.prefiller is not None else contextlib.nullcontext():
@@ -338,6 +379,10 @@ class Executor:
             self._abort(e, inflight)
         finally:
             self.looping = False
+        for rid in list(self.pending):  # (a source that never closed here stopped the loop: failed above)
+            self.failures.setdefault(rid, f"{self.side}{self.rank}: the blocks it shares never landed")
+            del self.pending[rid]
+            self._release(rid)
         if self.stream is not None and self.error is None:
             self.stream.synchronize()
         if not self.stopped:  # requests finished before a failure are still checked
@@ -393,6 +438,11 @@ class Executor:
                 self.failures[rid] = self.error if direct else f"{self.side}{self.rank}: aborted after {e}"
                 if rid in self.cache.tables:
                     self._release(rid)
+        for rid in [r for r in self.ahead if r in self.cache.tables]:  # allocated for sharers, never opened
+            self.failures.setdefault(rid, f"{self.side}{self.rank}: aborted after {e}")
+            self.cache.release(rid)
+        self.ahead.clear()
+        self.pending.clear()
         if self.sending:  # the prefill (stopped by now) may have taken requests the loop never opened
             for rid in list(self.cache.tables):
                 why = self.error if self.stopped else f"{self.side}{self.rank}: aborted after {e}"

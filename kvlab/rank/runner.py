@@ -20,6 +20,7 @@ import resource
 import signal
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from kvlab.core.errors import ConfigError
 from kvlab.core.interrupt import AtOnce, ignore, ready
 from kvlab.memory.cache import PagedCache
 from kvlab.memory.ops import get_ops
+from kvlab.model.plan import plan
 from kvlab.model.state import CacheState
 from kvlab.rank import control as transport
 from kvlab.rank import linkcurve, linkrate, report
@@ -124,6 +126,18 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
             signal.signal(s, h)
 
 
+def prefix_skipped(setup, requests, segments, gen_rank: int) -> dict[int, int]:
+    """Bytes of each request gen rank ``gen_rank`` did not need moved: its plan without the prefix hit, less
+    with it (the same pure plan both sides follow)."""
+    out = {}
+    for r in requests:
+        if r.prefix is not None and r.prefix.hit:
+            full = plan(setup.model, setup.ctx, setup.gen, replace(r, prefix=None), setup.fault.window_trim)
+            out[r.id] = sum(s.nbytes for s in full if s.dst == gen_rank) - \
+                sum(s.nbytes for s in segments[r.id] if s.dst == gen_rank)
+    return out
+
+
 def _worker(setup, run_dir: Path, world_rank: int, device: torch.device, at_once: AtOnce) -> int:
     side_spec, rank = setup.side_of(world_rank)
     side = side_spec.name
@@ -186,6 +200,9 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         decode_check.prepare(cache, board.beat)
     executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat)
+    if side == "gen" and setup.gen.prefix_cache_tokens:  # prefix reuse: which blocks it shares, what it saves
+        cache.share(requests)
+        executor.skipped = prefix_skipped(setup, requests, segments, rank)
     executor.connect()  # after the baseline: what the transport allocates (slots, NCCL's buffers) is extra
     if os.environ.get(linkcurve.ENV):  # kvlab link: the curve over message sizes instead of the transfers
         return linkcurve.run(setup, mover, world_rank, order, run_dir, device)

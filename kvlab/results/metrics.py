@@ -53,6 +53,10 @@ class RequestRecord:
     fill_s: float = 0.0  # host seconds writing the request's cache (ctx)
     verify_s: float = 0.0  # host seconds checking it (gen)
     in_loop: list = field(default_factory=list)  # ["verify"] when the check ran inside the transfer loop
+    # prefix reuse (gen, kvlab.model.prefix): bytes of its plan this rank already held; trace blocks hit and looked up
+    skipped_bytes: int = 0
+    prefix_hit_blocks: int | None = None
+    prefix_blocks: int | None = None
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -83,7 +87,8 @@ def resolve(rec: RequestRecord, clock: Clock, num_layers: int) -> RankPart:
         arrival=rec.arrival, epoch=clock.epoch, chunks_total=rec.chunks_total, first_post=opt(rec.first_post),
         slot_wait=rec.slot_wait, prefill_alone_s=rec.prefill_alone_s,
         layer_ready={int(k): s(v) for k, v in rec.layer_ready.items()},
-        fill_s=rec.fill_s, verify_s=rec.verify_s, in_loop=list(rec.in_loop))
+        fill_s=rec.fill_s, verify_s=rec.verify_s, in_loop=list(rec.in_loop), skipped_bytes=rec.skipped_bytes,
+        prefix_hit_blocks=rec.prefix_hit_blocks, prefix_blocks=rec.prefix_blocks)
 
 
 
@@ -199,6 +204,12 @@ def violations(rows: list[RequestRow], summary: Summary | None = None, parts: li
             out.append(f"{q}: exposed_s {r.exposed_s:.6f} > its transfer span (seconds) {r.seconds:.6f}")
         if r.busy_s is not None and r.seconds is not None and r.busy_s > r.seconds + tol:
             out.append(f"{q}: busy_s {r.busy_s:.6f} > its transfer span (seconds) {r.seconds:.6f}")
+        if r.prefix_blocks is not None and not 0 <= r.prefix_hit_blocks <= r.prefix_blocks:
+            out.append(f"{q}: prefix_hit_blocks {r.prefix_hit_blocks} outside [0, prefix_blocks {r.prefix_blocks}]")
+        if r.skipped_bytes and not r.prefix_hit_blocks:
+            out.append(f"{q}: skipped_bytes {r.skipped_bytes} without a prefix hit")
+        if r.ttft_no_reuse_s is not None and r.ttft_no_reuse_s < r.ttft_s - tol:
+            out.append(f"{q}: ttft_no_reuse_s {r.ttft_no_reuse_s:.6f} < ttft_s {r.ttft_s:.6f}")
     if summary is not None and summary.busy_s is not None and summary.makespan_s is not None \
             and summary.busy_s > summary.makespan_s + tol:
         out.append(f"run: busy_s {summary.busy_s:.6f} > makespan_s {summary.makespan_s:.6f}")

@@ -143,6 +143,10 @@ class RankPart:
     # peer's side-local rank -> bytes this rank moved with it (empty in parts that do not record it)
     peer_bytes: dict[int, int] = field(default_factory=dict)
     decode: DecodeResult | None = None  # check=decode, on the gen rank that decoded the request
+    # prefix reuse (gen, kvlab.model.prefix): bytes of its plan this rank already held; trace blocks hit and looked up
+    skipped_bytes: int = 0
+    prefix_hit_blocks: int | None = None
+    prefix_blocks: int | None = None
     schema: int = SCHEMA
 
     @property

@@ -10,6 +10,7 @@ from kvlab.config import faults
 from kvlab.config.workload import chunks_of, plan_run
 from kvlab.core.errors import ConfigError
 from kvlab.memory.cache import blocks_for
+from kvlab.model.prefix import users
 from kvlab.model.schedule import Chunk
 from kvlab.model.state import CacheState
 
@@ -60,6 +61,45 @@ def peak_blocks(state: CacheState, spans: dict[int, tuple[int, int]], isl: dict[
     return out
 
 
+def shared_peak_blocks(state: CacheState, spans: dict[int, tuple[int, int]], requests) -> dict[str, int]:
+    """``peak_blocks`` of a gen rank with prefix reuse (kvlab.model.prefix, PagedCache.share): a request
+    holds its blocks from its first chunk or the first of a sharer opened before it; it is complete once its
+    sources are (kvlab.rank.executor), and a block later requests share is kept until the last of them is released.
+
+    Each request is counted with all its blocks, the shared ones too: the cache is never tighter than without
+    reuse, so the retained prefix adds memory (bounded by what the sharers hold) rather than pull more checks
+    into the transfer loop to free blocks (the gen rank verifies in the loop only when the cache needs blocks,
+    and releasing a request whose blocks are shared frees few: a tighter cache made every third-turn request of
+    a conversation trace wait for several checks in a row)."""
+    by_id = {r.id: r for r in requests if r.id in spans}
+    pools = [(p.name, p.tokens_per_block, not p.spec.window, p) for p in state.pools()]
+    plan_users = users({r.id: r.prefix for r in by_id.values() if r.prefix is not None},
+                       {r.id: r.isl for r in by_id.values()}, [(n, t, w) for n, t, w, _ in pools])
+    start = {r: a for r, (a, _) in spans.items() if r in by_id}
+    for (src, _, _), us in plan_users.items():
+        start[src] = min([start[src]] + [start[u] for u in us])
+    end = {}
+    for r in sorted(by_id.values(), key=lambda r: (r.arrival_s, r.id)):  # sources arrive before their sharers
+        srcs = {r.prefix.source(n, t) for _, t, w, _ in pools if w and r.prefix is not None
+                for n in range(r.prefix.shared_blocks(r.isl, t))}
+        end[r.id] = max([spans[r.id][1]] + [end[s] for s in srcs if s in end])
+    out = {}
+    for name, _, _, pool in pools:
+        events = []
+        for rid, r in by_id.items():
+            own = blocks_for(pool, r.isl)
+            events.append((start[rid], own))
+            kept = [max([end[rid]] + [end[u] for u in us]) for (src, pn, _), us in plan_users.items()
+                    if src == rid and pn == name]
+            events += [(t, -1) for t in kept] + [(end[rid], -(own - len(kept)))]
+        cur = peak = 0
+        for _, n in sorted(events, key=lambda e: (e[0], -e[1])):
+            cur += n
+            peak = max(peak, cur)
+        out[name] = peak
+    return out
+
+
 def preflight(setup, requests=None, order=None, rank: int | None = None) -> dict[str, int] | None:
     """Checks that need the plan, before anything is allocated; returns the blocks per pool that world
     rank ``rank`` allocates. With ``cache.capacity_tokens`` every pool holds that many tokens, and the
@@ -78,7 +118,8 @@ def preflight(setup, requests=None, order=None, rank: int | None = None) -> dict
         mine = chunks_of(order, setup, w)
         spans = (held_spans(mine, setup.transfer.slots, order, fcfs) if side.name == "ctx"
                  else held_spans(mine, setup.transfer.slots))
-        need = peak_blocks(state, spans, isl)
+        need = (shared_peak_blocks(state, spans, requests) if side.name == "gen" and side.prefix_cache_tokens
+                else peak_blocks(state, spans, isl))
         if cap:
             for pool in state.pools():
                 have = math.ceil(cap / pool.tokens_per_block)
