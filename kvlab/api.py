@@ -5,6 +5,7 @@ from pathlib import Path
 
 from kvlab.cli.run_cmd import launch, prepare
 from kvlab.config.schema import build, compose
+from kvlab.core.errors import ConfigError
 from kvlab.results import records, rundir
 from kvlab.sizing import budget
 from kvlab.sizing.preflight import preflight
@@ -13,12 +14,16 @@ from kvlab.sizing.preflight import preflight
 def run_transfer(overrides: list[str] | tuple[str, ...] = (), run_dir: str | Path = "outputs/api") -> dict:
     """Run a transfer: composes the config from Hydra overrides, starts the ranks on this machine, and
     returns the run's summary (``summary.json`` as plain values; kvlab.results.records.Summary has its fields)."""
-    cfg = compose(list(overrides))
+    overrides = checked_overrides("overrides", overrides)
+    if not isinstance(run_dir, (str, Path)):
+        raise ConfigError("run_dir", repr(run_dir), "a directory path (str or pathlib.Path)")
+    cfg = compose(overrides)
     setup = build(cfg)
     budget.check_host(setup)
+    run_dir = Path(run_dir)
+    budget.check_run_dir(setup, rundir.ensure_writable(run_dir, "run_dir"), "run_dir")
     if setup.needs_preflight:
         preflight(setup)
-    run_dir = Path(run_dir)
     with rundir.hold(run_dir, "run_dir"):
         rc = launch(setup, run_dir, prepare(cfg, run_dir))
     summary = records.read_summary(run_dir)
@@ -26,3 +31,19 @@ def run_transfer(overrides: list[str] | tuple[str, ...] = (), run_dir: str | Pat
         raise RuntimeError(f"kvlab run failed with exit code {rc}; see the output above")
     return records.to_dict(summary)
 
+
+
+def checked_overrides(field: str, overrides) -> list[str]:
+    """``overrides`` as a list of strings; ConfigError for a bare string (a list of its characters) or anything
+    else that is not a sequence of ``key=value`` strings."""
+    if isinstance(overrides, (str, bytes)):
+        raise ConfigError(field, repr(overrides), f"a list of Hydra overrides, not one string: use [{overrides!r}]"
+                          if "=" in str(overrides) else "a list of Hydra overrides (key=value strings)")
+    try:
+        out = list(overrides)
+    except TypeError:
+        out = None
+    if out is None or not all(isinstance(x, str) for x in out):
+        raise ConfigError(field, repr(overrides), "a list of Hydra overrides (key=value strings), e.g. "
+                          "['transfer=layerwise', 'workload.isl=8192']")
+    return out

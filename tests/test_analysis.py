@@ -1,7 +1,9 @@
 import functools
 import json
+import re
 
 import matplotlib
+import pandas as pd
 import pytest
 import yaml
 from omegaconf import OmegaConf, open_dict
@@ -116,6 +118,23 @@ def test_a_job_without_summary_still_shows_up(sweep):
     df = analysis.load_sweep(sweep)
     assert list(df["status"]) == ["ok"] * 4 + ["no summary", "failed requests"]
     assert df.loc[4, "transfer"] == "zerocopy"
+
+
+@pytest.mark.parametrize("text,why", [
+    ('{"total_bytes": 1, "verif', "JSONDecodeError"),  # a run killed while it wrote the file
+    ("[1, 2, 3]", "a JSON list, not an object"),
+    ('{"rows": []}', "none of its fields"),
+    ("\xff", "not a kvlab summary"),
+])
+def test_a_corrupt_summary_marks_its_run_and_the_sweep_goes_on(sweep, text, why):
+    make_run(sweep / "4", ("transfer=chunked", "workload.isl=1024"))
+    bad = sweep / "4" / "summary.json"
+    bad.write_bytes(text.encode("latin-1"))
+    with pytest.warns(UserWarning, match=re.escape(str(bad))):
+        df = analysis.load_sweep(sweep)
+    assert list(df["status"][:4]) == ["ok"] * 4 and df.loc[4, "transfer"] == "chunked"
+    assert df.loc[4, "status"].startswith(f"corrupt summary: {bad}: not a kvlab summary") and why in df.loc[4, "status"]
+    assert pd.isna(df.loc[4, "total_bytes"])  # no figure of its own, not zeros
 
 
 def test_results_and_timeline_carry_the_run_columns(sweep):

@@ -4,6 +4,7 @@ and what works, before anything is allocated."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 
 import pytest
@@ -114,6 +115,16 @@ def mooncake_row(ts, n):
      ["line 3:", "2 fields"]),
     ("stamp.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,10,1\n", ["line 2:", "TIMESTAMP='yesterday'"]),
     ("format.txt", "hello\n", ["unknown format '.txt'"]),
+    # values that parse and would crash the ranks later (a wait too long for the clock)
+    ("inf.jsonl", mooncake_row(0, 10) + '\n{"timestamp": Infinity, "input_length": 5}\n', ["line 2:", "timestamp=inf"]),
+    ("nan.jsonl", '{"timestamp": NaN, "input_length": 5}\n', ["line 1:", "timestamp=nan"]),
+    ("far.jsonl", mooncake_row(0, 10) + "\n" + mooncake_row(1e15, 10) + "\n",
+     ["line 2:", "arrives 1e+12 s", "30 days"]),
+    ("deep.jsonl", mooncake_row(0, 10) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n", ["line 2:", "nested too deep"]),
+    ("ages.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n0001-01-01 00:00:00.0000000,10,1\n"
+                 "9999-12-31 23:59:59.9999999,10,1\n", ["line 3:", "arrives 3.16e+11 s", "30 days"]),
+    ("digit.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9,1\u00b2,1\n",
+     ["line 2:", "ContextTokens='1\u00b2'"]),
 ])
 def test_bad_trace_one_line(tmp_path, name, text, fragments):
     path = _write(tmp_path, name, text)
@@ -121,6 +132,29 @@ def test_bad_trace_one_line(tmp_path, name, text, fragments):
     assert msg and "\n" not in msg and msg.startswith(f"workload.trace={path}: ")
     for frag in fragments:
         assert frag in msg, (frag, msg)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["workload=mooncake", "workload.time_scale=1e300"], "workload.time_scale=1e+300"),
+    (["workload.arrival=poisson", "workload.rate=1e-300"], "workload.rate=1e-300"),
+    (["workload.arrival=poisson", "workload.time_scale=1e300"], "workload.time_scale=1e+300"),
+])
+def test_arrivals_later_than_a_run_can_wait_are_one_line(overrides, field):
+    msg = check_overrides(overrides)
+    assert msg and "\n" not in msg and msg.startswith(f"{field}: ") and "30 days" in msg, msg
+
+
+def test_a_drawn_arrival_too_late_is_refused_where_it_is_drawn():
+    rate = 2 / arrivals.MAX_ARRIVAL_S  # the mean gap is half the limit: the fields pass, some draws do not
+    refused = 0
+    for seed in range(40):
+        w = WorkloadSpec(arrival="poisson", requests=2, rate=rate, seed=seed)
+        try:
+            assert max(arrivals.times(w, 2)) <= arrivals.MAX_ARRIVAL_S
+        except ConfigError as e:
+            refused += 1
+            assert re.match(r"workload\.rate=.*: request 1 would arrive after [\d.e+]+ s .*30 days", str(e)), e
+    assert 0 < refused < 40
 
 
 def test_workload_spec_refuses_bad_arrivals_directly():

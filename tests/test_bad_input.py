@@ -10,8 +10,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from kvlab.analysis import sweeps as analysis
 from kvlab.cli.commands import check_overrides
 from kvlab.config.schema import compose
+from kvlab.core.errors import ConfigError
 
 GPU = torch.cuda.is_available()
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -199,3 +201,22 @@ def test_ranks_started_without_the_cli_all_stop_with_one_line(tmp_path, kvlab_cl
     assert len(err0) == 1 and "fault.kill_at_chunk=100000" in err0[0]
     assert not any(ln.startswith("kvlab") for p in procs[1:] for ln in p.stderr.splitlines())
     assert not (tmp_path / "parts").exists() and not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("call,line", [
+    (lambda api: api.run_transfer("ctx.tp=4"), "overrides='ctx.tp=4': a list of Hydra overrides, not one string: "
+                                               "use ['ctx.tp=4']"),
+    (lambda api: api.run_transfer(["ctx.tp=4", 4]), "overrides=['ctx.tp=4', 4]: a list of Hydra overrides"),
+    (lambda api: api.run_transfer(7), "overrides=7: a list of Hydra overrides"),
+    (lambda api: api.run_transfer([], run_dir=3), "run_dir=3: a directory path"),
+    (lambda api: analysis.run_sweep({"transfer": ["chunked"]}, base="workload.isl=64"),
+     "base='workload.isl=64': a list of Hydra overrides, not one string"),
+])
+def test_python_api_arguments_are_type_checked_before_anything_runs(tmp_path, monkeypatch, call, line):
+    from kvlab import api
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        call(api)
+    assert str(e.value).startswith(line), str(e.value)
+    assert list(tmp_path.iterdir()) == []  # no run directory made

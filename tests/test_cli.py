@@ -3,6 +3,8 @@ Hydra's flags meaning what they mean in any Hydra app, and nothing left behind b
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -137,3 +139,23 @@ def test_overrides_on_both_sides_of_a_flag(kvlab_cli, tmp_path):
     assert out.returncode == 0, out.stderr
     plans = sorted((tmp_path / "sweep").glob("*/plan.json"))
     assert [json.loads(p.read_text())["ctx"]["tp"] for p in plans] == [1, 2]
+
+
+def test_python_warnings_print_in_one_line_without_their_source():
+    code = ("import warnings; from kvlab import cli; cli.main(['--help']); "
+            "warnings.warn('the cost model has no prediction here', UserWarning)")
+    p = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == "kvlab: warning: the cost model has no prediction here (UserWarning)\n", p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quote", ["", "'"], ids=["bare", "quoted"])
+def test_a_run_directory_with_spaces_works_quoted_or_not(tmp_path, kvlab_cli, quote):
+    run_dir = tmp_path / "my runs" / "a b"
+    p = kvlab_cli("run", f"hydra.run.dir={quote}{run_dir}{quote}", "logger=quiet", "workload.requests=1",
+                  cwd=tmp_path, timeout=240)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["verified"]
+    assert [d.name for d in tmp_path.iterdir()] == ["my runs"]  # none named with the quotes, here or there
+    assert [d.name for d in run_dir.parent.iterdir()] == ["a b"]

@@ -4,7 +4,10 @@ which names the element (request, pool, layer, component, head, token, byte)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -137,6 +140,43 @@ def test_a_frozen_rank_ends_the_run(rank, tmp_path, kvlab_cli):
     assert any(re.search(r"request \d+", e) for e in summary["errors"]), summary["errors"]
     frozen = json.loads((tmp_path / "parts" / f"rank{rank}.json").read_text())
     assert frozen["errors"] == [f"rank {rank}: frozen (stopped by a signal); killed by the launcher"]
+
+
+def _rank_pids(parent: int) -> dict[int, int]:
+    """World rank -> pid of the rank processes the launcher ``parent`` started (their environment names it)."""
+    out = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            env = dict(e.split(b"=", 1) for e in (d / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if env.get(b"KVLAB_PARENT") == str(parent).encode() and b"RANK" in env:
+            out[int(env[b"RANK"])] = int(d.name)
+    return out
+
+
+@pytest.mark.slow
+def test_rank_0_frozen_while_the_ranks_start_ends_the_run(tmp_path, kvlab_cli):
+    """Frozen before any transfer (its peers wait on the store it hosts, in calls of torch.distributed
+    without a deadline of kvlab's): the launcher kills it once it has been frozen ``transfer.timeout_s``,
+    and every other rank stops."""
+    p = subprocess.Popen(kvlab_cli.argv("run", f"hydra.run.dir={tmp_path}", *QUIET, *FAULTY), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        while 0 not in (pids := _rank_pids(p.pid)) and p.poll() is None:
+            time.sleep(0.01)
+        os.kill(pids[0], signal.SIGSTOP)  # still starting: importing torch, or joining the others
+        _, err = p.communicate(timeout=HANG_S)
+    finally:
+        p.kill()
+    assert p.returncode == 1, err
+    assert f"kvlab: rank 0 (ctx0) was frozen (stopped by a signal, its connections open) for {TIMEOUT_S} s; " \
+           "killed it" in err.splitlines(), err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["failed_requests"] == list(range(6)) and not summary["verified"], summary
+    assert json.loads((tmp_path / "parts" / "rank0.json").read_text())["errors"] == [
+        "rank 0: frozen (stopped by a signal); killed by the launcher"]
+    assert not any(Path(f"/proc/{q}").exists() for q in pids.values())  # no rank outlived the run
 
 
 # -- corruption ----------------------------------------------------------------------------------

@@ -295,6 +295,66 @@ def test_budget_on_gpus_counts_the_ranks_that_share_one():
     assert budget.device_problem(setup, 0, 2, int(1.5 * ctx), 1) is None  # torchrun across hosts: alone
 
 
+@pytest.mark.parametrize("many", ["ctx.tp=64", "gen.tp=64"])
+def test_more_processes_than_the_host_can_run_are_named_as_such(monkeypatch, many):
+    """Ranks whose memory apart from the sizes (process, temporaries, staging) is already more than the host
+    has: the field that makes them many is refused, not the prompt length (no prompt length would fit)."""
+    monkeypatch.setattr(budget, "host_available", lambda: 20 << 30)
+    msg = check_overrides(QUIET + ["model=llama3_8b", many], memory=True)
+    setup = build(compose(QUIET + ["model=llama3_8b", many]))
+    assert msg and "\n" not in msg and msg.startswith(f"{many}: {setup.world_size} ranks need "), msg
+    fit = re.search(rf"{setup.world_size} processes cannot run here: each needs ([\d.]+) (\w+) whatever the sizes, "
+                    rf"so at most (\d+) fit .*; lower {many.split('=')[0]}$", msg)
+    assert fit and 0 < int(fit[3]) < setup.world_size, msg
+
+
+@pytest.mark.parametrize("workload", [["workload.isl=128"], ["workload=mooncake", "workload.time_scale=0.01"]])
+def test_requests_whose_planning_alone_takes_minutes_are_refused_with_an_estimate(monkeypatch, workload):
+    monkeypatch.setattr(budget, "host_available", lambda: 1 << 50)  # the plan's time, not its memory
+    msg = check_overrides(QUIET + workload + ["workload.requests=1000000"], memory=True)
+    n = 300 if "workload=mooncake" in workload else 1000000  # a trace serves its rows at most
+    m = re.fullmatch(rf"workload\.requests=1000000: planning {n} requests \(up to (\d+) chunks each\) would take "
+                     r"about (\d+) min in every rank before the first transfer; at most (\d+) plan within 60 s: "
+                     r"lower workload\.requests", msg or "")
+    if n == 300:  # a short trace plans in no time, however many requests are asked for
+        assert msg is None, msg
+        return
+    assert m and int(m[2]) >= 1, msg
+    fits = int(m[3])
+    assert check_overrides(QUIET + workload + [f"workload.requests={fits}"], memory=True) is None
+    assert check_overrides(QUIET + workload + [f"workload.requests={fits + 1}"], memory=True).startswith(
+        f"workload.requests={fits + 1}: planning")
+
+
+def test_a_run_directory_without_room_for_what_the_run_writes_is_one_line_before_any_rank(tmp_path, monkeypatch,
+                                                                                          capsys):
+    from types import SimpleNamespace as ns
+
+    from kvlab.cli import commands as cli
+    from kvlab.cli import launch
+
+    run_dir, real = tmp_path / "run", budget.shutil.disk_usage
+    setup = build(compose(QUIET + ["workload.requests=400"]))
+    need = budget.run_dir_bytes(setup)
+    free = {"bytes": need // 2}
+    monkeypatch.setattr(budget.shutil, "disk_usage", lambda p: ns(free=free["bytes"]) if str(run_dir) in str(p)
+                        else real(p))
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", f"hydra.run.dir={run_dir}", *QUIET, "workload.requests=400"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    m = re.fullmatch(rf"kvlab: error: hydra\.run\.dir={re.escape(str(run_dir))}: the run writes up to [\d.]+ MiB "
+                     r"there \(400 requests\), [\d.]+ MiB free; free some space or give another directory, or lower "
+                     r"workload\.requests \(at most (\d+) fit\)\n", err)
+    assert m and 0 < int(m[1]) < 400, err
+    fits = build(compose(QUIET + [f"workload.requests={m[1]}"]))
+    assert budget.run_dir_bytes(fits) <= free["bytes"] < budget.run_dir_bytes(setup)
+    assert not (run_dir / "parts").exists() and not (run_dir / "summary.json").exists()
+    free["bytes"] = need
+    budget.check_run_dir(setup, run_dir)  # exactly enough
+
+
 @pytest.mark.slow
 def test_plan_prints_the_budget_and_run_refuses_it(tmp_path, kvlab_cli):
     big = ["model=llama3_70b", "workload.isl=131072", "workload.requests=8"]
@@ -405,6 +465,12 @@ def test_killed_parent_takes_its_ranks_along(tmp_path, kvlab_cli):
     _no_process_left(p.pid, within_s=30)  # PR_SET_PDEATHSIG: each rank writes its part and leaves
     assert sorted(f.name for f in (run_dir / "parts").glob("rank*.json")) == ["rank0.json", "rank1.json",
                                                                               "rank2.json"]
+    for part in (run_dir / "parts").glob("rank*.json"):  # each says why it stopped, whatever phase it was in
+        errors = json.loads(part.read_text())["errors"]
+        assert errors and f"(its launcher, pid {p.pid}, died)" in errors[0], errors
+    summary = run_dir / "summary.json"  # rank 0 merges once it got into its transfers
+    if summary.exists():
+        assert json.loads(summary.read_text())["interrupted"] == f"SIGTERM (its launcher, pid {p.pid}, died)"
 
 
 @pytest.mark.slow

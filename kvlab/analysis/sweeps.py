@@ -103,11 +103,16 @@ def load_run(run_dir: str | Path) -> pd.Series:
     if not _is_run(run_dir):
         raise FileNotFoundError(f"{run_dir}: not a kvlab run directory (no summary.json, results.jsonl or .hydra)")
     row: dict[str, Any] = {}
-    summary = records.read_summary(run_dir)
+    try:
+        summary = records.read_summary(run_dir)
+    except ValueError as e:  # one corrupt run (a truncated file, another program's JSON) does not hide the rest
+        summary = None
+        row["status"] = f"corrupt summary: {e}"
+        warnings.warn(str(e), stacklevel=2)
     if summary is not None:
         row.update(flatten(records.to_dict(summary)))
         row["status"] = "ok" if not summary.failed_requests else "failed requests"
-    else:
+    elif "status" not in row:
         row["status"] = "no summary"  # the job died before writing it: keep its overrides visible
     for k, v in overrides(run_dir).items():
         row.setdefault(k, v)  # a summary field that an override also names keeps the measured value
@@ -183,8 +188,9 @@ def run_sweep(grid: dict[str, Iterable[Any]] | list[dict[str, Any]], base: Itera
     """
     import itertools
 
-    from kvlab.api import run_transfer
+    from kvlab.api import checked_overrides, run_transfer
 
+    base = checked_overrides("base", base)
     if isinstance(grid, dict):
         keys = list(grid)
         jobs = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(list(grid[k]) for k in keys))]

@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvlab.core.errors import ConfigError
+from kvlab.core.errors import ConfigError, one_line_warnings
 
 COMMANDS = {
     "plan": "what a setup would move per (ctx rank -> gen rank), its predicted time and memory; writes plan.json",
@@ -182,7 +182,13 @@ def _run_dir(rest: list[str]) -> Path:
     """The run directory Hydra will use: ``hydra.run.dir`` as given, or the default of conf/config.yaml."""
     for a in rest:
         if a.startswith("hydra.run.dir="):
-            return Path(a.partition("=")[2])
+            # as Hydra reads it: a quoted path loses its quotes (taken as they are, they named another directory)
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+
+            try:
+                return Path(str(OverridesParser.create().parse_override(a).value()))
+            except Exception:  # Hydra says what is wrong with it when it composes
+                return Path(a.partition("=")[2])
     from kvlab.config.schema import compose
 
     overrides = [a for a in rest if "=" in a and not a.startswith("-")]
@@ -318,6 +324,7 @@ def complete(words: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    one_line_warnings()
     if argv[:1] in (["-h"], ["--help"], ["help"]):
         print(usage(), end="")
         return

@@ -46,7 +46,7 @@ def _died(code: int | None) -> bool:
 
 def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_env: dict | None = None,
                  names: list[str] | None = None, death_grace_s: float = 3.0, stop_wait_s: float = 20.0,
-                 config_yaml: str | None = None) -> Outcome:
+                 config_yaml: str | None = None, frozen_s: float | None = None) -> Outcome:
     """Run the worker on ``world_size`` local processes and wait for them.
 
     After the first failure the others get ``grace_s`` to report, and 5 s more once rank 0 has
@@ -56,8 +56,10 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
     told to stop (it is stuck on a peer that is gone). SIGINT or SIGTERM to this process (or to its
     whole process group) stops every rank: each writes its part file and leaves; a rank still running
     ``stop_wait_s`` later is killed. The ranks die with this process in any case (``PR_SET_PDEATHSIG``).
-    Every rank that died or had to be stopped is named on stderr, except after an interruption (the
-    caller says it in one line).
+    A rank frozen (stopped by a signal: its sockets stay open, so no peer sees it go) for ``frozen_s`` seconds
+    is killed and treated as dead, in any phase: its peers may be blocked on it in a call without a deadline
+    (a process group's creation on rank 0's store). Every rank that died or had to be stopped is named on
+    stderr, except after an interruption (the caller says it in one line).
     """
     from kvlab.core.interrupt import SIGNALS, check_pending, die_with_parent
     from kvlab.results import records
@@ -88,9 +90,19 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                                           preexec_fn=functools.partial(die_with_parent, os.getpid())))
         first, deadline, stopped, died, told, nudge_at, exit_at = None, None, [], [], None, None, None
         frozen_killed: list[int] = []
+        frozen_since: dict[int, float] = {}
         while True:
             codes = [p.poll() for p in procs]
             now = time.time()
+            for r, c in enumerate(codes):
+                if frozen_s is None or c is not None or told is not None or not _stopped(procs[r].pid):
+                    frozen_since.pop(r, None)
+                elif now - frozen_since.setdefault(r, now) > frozen_s:
+                    frozen_killed.append(r)  # reported as frozen, not as a death by SIGKILL
+                    procs[r].kill()
+                    procs[r].wait()
+                    codes[r] = procs[r].returncode
+                    frozen_since.pop(r)
             for r, c in enumerate(codes):
                 if c not in (None, 0) and first is None:
                     first, deadline = r, now + grace_s
@@ -102,9 +114,9 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                 break
             if first is not None and codes[0] in (0, 1):
                 deadline = min(deadline, now + 5.0)
-            if first is None and any(c is not None for c in codes):
-                # others reported and left: a frozen rank (SIGSTOP: its sockets stay open, nobody sees it die)
-                # cannot report anything, and goes at once
+            if any(c is not None for c in codes):
+                # others reported and left (ended or failed): a frozen rank (SIGSTOP: its sockets stay open,
+                # nobody sees it die) cannot report anything, and goes at once
                 exit_at = exit_at if exit_at is not None else now
                 if any(c is None and _stopped(procs[r].pid) for r, c in enumerate(codes)):
                     last = exit_at + death_grace_s
@@ -161,8 +173,8 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
         return Outcome(128 + signals[0], signals[0], died)
     for r, p in enumerate(procs):
         if r in frozen_killed:
-            print(f"kvlab: rank {r} ({names[r]}) was frozen (stopped by a signal, its connections open) while the "
-                  "others ended; killed it", file=sys.stderr)
+            print(f"kvlab: rank {r} ({names[r]}) was frozen (stopped by a signal, its connections open)"
+                  f"{f' for {frozen_s:g} s' if first == r else ' while the others ended'}; killed it", file=sys.stderr)
             if not records.part_path(run_dir, r).exists():
                 records.write_part(run_dir, records.PartFile(rank=r, side="", side_rank=-1, errors=[
                     f"rank {r}: frozen (stopped by a signal); killed by the launcher"]))

@@ -50,7 +50,7 @@ def launch(setup, run_dir: Path, config_yaml: str | None = None) -> int:
     names = [report.rank_name(setup, w) for w in range(setup.world_size)]
     # after a death, a rank gets its own transfer timeout to notice and report, but not a minute
     out = launch_local(run_dir, setup.world_size, grace_s=grace_s(setup), names=names, config_yaml=config_yaml,
-                       death_grace_s=min(setup.transfer.timeout_s + 1.0, 8.0))
+                       death_grace_s=min(setup.transfer.timeout_s + 1.0, 8.0), frozen_s=setup.transfer.timeout_s)
     if out.interrupted or (out.code not in (0, 2) and not (run_dir / records.SUMMARY).exists()):
         requests, _, order = plan_run(setup)
         sig = interrupt.name(out.interrupted) if out.interrupted else None
@@ -102,6 +102,7 @@ def hydra_main(cfg: DictConfig) -> None:
             devices.check_placement(setup)
             announce(setup)
             budget.check_host(setup)
+            budget.check_run_dir(setup, rundir.ensure_writable(run_dir))
             if setup.needs_preflight:
                 preflight(setup)
             with rundir.hold(run_dir):  # the CLI holds it already, except for a multirun's jobs

@@ -36,8 +36,10 @@ def load_config(run_dir: Path):
 
 
 if __name__ == "__main__":
+    from kvlab.core.errors import one_line_warnings
     from kvlab.rank.runner import worker_main
 
+    one_line_warnings()
     run_dir = Path(sys.argv[1])
     if os.environ.get("KVLAB_PROFILE"):  # host-side profile of one rank, for finding per-chunk overheads
         import cProfile

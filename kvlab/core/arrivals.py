@@ -18,6 +18,14 @@ from kvlab.core.errors import ConfigError, require
 
 KINDS = ("burst", "poisson", "trace")
 LONG_PROMPTS = ("clip", "refuse")
+# the latest a request may arrive: a run waits for its arrivals in real time, and a wait past what the
+# clock and the thread primitives can hold (about 292 years) dies of OverflowError in the ranks
+MAX_ARRIVAL_S = 30 * 24 * 3600.0
+_LATE = f"more than {MAX_ARRIVAL_S / 86400:g} days"
+
+
+def _late(t: float) -> str:
+    return f"{t:.3g} s" if math.isfinite(t) else "never"
 
 
 def check(w) -> None:
@@ -28,6 +36,14 @@ def check(w) -> None:
     require(isinstance(w.time_scale, (int, float)) and math.isfinite(w.time_scale) and w.time_scale > 0,
             "workload.time_scale", w.time_scale, "must be > 0 (1: real time, 0.1: ten times faster)")
     require(w.long_prompts in LONG_PROMPTS, "workload.long_prompts", w.long_prompts, "use clip or refuse")
+    if w.arrival == "poisson":  # the mean gap alone: the drawn times are checked again where they are drawn
+        span = (w.requests - 1) / w.rate * w.time_scale
+        if not span <= MAX_ARRIVAL_S:
+            field, value = ("workload.time_scale", w.time_scale) if (w.requests - 1) / w.rate <= MAX_ARRIVAL_S \
+                else ("workload.rate", w.rate)
+            raise ConfigError(field, value, f"{w.requests} requests at workload.rate={w.rate:g} a second (x "
+                              f"workload.time_scale={w.time_scale:g}) arrive over {_late(span)}, {_LATE}; raise "
+                              "workload.rate, lower workload.time_scale or workload.requests")
     if w.arrival == "trace":
         require(bool(w.trace), "workload.trace", w.trace,
                 f"workload.arrival=trace needs a trace file; shipped: {', '.join(traces.shipped())}")
@@ -47,6 +63,9 @@ def times(w, n: int) -> list[float]:
     for _ in range(n):
         out.append(t * w.time_scale)
         t += rng.expovariate(w.rate)
+    require(not out or out[-1] <= MAX_ARRIVAL_S, "workload.rate", w.rate,
+            f"request {n - 1} would arrive after {_late(out[-1] if out else 0.0)} (x workload.time_scale="
+            f"{w.time_scale:g}), {_LATE}; raise workload.rate or lower workload.time_scale")
     return out
 
 
@@ -60,5 +79,13 @@ def from_trace(w, limit: int, limit_field: str) -> list[tuple[float, int]]:
             raise ConfigError("workload.trace", w.trace,
                               f"line {r.line}: a {r.input_tokens}-token prompt is longer than {limit_field}={limit}; "
                               f"raise {limit_field}, cap workload.requests, or set workload.long_prompts=clip")
-        out.append((r.arrival_s * w.time_scale, min(r.input_tokens, limit)))
+        at = r.arrival_s * w.time_scale
+        if not at <= MAX_ARRIVAL_S:
+            field, value = ("workload.time_scale", w.time_scale) if r.arrival_s <= MAX_ARRIVAL_S else \
+                ("workload.trace", w.trace)
+            where = f"line {r.line}" if field == "workload.trace" else f"{w.trace} line {r.line}"
+            raise ConfigError(field, value, f"{where}: arrives {_late(r.arrival_s)} after the first request (x "
+                              f"workload.time_scale={w.time_scale:g}: {_late(at)}), {_LATE}; cap "
+                              "workload.requests, lower workload.time_scale, or fix the trace's timestamps")
+        out.append((at, min(r.input_tokens, limit)))
     return out

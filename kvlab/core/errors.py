@@ -21,3 +21,15 @@ def require(cond: bool, field: str, value, hint: str) -> None:
 def positive(field: str, value) -> None:
     require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
             field, value, "must be a positive integer")
+
+
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    return f"kvlab: warning: {message} ({category.__name__})\n"
+
+
+def one_line_warnings() -> None:
+    """Python warnings in one line each, like kvlab's errors: not the file, line number and source line of
+    the call that warned (noise to whoever runs kvlab, and a second line that breaks 'one line a problem')."""
+    import warnings
+
+    warnings.formatwarning = _warning_line

@@ -16,6 +16,7 @@ import csv
 import datetime
 import functools
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -56,7 +57,8 @@ def _bad(path: str, line: int, what: str) -> ConfigError:
 
 
 def _count(path: str, line: int, name: str, value) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
+    # ASCII digits only: str.isdigit() also takes superscripts and other scripts' digits, which int() refuses
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         return int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
@@ -72,11 +74,13 @@ def _mooncake(path: str, text: str) -> list[TraceRequest]:
             row = json.loads(raw)
         except json.JSONDecodeError as e:
             raise _bad(path, n, f"not JSON ({e.msg})") from None
+        except RecursionError:  # nesting deeper than the parser's stack
+            raise _bad(path, n, "not a trace row (JSON nested too deep)") from None
         if not isinstance(row, dict) or not {"timestamp", "input_length"} <= set(row):
             raise _bad(path, n, "needs the keys timestamp and input_length")
         ts = row["timestamp"]
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0 or ts != ts:
-            raise _bad(path, n, f"timestamp={ts!r} is not a time >= 0 in ms")
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+            raise _bad(path, n, f"timestamp={ts!r} is not a finite time >= 0 in ms")
         ids = row.get("hash_ids")
         if ids is not None and (not isinstance(ids, list) or not all(
                 isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids)):

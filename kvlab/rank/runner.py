@@ -64,13 +64,20 @@ class _Stop:
     def __call__(self, signum, frame) -> None:
         for s in STOP_SIGNALS:  # one is enough: let this rank write what it knows (a no-op, not SIG_IGN: a
             signal.signal(s, ignore)  # signal already pending would otherwise raise "ignored due to race")
-        raise Stopped(f"stopped by {signal.Signals(signum).name}{self.dead()}")
+        raise Stopped(f"stopped by {signal.Signals(signum).name}{_orphaned() or self.dead()}")
 
     def dead(self) -> str:
         if self.setup is None:
             return ""
         gone = [w for w in range(self.setup.world_size) if marked_dead(self.run_dir, w)]
         return "".join(f" after {report.rank_name(self.setup, w)} (rank {w}) died" for w in gone[:1])
+
+
+def _orphaned() -> str:
+    """' (its launcher, pid N, died)' where the local launcher that started this rank is gone (its death is
+    what sends this rank SIGTERM: kvlab.core.interrupt.die_with_parent), else ''."""
+    parent = os.environ.get("KVLAB_PARENT")
+    return f" (its launcher, pid {parent}, died)" if parent is not None and os.getppid() != int(parent) else ""
 
 
 def _parent_merges() -> bool:
@@ -92,7 +99,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     def last_words(signame: str) -> None:
         if read_part(run_dir, world_rank) is None:
             write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
-                f"rank {world_rank}: stopped by {signame} before its transfers"]))
+                f"rank {world_rank}: stopped by {signame}{_orphaned()} before its transfers"]))
 
     at_once = AtOnce(last_words)
     ready()
@@ -272,8 +279,9 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
                 gathered[r] = late
                 silent.remove(r)
         sink = WandbSink.create(setup, run_dir, world_rank)  # its warnings before the results line
+        # with the launcher dead, no one else says the run was interrupted: the summary does
         summary = report.finalize(setup, run_dir, requests, order, gathered, silent, why,
-                                  predict_run(setup, requests))
+                                  predict_run(setup, requests), f"SIGTERM{_orphaned()}" if _orphaned() else None)
         if executor.stopped or board.broken == "stopped":
             return 1
         board.publish({"verified": summary.verified}, sorted(set(gathered) - {0, *silent}))

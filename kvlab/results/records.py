@@ -337,8 +337,12 @@ def write_part(run_dir: Path, part: PartFile) -> None:
     path = part_path(run_dir, part.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # this process's own: no other writer renames it
-    tmp.write_text(json.dumps(to_dict(part)))
-    tmp.replace(path)  # a reader never sees half a file
+    try:
+        tmp.write_text(json.dumps(to_dict(part)))
+        tmp.replace(path)  # a reader never sees half a file
+    except OSError:  # a full disk: no half-written file left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def mark_dead(run_dir: Path, world_rank: int) -> None:
@@ -388,8 +392,19 @@ def read_timeline(run_dir: Path) -> list[TimelineRow]:
 
 
 def read_summary(run_dir: Path) -> Summary | None:
+    """The run's summary, None where it wrote none; ValueError naming the file where it is not one."""
     path = Path(run_dir) / SUMMARY
-    return from_dict(Summary, json.loads(path.read_text())) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError too
+        raise ValueError(f"{path}: not a kvlab summary ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a kvlab summary (a JSON {type(data).__name__}, not an object)")
+    if not {f.name for f in dataclasses.fields(Summary)} & set(data):
+        raise ValueError(f"{path}: not a kvlab summary (none of its fields)")
+    return from_dict(Summary, data)
 
 
 # ---------------------------------------------------------------- the link curve (kvlab link)

@@ -31,12 +31,23 @@ from kvlab.model.state import CacheState
 # 240 lognormal requests, 97120 chunks: 384 B per chunk, segments and requests included)
 CHUNK_BYTES = 400
 REQUEST_BYTES = 400
+# CPU seconds every rank spends planning the run (kvlab.config.workload.plan_run) before its first transfer, per request
+# and per chunk of the budget's bound (measured on one core: 4000 requests of 128 tokens 1.1 s, 2000 of 2048
+# tokens over 2 DP groups 0.55 s, 200 of 32768 tokens 0.07 s); a run whose planning alone passes PLAN_MAX_S is
+# refused, as its interruption would wait for it
+PLAN_S_PER_REQUEST, PLAN_S_PER_CHUNK, PLAN_MAX_S = 2.5e-4, 1e-5, 60.0
 PROCESS_BYTES = 200 << 20  # a rank's own memory: interpreter, torch, gloo (measured: 160 MiB private after imports)
 FILL_PIECE_FACTOR = 16  # fill/verify temporaries per byte of a 16 MiB piece (measured: 229 MiB peak)
 FILL_PIECE_BYTES = 16 << 20
 NCCL_BYTES = 1 << 30  # NCCL's own device buffers per rank (measured on H200: about 0.8 GiB)
 DEVICE_PARTS = ("cache", "staging", "tables", "temps", "transport")  # on the GPU when there is one
 MARGIN_SHARE, MARGIN_MIN = 0.10, 512 << 20  # kept free: the kernel, other processes, estimates' slack
+# what a run writes into its run directory, upper bounds (measured on tiny_gqa, 4 layers: a results row 1.1 KB,
+# a part entry 1.1 KB a request and rank, 25 B of it per layer, a layerwise timeline row 135 B; 1000000 requests
+# wrote 0.88 GB of results): config, logs and summary, then per request a results row, a part entry on each
+# rank and a timeline row per layer
+RUN_DIR_FIXED_BYTES = 1 << 20
+RESULT_ROW_BYTES, PART_ROW_BYTES, PART_LAYER_BYTES, TIMELINE_ROW_BYTES = 1536, 1536, 32, 160
 
 
 @dataclass
@@ -202,6 +213,17 @@ def _culprit(setup: Setup, b: Budget, part: str, fraction: float) -> tuple[str, 
                         f"{'s' if n != 1 else ''} open per rank (fewer with a lower workload.concurrency)"
 
 
+def _ranks_culprit(setup: Setup, ranks: int, each: float, have: int) -> tuple[str, object, str]:
+    """(field, value, what fits) when the ranks are too many for the memory even with empty caches: the
+    parallel size that makes the most of them, and how many ranks fit (``each``: a rank's bytes apart from
+    what grows with the sizes)."""
+    sides = sorted((getattr(side, dim), f"{side.name}.{dim}") for side in (setup.ctx, setup.gen)
+                   for dim in ("tp", "pp", "dp"))
+    value, f = sides[-1]
+    return f, value, f"{ranks} processes cannot run here: each needs {fmt(int(each))} whatever the sizes, so at " \
+                     f"most {int(have // each)} fit (ctx and gen ranks together); lower {f}"
+
+
 def check(setup: Setup, b: Budget) -> None:
     """ConfigError for the first memory whose ranks need more than it can give (``b.available``)."""
     for memory, have in sorted(b.available.items()):
@@ -219,6 +241,8 @@ def check(setup: Setup, b: Budget) -> None:
         fraction = max(0.0, (have - (total - grows)) / grows) if grows else 0.0
         where = [r.name for r in b.ranks if r.on(memory)]
         f, value, fits = _culprit(setup, b, part, fraction)
+        if fraction == 0.0 and len(where) > 2:  # what every rank holds whatever the sizes is already too much
+            f, value, fits = _ranks_culprit(setup, len(where), (total - grows) / len(where), have)
         shown = ", ".join(f"{k} {fmt(v)}" for k, v in sorted(need.items(), key=lambda kv: -kv[1]) if v)
         src = "MemAvailable less a margin" if memory == "host" else "free memory less a margin"
         raise ConfigError(f, value, f"{' + '.join(where) if len(where) <= 4 else f'{len(where)} ranks'} need "
@@ -268,8 +292,41 @@ def check_files(setup: Setup, b: Budget) -> None:
                           f"{fmt(free)} free there; {fits}, or use transport=p2p")
 
 
+def run_dir_bytes(setup: Setup) -> int:
+    """An upper bound of the bytes a run writes into its run directory."""
+    w, layers = setup.workload, setup.model.num_layers
+    n = len(w.timed_trace()) if w.arrival == "trace" else w.requests
+    per_request = RESULT_ROW_BYTES + setup.world_size * (PART_ROW_BYTES + layers * PART_LAYER_BYTES) + \
+        layers * TIMELINE_ROW_BYTES
+    return RUN_DIR_FIXED_BYTES + n * per_request
+
+
+def check_run_dir(setup: Setup, run_dir, field: str = "hydra.run.dir") -> None:
+    """ConfigError where the run directory's file system has less room than the run will write there: a write
+    that fails mid-run leaves half a record and a traceback in every rank."""
+    need, free = run_dir_bytes(setup), shutil.disk_usage(run_dir).free
+    if need > free:
+        fits = int((free - RUN_DIR_FIXED_BYTES) / (need - RUN_DIR_FIXED_BYTES) * setup.workload.requests)
+        fewer = f", or lower workload.requests (at most {fits} fit)" if fits > 0 else ""
+        raise ConfigError(field, run_dir, f"the run writes up to {fmt(need)} there ({setup.workload.requests} "
+                          f"requests), {fmt(free)} free; free some space or give another directory{fewer}")
+
+
+def check_plan(setup: Setup, b: Budget) -> None:
+    """ConfigError for a request count whose planning alone would keep every rank busy for minutes."""
+    w = setup.workload
+    n = len(w.timed_trace()) if w.arrival == "trace" else w.requests
+    each = PLAN_S_PER_REQUEST + b.chunks_per_request * PLAN_S_PER_CHUNK
+    if n * each > PLAN_MAX_S:
+        raise ConfigError("workload.requests", w.requests, f"planning {n} requests (up to {b.chunks_per_request} "
+                          f"chunks each) would take about {n * each / 60:.0f} min in every rank before the first "
+                          f"transfer; at most {int(PLAN_MAX_S / each)} plan within {PLAN_MAX_S:g} s: lower "
+                          "workload.requests")
+
+
 def check_host(setup: Setup) -> Budget:
     b = measure(setup)
     check(setup, b)
+    check_plan(setup, b)
     check_files(setup, b)
     return b
