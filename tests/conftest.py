@@ -26,6 +26,10 @@ from hypothesis import HealthCheck, Phase, settings
 LOST_TO_CTX1 = (r"(gen0|ctx0): (aborted after )?request \d+ (chunk \d+ )?with (ctx0|ctx1|gen0): "
                 r"|(ctx0|gen0): stopped by SIGTERM after ctx1 \(rank 1\) died"
                 r"|gen0 received \d+ of 14 chunks \(run stopped: ctx1 \(rank 1\) sent no report")
+# gen0's first error when ctx1 died while gen0 waited on a chunk of ctx0's (held at their tensor-parallel barrier):
+# the wait runs out and names the dead rank, or the launcher stops gen0 first, naming it too
+GEN0_NAMES_DEAD_CTX1 = (r"gen0: (request \d+ chunk \d+ with ctx0: .*; ctx1 \(rank 1\) had died"
+                        r"|stopped by SIGTERM after ctx1 \(rank 1\) died)")
 
 # for end-to-end runs drawn from a matrix (each example is a run of its own processes): no deadline, fixtures
 # shared by the examples (each makes its own directory), and no shrinking (a failing case is printed as drawn;

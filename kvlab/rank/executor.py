@@ -80,7 +80,7 @@ class InFlight:
 class Executor:
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device,
                  cache: PagedCache, transport: Transport, ops, clock: Clock | None, progress=None,
-                 faults: RankFaults | None = None, beat=None):
+                 faults: RankFaults | None = None, beat=None, died=None):
         self.setup, self.side, self.rank, self.world_rank = setup, side, rank, world_rank
         self.rank_ctx: RankContext | None = None  # what the transport sees of this rank (made by connect)
         self.device, self.cache, self.transport, self.ops, self.clock = device, cache, transport, ops, clock
@@ -95,6 +95,7 @@ class Executor:
         self.records: dict[int, RequestRecord] = {}
         self.faults = faults or RankFaults()
         self.beat = beat or (lambda: None)  # proof of progress for the end-of-run exchange (kvlab.rank.report)
+        self.died = died or (lambda: "")  # "ctx1 (rank 1)": a rank the launcher found dead, "" while none is
         self.failures: dict[int, str] = {}  # request -> why it failed on this rank
         self.error: str | None = None  # the failure that stopped this rank's loop
         self.error_at: float | None = None
@@ -426,9 +427,15 @@ class Executor:
     def _abort(self, e: ChunkFailed | Stopped, inflight: deque[InFlight]) -> None:
         """Fail every request this rank has open and free their blocks and slots. The loop stops here:
         every rank follows one global order, so the chunks after this one would wait on the lost peer too."""
+        self.stopped = isinstance(e, Stopped)
+        if not self.stopped:
+            # a wait on a live peer that ran out because another rank died (ctx0 held at its tensor-parallel
+            # barrier by a dead ctx1) says so: the report names the dead rank, not only the peer it waited on
+            gone = self.died()
+            if gone and f"with {gone.split(' ')[0]}:" not in str(e):
+                e = ChunkFailed(f"{e}; {gone} had died", getattr(e, "request", None))
         self.error = f"{self.side}{self.rank}: {e}"
         self.error_at = time.time()
-        self.stopped = isinstance(e, Stopped)
         failed = getattr(e, "request", None)
         if self.stopped:
             self._unverified_failed(e)

@@ -15,6 +15,7 @@ reason, and the ranks that fell silent. Exit codes: 0 verified, 1 failures, 2 ba
 """
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import signal
@@ -67,10 +68,17 @@ class _Stop:
         raise Stopped(f"stopped by {signal.Signals(signum).name}{_orphaned() or self.dead()}")
 
     def dead(self) -> str:
-        if self.setup is None:
-            return ""
-        gone = [w for w in range(self.setup.world_size) if marked_dead(self.run_dir, w)]
-        return "".join(f" after {report.rank_name(self.setup, w)} (rank {w}) died" for w in gone[:1])
+        gone = self.died()
+        return f" after {gone} died" if gone else ""
+
+    def died(self) -> str:
+        return "" if self.setup is None else _died(self.setup, self.run_dir)
+
+
+def _died(setup, run_dir: Path) -> str:
+    """The first rank the launcher marked dead, as "ctx1 (rank 1)"; "" while none is."""
+    gone = [w for w in range(setup.world_size) if marked_dead(run_dir, w)]
+    return "".join(f"{report.rank_name(setup, w)} (rank {w})" for w in gone[:1])
 
 
 def _orphaned() -> str:
@@ -206,7 +214,8 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         decode_check = DecodeCheck(setup, side, rank, requests, dist.distributed_c10d._get_default_store())
         decode_check.prepare(cache, board.beat)
     executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
-                        faults.for_rank(setup.fault, world_rank, mine), board.beat)
+                        faults.for_rank(setup.fault, world_rank, mine), board.beat,
+                        functools.partial(_died, setup, run_dir))
     if side == "gen" and setup.gen.prefix_cache_tokens:  # prefix reuse: which blocks it shares, what it saves
         cache.share(requests)
         executor.skipped = prefix_skipped(setup, requests, segments, rank)
