@@ -248,23 +248,25 @@ def model_preset(name: str) -> ModelSpec:
     return ModelSpec(**d)
 
 
-def _caches(model, side, isl, fragmentation):
+def _caches(model, side, isl, fragmentation, device="cpu"):
     out = {}
     for r in range(side.size):
         state = CacheState(model, side, r)
         need = {p.name: blocks_for(p, isl) for p in state.pools()}
         out[r] = PagedCache(state, need, spare_blocks=2, fragmentation=fragmentation, seed=r,
-                            device=torch.device("cpu"))
+                            device=torch.device(device))
         out[r].allocate(Request(0, isl))
     return out
 
 
-def move(model, ctx, gen, isl, strategy, pull=False, fragmentation=0.0, slot=1 << 16):
+def move(model, ctx, gen, isl, strategy, pull=False, fragmentation=0.0, slot=1 << 16, device="cpu"):
     """One request from ctx pools to gen pools as the transports move it: ``pull`` (ipc) one ``copy_rect`` per
     chunk; else pack (from the pool itself where the chunk is in place and its blocks consecutive), the message,
-    unpack (into the pool itself likewise). Returns (errors of the byte check, chunks, chunks in place)."""
-    req, ops = Request(0, isl), get_ops("auto", "cpu")
-    src, dst = _caches(model, ctx, isl, fragmentation), _caches(model, gen, isl, fragmentation)
+    unpack (into the pool itself likewise); on ``device`` with its ops (the NVRTC kernels on cuda). Returns
+    (errors of the byte check, chunks, chunks in place)."""
+    req, ops = Request(0, isl), get_ops("cuda" if device == "cuda" else "auto", device)
+    src, dst = (_caches(model, ctx, isl, fragmentation, device),
+                _caches(model, gen, isl, fragmentation, device))
     for c in src.values():
         c.fill(req, ops)
     segments = plan(model, ctx, gen, req)
@@ -278,7 +280,7 @@ def move(model, ctx, gen, isl, strategy, pull=False, fragmentation=0.0, slot=1 <
             ops.copy_rect(sp.storage, sp.pool, sp.num_blocks, st_.ids, st_.base,
                           dp.storage, dp.pool, dp.num_blocks, dt.ids, dt.base, c.rect)
             continue
-        wire = torch.empty(c.nbytes, dtype=torch.uint8)
+        wire = torch.empty(c.nbytes, dtype=torch.uint8, device=device)
         ops.pack(sp.storage, sp.pool, sp.num_blocks, c.rect, st_.ids, st_.base, wire)
         here = [_slice(sp, st_, c) if c.ctx_in_place else None, _slice(dp, dt, c) if c.gen_in_place else None]
         if here[0] is not None:  # zero-copy on ctx: the pool's own bytes are the message

@@ -107,9 +107,9 @@ def test_row_sizes_and_the_round_trip(kind, elems, row):
 DSA = model_preset("tiny_dsa")
 
 
-def _transfer(model, ctx, gen, isl, strategy, pull):
-    req, ops = Request(0, isl), get_ops("auto", "cpu")
-    src, dst = _caches(model, ctx, isl, 0.3), _caches(model, gen, isl, 0.3)
+def _transfer(model, ctx, gen, isl, strategy, pull, device="cpu"):
+    req, ops = Request(0, isl), get_ops("cuda" if device == "cuda" else "auto", device)
+    src, dst = _caches(model, ctx, isl, 0.3, device), _caches(model, gen, isl, 0.3, device)
     for c in src.values():
         c.fill(req, ops)
     segments = plan(model, ctx, gen, req)
@@ -122,7 +122,7 @@ def _transfer(model, ctx, gen, isl, strategy, pull):
                           dp.storage, dp.pool, dp.num_blocks, dt.ids, dt.base, c.rect)
             continue
         assert not (c.rect.wire and c.ctx_in_place and sp.pool.spec.fmt != gen.fmt)
-        wire = torch.empty(c.nbytes, dtype=torch.uint8)
+        wire = torch.empty(c.nbytes, dtype=torch.uint8, device=device)
         ops.pack(sp.storage, sp.pool, sp.num_blocks, c.rect, st_.ids, st_.base, wire)
         ops.unpack(wire, dp.pool, dp.num_blocks, c.rect, dt.ids, dt.base, dp.storage)
     return dst, segments, chunks, ops, req
@@ -131,23 +131,27 @@ def _transfer(model, ctx, gen, isl, strategy, pull):
 @pytest.mark.parametrize("model_name", ["tiny_gqa", "tiny_dsa"])
 @pytest.mark.parametrize("strategy, pull", [(s, False) for s in preset_names()] + [("chunked", True)])
 def test_bf16_to_fp8_lands_the_expected_values(model_name, strategy, pull):
+    check_bf16_to_fp8(model_name, strategy, pull, "cpu")
+
+
+def check_bf16_to_fp8(model_name, strategy, pull, device):
     """ctx bf16 (vLLM NHD) -> gen fp8 (TensorRT-LLM): what the gen pools hold is this module's own rounding of
     the expected bf16 values; the wire carried fp8 (converted in the pack), or the pull converted in its copy."""
     model = GQA if model_name == "tiny_gqa" else DSA
     ctx = SideSpec("ctx", tp=2 if model is GQA else 1, layout="vllm_lbnhc").resolved(model)
     gen = SideSpec("gen", layout="trtllm", kv_dtype="fp8").resolved(model)
-    dst, segments, chunks, ops, req = _transfer(model, ctx, gen, 130, strategy, pull)
+    dst, segments, chunks, ops, req = _transfer(model, ctx, gen, 130, strategy, pull, device)
     for g, cache in dst.items():
         for name, store in cache.pools.items():
             rect = cache.held_rect(name, req.isl)
-            got = torch.empty(rect.nbytes(store.pool.rows), dtype=torch.uint8)
+            got = torch.empty(rect.nbytes(store.pool.rows), dtype=torch.uint8, device=device)
             ops.pack(store.storage, store.pool, store.num_blocks, rect, cache.tables[0][name].ids,
                      cache.tables[0][name].base, got)
             base = CacheState(model, SideSpec("gen", layout="trtllm").resolved(model), g).pool(name)
             want = expected(0, base, rect)
             if store.pool.spec.fmt:  # rows of each component, in wire order: rounded here, not by kvlab
                 want = _reference_wire(want, rect, base, store.pool)
-            assert torch.equal(got, want), name
+            assert torch.equal(got.cpu(), want), name
         assert cache.verify(req, [s for s in segments if s.dst == g], ops) == []
     kv = [c for c in chunks if c.rect.pool in ("kv", "mla")]
     assert kv and all(c.rect.wire == "fp8" for c in kv)
