@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh [--serving] [--no-tests] [--no-bench] [--jobs N] [--quick]   (from the repository root)
 # --serving: also scripts/serving_bench.py, alone and under a CUDA MPS daemon
 # --mooncake: also scripts/mooncake_bench.py --gpu (Mooncake's CUDA-13 wheel in .whl/, without NIXL's: carry limit)
+# --engines: also scripts/ipc_bench.py --engines (vLLM NHD ctx -> TensorRT-LLM gen, bf16 and gen fp8), into engines_h200.json
 # --decode: also check=decode on the GPU for the six families (transformers' wheel in .whl/), into decode_h200.json
 # --jobs N: the GPU tests in N pytest-xdist workers (the image has it), then the failed ones again alone
 # A GPU machine without a package index gets the pure-Python wheels its image lacks from .whl/, made
@@ -11,9 +12,9 @@
 # and, for the nixl tests and scripts/nixl_bench.py, NIXL's wheel for the GPU machine's Python (without it they skip):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
-serving=0; mooncake=0; decode=0; rest=()
+serving=0; mooncake=0; decode=0; engines=0; rest=()
 for a in "$@"; do
-  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; *) rest+=("$a");; esac
+  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; *) rest+=("$a");; esac
 done
 set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
@@ -55,7 +56,10 @@ if [ $serving = 1 ]; then
   fi
 fi
 true
-[ $mooncake = 1 ] && timeout 300 python3 scripts/mooncake_bench.py --gpu --out "$out/mooncake_h200.json" 2>&1 \
+[ $engines = 1 ] && timeout 400 python3 scripts/ipc_bench.py --engines --no-handoff --out "$out/engines_h200.json" \
+  2>&1 | tee "$out/engines.log" | tail -12
+true
+[ $mooncake = 1 ] && timeout 400 python3 scripts/mooncake_bench.py --gpu --out "$out/mooncake_h200.json" 2>&1 \
   | tee "$out/mooncake.log" | tail -30
 true
 # check=decode with the models on the GPU in bf16 (ipc, ctx TP2 -> gen TP1 and PP2 for DeepSeek-V3.2 as in the

@@ -17,6 +17,12 @@ streams on this GPU, which every one-GPU request pays.
 
     python scripts/ipc_bench.py --out ipc.json            # every case
     python scripts/ipc_bench.py --out ipc.json --quick    # Llama-3.1-8B 32k only
+    python scripts/ipc_bench.py --out engines.json --engines   # the engines' layouts and the KV dtype instead
+
+``--engines``: Llama-3.1-8B and DeepSeek-V3.2 at 32k, TP1 -> TP1, vLLM's NHD cache (``vllm_lbnhc``) on the ctx
+side into TensorRT-LLM's (``trtllm``) on the gen side, against ``copy_`` of the same bytes; then the same with
+``gen.kv_dtype=fp8`` (the pull converts bf16 into fp8 in its copy): bytes delivered (fp8 rows and scales) and
+GB/s of the source bytes (the bf16 sibling's) over the same busy time, against the bf16 run and its ``copy_``.
 """
 from __future__ import annotations
 
@@ -42,6 +48,10 @@ SIDES = [("TP1 -> TP1", ["ctx.tp=1", "gen.tp=1"]),
          ("TP2 -> TP1", ["ctx.tp=2", "gen.tp=1"]),
          ("block_major tpb 32 -> layer_major tpb 64", ["ctx.tp=1", "gen.tp=1", "gen.tokens_per_block=64",
                                                        "gen.layout=layer_major"])]
+ENGINE_MODELS = [("llama3_8b", 32768), ("deepseek_v32", 32768)]
+ENGINE_SIDES = [("vllm_lbnhc -> trtllm", ["ctx.tp=1", "gen.tp=1", "ctx.layout=vllm_lbnhc", "gen.layout=trtllm"]),
+                ("vllm_lbnhc -> trtllm, gen fp8", ["ctx.tp=1", "gen.tp=1", "ctx.layout=vllm_lbnhc",
+                                                   "gen.layout=trtllm", "gen.kv_dtype=fp8"])]
 # ipc's chunks are not cut by size unless transfer.slot_mib is given: the default gives it its largest chunks
 COMMON = ["transport=ipc", "device=cuda", "kernels=cuda", "logger=quiet",
           "transfer=chunked", "transfer.timeout_s=120"]
@@ -216,22 +226,33 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1, help="requests per run (the first pays one-time costs)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel-against-copy-engine comparison")
     ap.add_argument("--no-handoff", action="store_true", help="skip scripts/ipc_handoff.py")
+    ap.add_argument("--engines", action="store_true", help="the engines' layouts and gen fp8 (the docstring)")
     a = ap.parse_args()
-    models = MODELS[:1] if a.quick else MODELS
+    models = ENGINE_MODELS if a.engines else MODELS[:1] if a.quick else MODELS
+    sides = ENGINE_SIDES if a.engines else SIDES
     env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpus": torch.cuda.device_count()}
     import cuda.bindings
     env["cuda_bindings"] = cuda.bindings.__version__
     print(json.dumps(env))
-    out = {"env": env, "kernel_vs_engine": None if a.no_kernels else kernel_vs_engine(), "runs": []}
+    out = {"env": env, "kernel_vs_engine": None if a.no_kernels or a.engines else kernel_vs_engine(), "runs": []}
     print(json.dumps(out["kernel_vs_engine"]))
     torch.cuda.empty_cache()
     from kvlab.results.records import to_dict
 
     for model, isl in models:
-        for label, ov in SIDES:
+        bf16 = None  # the model's bf16 run: the source bytes and the copy_ of a gen fp8 run
+        for label, ov in sides:
             r = run_case(model, isl, label, ov, a.keep, a.requests)
-            if "bytes" in r:
+            if "bytes" in r and "gen.kv_dtype=fp8" in ov:
+                if bf16 is not None:  # fp8 rows land: the rate that compares is the source bytes' over the same time
+                    r["source_bytes"] = bf16["bytes"]
+                    r["copy_gbps"] = bf16["copy_gbps"]
+                    r["source_gbps"] = bf16["bytes"] / r["busy_s"] / 1e9
+                    r["ratio"] = r["source_gbps"] / r["copy_gbps"]
+                    r["vs_bf16"] = r["source_gbps"] / bf16["gbps"]
+                    r["kernel_ratio"] = None
+            elif "bytes" in r:
                 ref = copy_reference([f"model={model}", f"workload.isl={isl}", *COMMON,
                                       f"workload.requests={a.requests}", *ov])
                 r["copy"] = to_dict(ref)
@@ -246,16 +267,28 @@ def main() -> None:
                 # one gen rank: its kernel spans are the copy; two gen processes time-slice, each span holds both
                 one_gen = "gen.tp=1" in r["overrides"]
                 r["kernel_ratio"] = r["bytes"] / k / 1e9 / r["copy_gbps"] if k and one_gen else None
+                bf16 = r
             out["runs"].append(r)
             print(json.dumps(r), flush=True)
             a.out.write_text(json.dumps(out, indent=1))
+    if a.engines:
+        print("| model | tokens | sides | GiB delivered | GiB of source | GB/s of the source bytes | copy_ GB/s "
+              "| ratio | against bf16 | verified |")
+        print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for r in out["runs"]:
+            if "copy_gbps" in r:
+                src = r.get("source_bytes", r["bytes"])
+                print(f"| {r['model']} | {r['isl']} | {r['sides']} | {r['bytes'] / GiB:.3f} | {src / GiB:.3f} | "
+                      f"{r.get('source_gbps', r['gbps']):,.0f} | {r['copy_gbps']:,.0f} | {r['ratio']:.3f} | "
+                      f"{r.get('vs_bf16', 1.0):.3f} | {'yes' if r['verified'] else 'NO'} |")
     print("| model | tokens | sides | GiB | GB/s | copy_ GB/s (same pieces or per request, the faster) | ratio "
           "| kernels alone | rest ms "
           "| staging MiB | extra MiB | verified |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in out["runs"]:
-        if "bytes" not in r:
-            print(f"| {r['model']} | {r['isl']} | {r['sides']} | failed: {r['error'][-200:]!r} |")
+        if "bytes" not in r or "copy_gbps" not in r:
+            why = r.get("error", "no bf16 sibling")[-200:]
+            print(f"| {r['model']} | {r['isl']} | {r['sides']} | failed: {why!r} |")
             continue
         print(f"| {r['model']} | {r['isl']} | {r['sides']} | {r['bytes'] / GiB:.2f} | {r['gbps']:,.0f} | "
               f"{r['copy_gbps']:,.0f} | {r['ratio']:.3f} | {r['kernel_ratio'] or float('nan'):.3f} | "

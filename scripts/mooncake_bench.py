@@ -50,6 +50,17 @@ def transports(gpu: bool) -> list[tuple[str, list[str]]]:
             ("p2p", ["transport=p2p"])]
 
 
+# on the GPU, Llama-3.1-8B 32k also from vLLM's NHD cache into TensorRT-LLM's, in bf16 and with the gen side in fp8
+# (converted in the pack: the wire carries fp8), the fp8 row's rate also counted in the source bytes it delivers
+ENGINE_CASE = ("llama3_8b", 32768)
+ENGINE_ROWS = [("mooncake staged, vllm_lbnhc -> trtllm",
+                ["transport=mooncake", "transport.mode=staged", "transport.protocol=auto", "ctx.layout=vllm_lbnhc",
+                 "gen.layout=trtllm"]),
+               ("mooncake staged, vllm_lbnhc -> trtllm, gen fp8",
+                ["transport=mooncake", "transport.mode=staged", "transport.protocol=auto", "ctx.layout=vllm_lbnhc",
+                 "gen.layout=trtllm", "gen.kv_dtype=fp8"])]
+
+
 def common(gpu: bool) -> list[str]:
     return ["logger=quiet", "workload.requests=1", "workload.concurrency=1", "ctx.tp=2", "gen.tp=1",
             "transfer=chunked", "transfer.slot_mib=16", f"device={'cuda' if gpu else 'cpu'}",
@@ -189,7 +200,8 @@ def markdown(report: dict) -> str:
             continue
         rng = (f"{r['link_gbps']:.2f} ({r['link_gbps_min']:.2f}-{r['link_gbps_max']:.2f})" if r["link_gbps"]
                else "")
-        out.append(f"| {r['model']} | {r['isl']} | {r['transport']} | {r['gbps']:.2f} | {rng} | "
+        src = f" ({r['source_gbps']:.2f} of the bf16 source)" if "source_gbps" in r else ""
+        out.append(f"| {r['model']} | {r['isl']} | {r['transport']} | {r['gbps']:.2f}{src} | {rng} | "
                    f"{r['link_ratio']:.3f} | {r['chunks']} | {r['descriptors']} | "
                    f"{'yes' if r['verified'] else 'NO'} |")
     return "\n".join(out)
@@ -215,7 +227,7 @@ def main() -> None:
         for i, row in enumerate(report["runs"]):
             if "error" not in row and row.get("verified"):
                 continue
-            over = dict(transports(report["device"] == "cuda"))[row["transport"]]
+            over = dict(transports(report["device"] == "cuda") + ENGINE_ROWS)[row["transport"]]
             new = {"model": row["model"], "isl": row["isl"], "transport": row["transport"]}
             try:
                 new |= one_run(common(report["device"] == "cuda") + over
@@ -242,7 +254,8 @@ def main() -> None:
     save()
     if not args.curve_only:
         for model, isl in CASES:
-            for name, over in transports(args.gpu):
+            extra = ENGINE_ROWS if args.gpu and (model, isl) == ENGINE_CASE else []
+            for name, over in transports(args.gpu) + extra:
                 label = f"{model} {isl} {name}"
                 if args.only and args.only not in label:
                     continue
@@ -251,6 +264,10 @@ def main() -> None:
                     row |= one_run(common(args.gpu) + over + [f"model={model}", f"workload.isl={isl}"])
                 except Exception as e:  # noqa: BLE001 - one failed case is a row, not the end of the table
                     row["error"] = why(e)
+                if name.endswith("gen fp8") and "gbps" in row and report["runs"] and "gbps" in report["runs"][-1]:
+                    bf16 = report["runs"][-1]  # its bf16 sibling, the row before
+                    row["source_bytes"] = bf16["bytes"]
+                    row["source_gbps"] = row["gbps"] * bf16["bytes"] / row["bytes"]
                 report["runs"].append(row)
                 print(label, {k: row.get(k) for k in ("gbps", "link_gbps", "link_ratio", "descriptors", "error")},
                       flush=True)
