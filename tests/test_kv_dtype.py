@@ -157,6 +157,17 @@ def check_bf16_to_fp8(model_name, strategy, pull, device):
     assert kv and all(c.rect.wire == "fp8" for c in kv)
 
 
+@pytest.mark.parametrize("strategy, pull", [("chunked", False), ("chunked", True), ("layerwise", False)])
+def test_the_conversion_goes_in_pieces_of_whole_tiles(monkeypatch, strategy, pull):
+    """Conversion scratch is bounded whatever the chunk: pieces of one tile, and batches of a few rows, land the
+    same values as one piece per chunk."""
+    from kvlab.model import layout
+
+    monkeypatch.setattr(layout, "CONVERT_PIECE", 300)
+    check_bf16_to_fp8("tiny_dsa", strategy, pull, "cpu")
+    check_bf16_to_fp8("tiny_gqa", strategy, pull, "cpu")
+
+
 def _reference_wire(data, rect, base, pool):
     """Every row of ``data`` (one row size for every component of K/V and MLA pools, in wire order) in fp8."""
     kind = str(getattr(base.spec.kind, "value", base.spec.kind))

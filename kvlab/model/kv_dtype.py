@@ -73,7 +73,9 @@ def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     pad = -n % group
     g = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, group))
     amax = g.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor, not the number: CUDA divides by a number as a multiplication by its reciprocal, which
+    # differs from the division in the last bit for some amax, and the scale must not depend on the device
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.flatten(-2)[..., :n].contiguous().view(torch.uint8), scale
 

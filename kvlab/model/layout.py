@@ -142,6 +142,12 @@ def tile_groups(rect: Rect) -> list[tuple[int, int, int]]:
     return groups
 
 
+# Bytes of one format converted at a time: the conversion's temporaries (fp32 values, their magnitudes, the scaled
+# codes) are several times the rows they convert; a whole 4 GiB pull of Llama-3.1-8B at 32k converted at once held
+# 25 GiB of device memory. kvlab.memory.ops.convert cuts its scratch pieces to this size as well.
+CONVERT_PIECE = 32 << 20
+
+
 def convert_wire(data: torch.Tensor, rect: Rect, src: PoolSpec, dst: PoolSpec, out: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """``rect``'s bytes in wire order with ``src``'s rows, as ``dst``'s rows (one pool kind, another KV dtype):
@@ -162,7 +168,11 @@ def convert_wire(data: torch.Tensor, rect: Rect, src: PoolSpec, dst: PoolSpec, o
         sc = dc = 0
         for c, (sr, dr) in enumerate(zip(srows, drows)):
             rows = sg[:, :, sc:sc + nh * ntok * sr].reshape(-1, sr)
-            got = kv_dtype.convert_rows(rows, kind, src.comp_elems[c], src.comp_dtypes[c], sf, df)
+            got = torch.empty((rows.shape[0], dr), dtype=torch.uint8, device=data.device)
+            step = max(1, CONVERT_PIECE // max(sr, dr))
+            for a in range(0, rows.shape[0], step):
+                got[a:a + step] = kv_dtype.convert_rows(rows[a:a + step], kind, src.comp_elems[c], src.comp_dtypes[c],
+                                                        sf, df)
             dg[:, :, dc:dc + nh * ntok * dr] = got.view(ntiles, nl, nh * ntok * dr)
             sc, dc = sc + nh * ntok * sr, dc + nh * ntok * dr
         so, do = so + sn, do + dn

@@ -1,39 +1,72 @@
 """Pack, unpack and copy_rect where the wire carries another KV dtype than a pool (``Rect.wire``, kvlab.model.kv_dtype).
 
 Each implementation (reference, cpu, cuda) calls these first thing when ``kvlab.model.layout.converts`` says so,
-passing its own function: the pool's rows move as that implementation moves them (through a scratch piece of
-the chunk's size in the pool's format), and the rows are converted between the piece and the wire in torch, on
-the buffers' device. The rounding is kvlab.model.kv_dtype's; the kernels move bytes of one format only.
+passing its own function: the pool's rows move as that implementation moves them (through scratch pieces of
+whole tiles, at most ``layout.CONVERT_PIECE`` bytes in the pool's format), and the rows are converted between
+the piece and the wire in torch, on the buffers' device. The rounding is kvlab.model.kv_dtype's; the kernels
+move bytes of one format only.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from kvlab.model.layout import as_stored, convert_wire
+from kvlab.model import layout
+from kvlab.model.layout import Rect, as_stored, convert_wire
 from kvlab.model.state import in_format
 
 
+def pieces(rect: Rect, rows: tuple[int, ...]) -> list[Rect]:
+    """``rect`` cut at tile boundaries into sub-rects of at most ``layout.CONVERT_PIECE`` bytes of ``rows`` (one tile
+    at least; a chunk's scratch is this size whatever the chunk),
+    in wire order: each one's bytes follow the previous one's on the wire, in either format."""
+    tiles = max(1, layout.CONVERT_PIECE // (rect.n_layers * rect.n_heads * rect.tile * sum(rows)))
+    out, t0 = [], rect.t0
+    while t0 < rect.t1:
+        t1 = min(rect.t1, (t0 // rect.tile + tiles) * rect.tile)
+        out.append(replace(rect, t0=t0, t1=t1))
+        t0 = t1
+    return out
+
+
+def _scratch(subs: list[Rect], rows: tuple[int, ...], device) -> torch.Tensor:
+    return torch.empty(max(as_stored(r).nbytes(rows) for r in subs), dtype=torch.uint8, device=device)
+
+
 def pack(impl, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, **kw) -> None:
-    """The pool's rows of ``rect`` into a piece, converted into ``out`` in the wire's format."""
-    own = as_stored(rect)
-    tmp = torch.empty(own.nbytes(pool.rows), dtype=torch.uint8, device=out.device)
-    impl(pool_bytes, pool, num_blocks, own, block_ids, block_base, tmp, **kw)
-    convert_wire(tmp, own, pool.spec, in_format(pool.spec, rect.wire), out)
+    """The pool's rows of ``rect`` into a piece, converted into ``out`` in the wire's format, a piece at a time."""
+    wire, subs, at = in_format(pool.spec, rect.wire), pieces(rect, pool.rows), 0
+    tmp = _scratch(subs, pool.rows, out.device)
+    for sub in subs:
+        own = as_stored(sub)
+        n, w = own.nbytes(pool.rows), sub.nbytes(wire.comp_row_bytes())
+        impl(pool_bytes, pool, num_blocks, own, block_ids, block_base, tmp[:n], **kw)
+        convert_wire(tmp[:n], own, pool.spec, wire, out[at:at + w])
+        at += w
 
 
-def unpack(impl, wire, pool, num_blocks, rect, block_ids, block_base, pool_bytes, **kw) -> None:
-    """``wire`` converted into the pool's format, then unpacked as the pool's own rows."""
-    own = as_stored(rect)
-    impl(convert_wire(wire, own, in_format(pool.spec, rect.wire), pool.spec), pool, num_blocks, own, block_ids,
-         block_base, pool_bytes, **kw)
+def unpack(impl, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, **kw) -> None:
+    """``wire_buf`` converted into the pool's format, then unpacked as the pool's own rows, a piece at a time."""
+    wire, subs, at = in_format(pool.spec, rect.wire), pieces(rect, pool.rows), 0
+    tmp = _scratch(subs, pool.rows, wire_buf.device)
+    for sub in subs:
+        own = as_stored(sub)
+        n, w = own.nbytes(pool.rows), sub.nbytes(wire.comp_row_bytes())
+        impl(convert_wire(wire_buf[at:at + w], own, wire, pool.spec, tmp[:n]), pool, num_blocks, own, block_ids,
+             block_base, pool_bytes, **kw)
+        at += w
 
 
 def copy_rect(pack_impl, unpack_impl, src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_pool, dst_nb,
               dst_ids, dst_base, rect, **kw) -> None:
     """A pull between pools of two formats: the source's rows packed, converted, unpacked into the destination
-    (the conversion happens in the copy, on the destination's device)."""
-    own = as_stored(rect)
-    tmp = torch.empty(own.nbytes(src_pool.rows), dtype=torch.uint8, device=dst_bytes.device)
-    pack_impl(src_bytes, src_pool, src_nb, own, src_ids, src_base, tmp, **kw)
-    unpack_impl(convert_wire(tmp, own, src_pool.spec, dst_pool.spec), dst_pool, dst_nb, own, dst_ids, dst_base,
-                dst_bytes, **kw)
+    (the conversion happens in the copy, on the destination's device), a piece at a time."""
+    subs = pieces(rect, src_pool.rows)
+    src, dst = _scratch(subs, src_pool.rows, dst_bytes.device), _scratch(subs, dst_pool.rows, dst_bytes.device)
+    for sub in subs:
+        own = as_stored(sub)
+        n, m = own.nbytes(src_pool.rows), own.nbytes(dst_pool.rows)
+        pack_impl(src_bytes, src_pool, src_nb, own, src_ids, src_base, src[:n], **kw)
+        unpack_impl(convert_wire(src[:n], own, src_pool.spec, dst_pool.spec, dst[:m]), dst_pool, dst_nb, own,
+                    dst_ids, dst_base, dst_bytes, **kw)
