@@ -6,6 +6,7 @@
 # --mooncake: also scripts/mooncake_bench.py --gpu (Mooncake's CUDA-13 wheel in .whl/, without NIXL's: carry limit)
 # --engines: also scripts/ipc_bench.py --engines (vLLM NHD ctx -> TensorRT-LLM gen, bf16 and gen fp8), into engines_h200.json
 # --decode: also check=decode on the GPU for the six families (transformers' wheel in .whl/), into decode_h200.json
+# KVLAB_GPU_TESTS="tests/a.py tests/b.py": only those test files (all of tests/ by default)
 # --jobs N: the GPU tests in N pytest-xdist workers (the image has it), then the failed ones again alone
 # A GPU machine without a package index gets the pure-Python wheels its image lacks from .whl/, made
 # beforehand on a machine with one:  pip wheel --no-deps -w .whl hydra-core omegaconf "antlr4-python3-runtime==4.9.*"
@@ -28,7 +29,7 @@ tests=1; [ "${1:-}" = "--no-tests" ] && { tests=0; shift; }
 bench=1; [ "${1:-}" = "--no-bench" ] && { bench=0; shift; }
 jobs=(); [ "${1:-}" = "--jobs" ] && { jobs=(-n "$2"); shift 2; }
 if [ $tests = 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider -rf "${jobs[@]}" -m "gpu or gpu2" tests/ 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  python3 -m pytest -q -p no:cacheprovider -rf "${jobs[@]}" -m "gpu or gpu2" ${KVLAB_GPU_TESTS:-tests/} 2>&1 | tee "$out/gpu_tests.log" | tail -25
   failed=$(grep -o '^FAILED [^ ]*' "$out/gpu_tests.log" | cut -d' ' -f2 | sort -u)
   # workers share one GPU and 16 cores: a failure under that load is run again alone before it counts
   [ ${#jobs[@]} -gt 0 ] && [ -n "$failed" ] && python3 -m pytest -q -p no:cacheprovider $failed 2>&1 \
