@@ -5,7 +5,10 @@
 // launch and no index tensors: run r (wire order: tile, layer, component, head) is ntok * row bytes
 // from src + mem_src(r) to dst + mem_dst(r). One warp per run (grid-stride), 16-byte vectors when
 // both ends and the length allow (4-byte words, else bytes, otherwise), KV_UNROLL vectors in flight
-// per lane: a KV run is a few KiB, so warps, not CTAs, keep enough bytes in flight.
+// per lane: a KV run is a few KiB, so warps, not CTAs, keep enough bytes in flight. Runs of at most
+// 512 bytes (one row: vLLM's NHD cache into TensorRT-LLM's moves 256-byte runs) would leave a warp
+// per run mostly idle and one run in flight: there lane groups take runs, KV_UNROLL runs in flight
+// per group (the short-run path).
 // No #include: NVRTC needs no include path.
 typedef long long i64;
 typedef unsigned long long u64;
@@ -17,6 +20,7 @@ typedef unsigned long long u64;
 #define KV_UNROLL 8
 #endif
 // CTAs per SM the compiler must fit in registers: the copy needs warps in flight, not registers
+#define KV_SHORT (KV_UNROLL < 4 ? KV_UNROLL : 4)
 #ifndef KV_MIN_BLOCKS
 #define KV_MIN_BLOCKS (1024 / KV_THREADS)
 #endif
@@ -54,6 +58,28 @@ __device__ __forceinline__ void warp_copy(const V* __restrict__ s, V* __restrict
       i64 P##bs1, i64 P##ls0, i64 P##ls1, i64 P##hs0, i64 P##hs1, i64 P##ns0, i64 P##ns1, int P##loff, \
       int P##hoff
 
+// Runs of at most 32 * 16 bytes: groups of G lanes (a power of two, 16 * G bytes at least the longest
+// run) each take KV_SHORT runs, decoded and loaded before the first store, so that a warp keeps
+// 32 / G * KV_SHORT runs in flight instead of one (more than 4 spill out of 64 registers). A run that is not 16-byte aligned at both ends is
+// copied by its group a byte at a time after the others.
+#define DECODE_RUN(r, sp, dp, n)                                                                        \
+  {                                                                                                     \
+    const int k_ = (r) % S;                                                                             \
+    int x_ = (r) / S;                                                                                   \
+    const int h_ = x_ % nh;                                                                             \
+    x_ /= nh;                                                                                           \
+    const int c_ = x_ % ncomp;                                                                          \
+    x_ /= ncomp;                                                                                        \
+    const int l_ = x_ % nl;                                                                             \
+    const int u_ = x_ / nl + u0;                                                                        \
+    const int ts_ = u_ * tile > tt0 ? u_ * tile : tt0;                                                  \
+    const int te_ = (u_ + 1) * tile < tt1 ? (u_ + 1) * tile : tt1;                                      \
+    const int row_ = c_ ? row1 : row0;                                                                  \
+    n = S == 1 ? (te_ - ts_) * row_ : (k_ < te_ - ts_ ? row_ : 0);                                      \
+    sp = src + (n ? RUN_AT(s_, ts_, k_, l_, c_, h_) : 0);                                               \
+    dp = dst + (n ? RUN_AT(d_, ts_, k_, l_, c_, h_) : 0);                                               \
+  }
+
 // The two sides' parameters come flat (cuda.core passes scalars and pointers, not structs). S: 1 where
 // both sides keep a head's token rows back to back (a run is a tile's rows), else the tile: each run is
 // then S runs of one row, those past a partial tile's end empty.
@@ -65,23 +91,59 @@ kv_copy_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ 
   const int lane = threadIdx.x & 31;
   const int nwarps = (gridDim.x * blockDim.x) >> 5;
   const int tt0 = (int)t0, tt1 = (int)t1, u0 = tt0 / tile;
+  const int longest = (S == 1 ? tile : 1) * (row0 > row1 ? row0 : row1);
+  if (longest <= 32 * 16) {  // the short-run path
+    int G = 1;
+    while (G * 16 < longest) G <<= 1;
+    const int per_warp = (32 / G) * KV_SHORT;  // runs a warp takes per step
+    const int g = lane / G, j = lane % G;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+#pragma unroll 1
+    for (i64 r0 = (i64)warp * per_warp; r0 < nruns; r0 += (i64)nwarps * per_warp) {
+      uint4 v[KV_SHORT];
+      unsigned char* to[KV_SHORT];
+      int odd = 0;  // runs of this group's step that are not 16-byte aligned: bit u
+#pragma unroll
+      for (int u = 0; u < KV_SHORT; ++u) {
+        const i64 r = r0 + (i64)u * (32 / G) + g;
+        to[u] = 0;
+        if (r >= nruns) continue;
+        const unsigned char* sp;
+        unsigned char* dp;
+        int n;
+        DECODE_RUN((int)r, sp, dp, n);
+        if (n == 0) continue;
+        if (((((u64)sp) | ((u64)dp) | (u64)n) & 15) != 0) {
+          odd |= 1 << u;
+          continue;
+        }
+        if (j * 16 < n) {
+          v[u] = ((const uint4*)sp)[j];
+          to[u] = dp + j * 16;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < KV_SHORT; ++u)
+        if (to[u]) *(uint4*)to[u] = v[u];
+#pragma unroll 1
+      for (int u = 0; u < KV_SHORT; ++u) {
+        if (!(odd & (1 << u))) continue;
+        const unsigned char* sp;
+        unsigned char* dp;
+        int n;
+        DECODE_RUN((int)(r0 + (i64)u * (32 / G) + g), sp, dp, n);
+        for (int b = j; b < n; b += G) dp[b] = sp[b];
+      }
+    }
+    return;
+  }
 #pragma unroll 1
   for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < (int)nruns; r += nwarps) {
-    const int k = r % S;
-    int x = r / S;
-    const int h = x % nh;
-    x /= nh;
-    const int c = x % ncomp;
-    x /= ncomp;
-    const int l = x % nl;
-    const int u = x / nl + u0;
-    const int ts = u * tile > tt0 ? u * tile : tt0;
-    const int te = (u + 1) * tile < tt1 ? (u + 1) * tile : tt1;
-    const int row = c ? row1 : row0;
-    const int n = S == 1 ? (te - ts) * row : (k < te - ts ? row : 0);
+    const unsigned char* sp;
+    unsigned char* dp;
+    int n;
+    DECODE_RUN(r, sp, dp, n);
     if (n == 0) continue;
-    const unsigned char* sp = src + RUN_AT(s_, ts, k, l, c, h);
-    unsigned char* dp = dst + RUN_AT(d_, ts, k, l, c, h);
     const u64 a = ((u64)sp) | ((u64)dp) | (u64)n;
     if ((a & 15) == 0) {
       warp_copy<uint4>((const uint4*)sp, (uint4*)dp, n >> 4, lane);
