@@ -20,7 +20,8 @@ from kvlab.model.state import in_format
 def pieces(rect: Rect, rows: tuple[int, ...]) -> list[Rect]:
     """``rect`` cut at tile boundaries into sub-rects of at most ``layout.CONVERT_PIECE`` bytes of ``rows`` (one tile
     at least; a chunk's scratch is this size whatever the chunk),
-    in wire order: each one's bytes follow the previous one's on the wire, in either format."""
+    in wire order: each one's bytes follow the previous one's on the wire, in either format (the schedule's
+    ``cut_rect`` groups layers first, and its pieces are not consecutive on the wire)."""
     tiles = max(1, layout.CONVERT_PIECE // (rect.n_layers * rect.n_heads * rect.tile * sum(rows)))
     out, t0 = [], rect.t0
     while t0 < rect.t1:
