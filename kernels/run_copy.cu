@@ -19,8 +19,9 @@ typedef unsigned long long u64;
 #ifndef KV_UNROLL
 #define KV_UNROLL 8
 #endif
-// CTAs per SM the compiler must fit in registers: the copy needs warps in flight, not registers
+// runs in flight per lane group on the short-run path (more spill out of 64 registers)
 #define KV_SHORT (KV_UNROLL < 4 ? KV_UNROLL : 4)
+// CTAs per SM the compiler must fit in registers: the copy needs warps in flight, not registers
 #ifndef KV_MIN_BLOCKS
 #define KV_MIN_BLOCKS (1024 / KV_THREADS)
 #endif
@@ -59,9 +60,11 @@ __device__ __forceinline__ void warp_copy(const V* __restrict__ s, V* __restrict
       int P##hoff
 
 // Runs of at most 32 * 16 bytes: groups of G lanes (a power of two, 16 * G bytes at least the longest
-// run) each take KV_SHORT runs, decoded and loaded before the first store, so that a warp keeps
-// 32 / G * KV_SHORT runs in flight instead of one (more than 4 spill out of 64 registers). A run that is not 16-byte aligned at both ends is
-// copied by its group a byte at a time after the others.
+// run) each take KV_SHORT consecutive runs, loaded before the first store, so that a warp keeps
+// 32 / G * KV_SHORT runs in flight instead of one. The group decodes its first run's coordinates
+// and steps to the next ones by counting (sub-run, head, component, layer, tile), not by dividing
+// again: with 256-byte runs the divisions of a decode per run cost about as much as the copy. A run
+// that is not 16-byte aligned at both ends is copied by its group a byte at a time after the others.
 #define DECODE_RUN(r, sp, dp, n)                                                                        \
   {                                                                                                     \
     const int k_ = (r) % S;                                                                             \
@@ -100,38 +103,64 @@ kv_copy_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ 
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
 #pragma unroll 1
     for (i64 r0 = (i64)warp * per_warp; r0 < nruns; r0 += (i64)nwarps * per_warp) {
+      const i64 rb = r0 + (i64)g * KV_SHORT;  // this group's first run
       uint4 v[KV_SHORT];
       unsigned char* to[KV_SHORT];
-      int odd = 0;  // runs of this group's step that are not 16-byte aligned: bit u
+      int odd = 0;  // runs of this group's step that are not 16-byte aligned: bit q
+      int k = 0, h = 0, c = 0, l = 0, u = 0;
+      if (rb < nruns) {
+        k = (int)rb % S;
+        int x = (int)rb / S;
+        h = x % nh;
+        x /= nh;
+        c = x % ncomp;
+        x /= ncomp;
+        l = x % nl;
+        u = x / nl + u0;
+      }
 #pragma unroll
-      for (int u = 0; u < KV_SHORT; ++u) {
-        const i64 r = r0 + (i64)u * (32 / G) + g;
-        to[u] = 0;
-        if (r >= nruns) continue;
-        const unsigned char* sp;
-        unsigned char* dp;
-        int n;
-        DECODE_RUN((int)r, sp, dp, n);
-        if (n == 0) continue;
-        if (((((u64)sp) | ((u64)dp) | (u64)n) & 15) != 0) {
-          odd |= 1 << u;
-          continue;
-        }
-        if (j * 16 < n) {
-          v[u] = ((const uint4*)sp)[j];
-          to[u] = dp + j * 16;
+      for (int q = 0; q < KV_SHORT; ++q) {
+        to[q] = 0;
+        if (rb + q < nruns) {
+          const int ts = u * tile > tt0 ? u * tile : tt0;
+          const int te = (u + 1) * tile < tt1 ? (u + 1) * tile : tt1;
+          const int row = c ? row1 : row0;
+          const int n = S == 1 ? (te - ts) * row : (k < te - ts ? row : 0);
+          if (n) {
+            const unsigned char* sp = src + RUN_AT(s_, ts, k, l, c, h);
+            unsigned char* dp = dst + RUN_AT(d_, ts, k, l, c, h);
+            if (((((u64)sp) | ((u64)dp) | (u64)n) & 15) != 0) {
+              odd |= 1 << q;
+            } else if (j * 16 < n) {
+              v[q] = ((const uint4*)sp)[j];
+              to[q] = dp + j * 16;
+            }
+          }
+          if (++k == S) {  // the next run in wire order: sub-run, head, component, layer, tile
+            k = 0;
+            if (++h == nh) {
+              h = 0;
+              if (++c == ncomp) {
+                c = 0;
+                if (++l == nl) {
+                  l = 0;
+                  ++u;
+                }
+              }
+            }
+          }
         }
       }
 #pragma unroll
-      for (int u = 0; u < KV_SHORT; ++u)
-        if (to[u]) *(uint4*)to[u] = v[u];
+      for (int q = 0; q < KV_SHORT; ++q)
+        if (to[q]) *(uint4*)to[q] = v[q];
 #pragma unroll 1
-      for (int u = 0; u < KV_SHORT; ++u) {
-        if (!(odd & (1 << u))) continue;
+      for (int q = 0; q < KV_SHORT; ++q) {
+        if (!(odd & (1 << q))) continue;
         const unsigned char* sp;
         unsigned char* dp;
         int n;
-        DECODE_RUN((int)(r0 + (i64)u * (32 / G) + g), sp, dp, n);
+        DECODE_RUN((int)(rb + q), sp, dp, n);
         for (int b = j; b < n; b += G) dp[b] = sp[b];
       }
     }
