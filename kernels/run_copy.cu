@@ -19,8 +19,8 @@ typedef unsigned long long u64;
 #ifndef KV_UNROLL
 #define KV_UNROLL 8
 #endif
-// runs in flight per lane group on the short-run path (more spill out of 64 registers)
-#define KV_SHORT (KV_UNROLL < 4 ? KV_UNROLL : 4)
+// runs in flight per lane group on the short-run path (four spill out of 64 registers)
+#define KV_SHORT (KV_UNROLL < 3 ? KV_UNROLL : 3)
 // CTAs per SM the compiler must fit in registers: the copy needs warps in flight, not registers
 #ifndef KV_MIN_BLOCKS
 #define KV_MIN_BLOCKS (1024 / KV_THREADS)
@@ -54,6 +54,12 @@ __device__ __forceinline__ void warp_copy(const V* __restrict__ s, V* __restrict
    (i64)((l) + P##loff) * ((c) ? P##ls1 : P##ls0) + ((c) ? P##off1 : P##off0) +                       \
    (i64)((h) + P##hoff) * ((c) ? P##hs1 : P##hs0) + (i64)((ts) % P##tpb + (k)) * ((c) ? P##ns1 : P##ns0))
 
+// RUN_AT with the run's block and its first token's offset in the block already read (blk, tok).
+#define RUN_IN(P, blk, tok, k, l, c, h)                                                                 \
+  ((blk) * ((c) ? P##bs1 : P##bs0) + (i64)((l) + P##loff) * ((c) ? P##ls1 : P##ls0) +                 \
+   ((c) ? P##off1 : P##off0) + (i64)((h) + P##hoff) * ((c) ? P##hs1 : P##hs0) +                        \
+   (i64)((tok) + (k)) * ((c) ? P##ns1 : P##ns0))
+
 #define SIDE_PARAMS(P)                                                                                  \
   const void *P##ids, int P##ids64, int P##tpb, i64 P##base, i64 P##off0, i64 P##off1, i64 P##bs0,    \
       i64 P##bs1, i64 P##ls0, i64 P##ls1, i64 P##hs0, i64 P##hs1, i64 P##ns0, i64 P##ns1, int P##loff, \
@@ -63,7 +69,8 @@ __device__ __forceinline__ void warp_copy(const V* __restrict__ s, V* __restrict
 // run) each take KV_SHORT consecutive runs, loaded before the first store, so that a warp keeps
 // 32 / G * KV_SHORT runs in flight instead of one. The group decodes its first run's coordinates
 // and steps to the next ones by counting (sub-run, head, component, layer, tile), not by dividing
-// again: with 256-byte runs the divisions of a decode per run cost about as much as the copy. A run
+// again, and reads a tile's blocks from the tables once: with 256-byte runs the divisions and the
+// table reads of a decode per run cost about as much as the copy. A run
 // that is not 16-byte aligned at both ends is copied by its group a byte at a time after the others.
 #define DECODE_RUN(r, sp, dp, n)                                                                        \
   {                                                                                                     \
@@ -108,6 +115,8 @@ kv_copy_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ 
       unsigned char* to[KV_SHORT];
       int odd = 0;  // runs of this group's step that are not 16-byte aligned: bit q
       int k = 0, h = 0, c = 0, l = 0, u = 0;
+      int at = -1, stok = 0, dtok = 0;  // the tile whose blocks are read: its first token, offsets in the blocks
+      i64 sblk = 0, dblk = 0;
       if (rb < nruns) {
         k = (int)rb % S;
         int x = (int)rb / S;
@@ -126,9 +135,16 @@ kv_copy_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ 
           const int te = (u + 1) * tile < tt1 ? (u + 1) * tile : tt1;
           const int row = c ? row1 : row0;
           const int n = S == 1 ? (te - ts) * row : (k < te - ts ? row : 0);
+          if (ts != at) {  // a new tile: its blocks on both sides, read once for the runs that follow in it
+            at = ts;
+            sblk = s_ids64 ? ((const i64*)s_ids)[ts / s_tpb - s_base] : (i64)((const int*)s_ids)[ts / s_tpb - s_base];
+            dblk = d_ids64 ? ((const i64*)d_ids)[ts / d_tpb - d_base] : (i64)((const int*)d_ids)[ts / d_tpb - d_base];
+            stok = ts % s_tpb;
+            dtok = ts % d_tpb;
+          }
           if (n) {
-            const unsigned char* sp = src + RUN_AT(s_, ts, k, l, c, h);
-            unsigned char* dp = dst + RUN_AT(d_, ts, k, l, c, h);
+            const unsigned char* sp = src + RUN_IN(s_, sblk, stok, k, l, c, h);
+            unsigned char* dp = dst + RUN_IN(d_, dblk, dtok, k, l, c, h);
             if (((((u64)sp) | ((u64)dp) | (u64)n) & 15) != 0) {
               odd |= 1 << q;
             } else if (j * 16 < n) {
