@@ -36,3 +36,29 @@ def test_engine_layout_pairs_move_verified_through_the_kernels(pair, strategy, p
 @pytest.mark.parametrize("strategy, pull", [("chunked", False), ("layerwise", False), ("chunked", True)])
 def test_bf16_to_fp8_on_the_gpu_lands_the_expected_values(model_name, strategy, pull):
     check_bf16_to_fp8(model_name, strategy, pull, "cuda")
+
+
+@pytest.mark.parametrize("kind, elems, base", [("kv", 128, "bf16"), ("kv", 16, "bf16"), ("kv", 200, "bf16"),
+                                               ("kv", 128, "fp16"), ("mla", 576, "bf16")])
+def test_the_fp8_rows_kernel_is_the_rule(kind, elems, base):
+    """kernels/fp8_rows.cu against the test's own e4m3 rounding and against kvlab's torch form of the rule, bit
+    for bit: values over forty binades, zero rows and zero values, and a row whose scale is 1 holding exact ties
+    between codes, normal and subnormal."""
+    from test_kv_dtype import reference_row
+
+    from kvlab.memory.ops import cuda as cuda_ops
+    from kvlab.model import kv_dtype
+
+    g = torch.Generator().manual_seed(elems)
+    n = 4096
+    x = torch.randn(n, elems, generator=g) * torch.exp2(torch.randint(-30, 10, (n, 1), generator=g).float())
+    x[0] = 0
+    x[1, ::2] = 0
+    ties = torch.tensor([448, 1.0625, 1.1875, -1.0625, 2.0 ** -10, 3 * 2.0 ** -10, -(2.0 ** -10), 0.0])
+    x[2] = ties.repeat(elems // 8 + 1)[:elems]
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[base]
+    vals = x.to(dt)
+    rows = vals.view(torch.uint8).reshape(n, -1)
+    got = cuda_ops.quantize_rows(rows.cuda(), kind, elems, base).cpu()
+    assert torch.equal(got, reference_row(vals.float(), kind, base))
+    assert torch.equal(got, kv_dtype.convert_rows(rows.cuda(), kind, elems, base, base, "fp8").cpu())

@@ -103,3 +103,20 @@ def test_rect_copy_compiles_without_spills(cuda_ops, tuning):
     assert cubin[:4] == b"\x7fELF" and b"kv_copy_rect" in cubin
     spills = [line for line in log.getvalue().replace("\0", "").splitlines() if "spill" in line]
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fp8_rows_compiles_without_spills(cuda_ops, arch):
+    """kernels/fp8_rows.cu (the GPU's bf16 -> fp8 rows) builds where the copy kernels do, in registers."""
+    import io
+
+    from cuda.core import Program
+
+    opts = cuda_ops._options(arch, cuda_ops.DEFAULT_TUNING, "fp8_rows")
+    opts.ptxas_options = "-v"
+    log = io.StringIO()
+    cubin = bytes(Program(cuda_ops._source(cuda_ops.FP8_ROWS_SOURCE), "c++", options=opts)
+                  .compile("cubin", logs=log).code)
+    assert cubin[:4] == b"\x7fELF" and b"kv_quantize_rows" in cubin
+    spills = [line for line in log.getvalue().replace("\0", "").splitlines() if "spill" in line]
+    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()

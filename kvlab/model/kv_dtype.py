@@ -60,7 +60,7 @@ def converts(kind: str, base: str) -> bool:
     return kind in CONVERTED_KINDS and base in BASES
 
 
-def _groups(kind: str, elems: int) -> tuple[int, int]:
+def groups(kind: str, elems: int) -> tuple[int, int]:
     """(values quantized, values per scale) of a row."""
     return (elems, elems) if kind == "kv" else (elems - ROPE, GROUP)
 
@@ -92,7 +92,7 @@ def to_values(rows: torch.Tensor, kind: str, elems: int, base: str, fmt: str) ->
 
     if fmt != "fp8":
         return rows.contiguous().view(_dt(fmt)).float()
-    q, group = _groups(kind, elems)
+    q, group = groups(kind, elems)
     ns = math.ceil(q / group)
     vals = dequantize(rows[..., :q], rows[..., q:q + 4 * ns].contiguous().view(_dt("fp32")), group)
     if kind == "kv":
@@ -108,7 +108,7 @@ def from_values(x: torch.Tensor, kind: str, base: str, fmt: str) -> torch.Tensor
     if fmt != "fp8":
         return x.to(_dt(fmt)).view(torch.uint8)
     elems = x.shape[-1]
-    q, group = _groups(kind, elems)
+    q, group = groups(kind, elems)
     codes, scale = quantize(x[..., :q], group)
     parts = [codes, scale.contiguous().view(torch.uint8)]
     if kind != "kv":

@@ -148,10 +148,11 @@ def tile_groups(rect: Rect) -> list[tuple[int, int, int]]:
 CONVERT_PIECE = 32 << 20
 
 
-def convert_wire(data: torch.Tensor, rect: Rect, src: PoolSpec, dst: PoolSpec, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def convert_wire(data: torch.Tensor, rect: Rect, src: PoolSpec, dst: PoolSpec, out: torch.Tensor | None = None,
+                 rows_fn=kv_dtype.convert_rows) -> torch.Tensor:
     """``rect``'s bytes in wire order with ``src``'s rows, as ``dst``'s rows (one pool kind, another KV dtype):
-    each component's rows converted where they lie (kvlab.model.kv_dtype.convert_rows)."""
+    each component's rows converted where they lie by ``rows_fn`` (kvlab.model.kv_dtype.convert_rows, or an
+    implementation of the same rule: the GPU's kernel)."""
     if src.comp_row_bytes() == dst.comp_row_bytes() and (src.fmt or src.comp_dtypes[0]) == (dst.fmt or
                                                                                             dst.comp_dtypes[0]):
         return data if out is None else out.copy_(data)
@@ -171,8 +172,7 @@ def convert_wire(data: torch.Tensor, rect: Rect, src: PoolSpec, dst: PoolSpec, o
             got = torch.empty((rows.shape[0], dr), dtype=torch.uint8, device=data.device)
             step = max(1, CONVERT_PIECE // max(sr, dr))
             for a in range(0, rows.shape[0], step):
-                got[a:a + step] = kv_dtype.convert_rows(rows[a:a + step], kind, src.comp_elems[c], src.comp_dtypes[c],
-                                                        sf, df)
+                got[a:a + step] = rows_fn(rows[a:a + step], kind, src.comp_elems[c], src.comp_dtypes[c], sf, df)
             dg[:, :, dc:dc + nh * ntok * dr] = got.view(ntiles, nl, nh * ntok * dr)
             sc, dc = sc + nh * ntok * sr, dc + nh * ntok * dr
         so, do = so + sn, do + dn

@@ -1,7 +1,8 @@
 """Pack, unpack and copy_rect where the wire carries another KV dtype than a pool (``Rect.wire``, kvlab.model.kv_dtype).
 
 Each implementation (reference, cpu, cuda) calls these first thing when ``kvlab.model.layout.converts`` says so,
-passing its own function: the pool's rows move as that implementation moves them (through scratch pieces of
+passing its own function (and ``rows_fn``, its form of kvlab.model.kv_dtype.convert_rows, where it has one: the
+GPU's ``kernels/fp8_rows.cu``): the pool's rows move as that implementation moves them (through scratch pieces of
 whole tiles, at most ``layout.CONVERT_PIECE`` bytes in the pool's format), and the rows are converted between
 the piece and the wire in torch, on the buffers' device. The rounding is kvlab.model.kv_dtype's; the kernels
 move bytes of one format only.
@@ -12,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from kvlab.model import layout
+from kvlab.model import kv_dtype, layout
 from kvlab.model.layout import Rect, as_stored, convert_wire
 from kvlab.model.state import in_format
 
@@ -35,7 +36,8 @@ def _scratch(subs: list[Rect], rows: tuple[int, ...], device) -> torch.Tensor:
     return torch.empty(max(as_stored(r).nbytes(rows) for r in subs), dtype=torch.uint8, device=device)
 
 
-def pack(impl, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, **kw) -> None:
+def pack(impl, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, rows_fn=kv_dtype.convert_rows,
+         **kw) -> None:
     """The pool's rows of ``rect`` into a piece, converted into ``out`` in the wire's format, a piece at a time."""
     wire, subs, at = in_format(pool.spec, rect.wire), pieces(rect, pool.rows), 0
     tmp = _scratch(subs, pool.rows, out.device)
@@ -43,24 +45,25 @@ def pack(impl, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *
         own = as_stored(sub)
         n, w = own.nbytes(pool.rows), sub.nbytes(wire.comp_row_bytes())
         impl(pool_bytes, pool, num_blocks, own, block_ids, block_base, tmp[:n], **kw)
-        convert_wire(tmp[:n], own, pool.spec, wire, out[at:at + w])
+        convert_wire(tmp[:n], own, pool.spec, wire, out[at:at + w], rows_fn)
         at += w
 
 
-def unpack(impl, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, **kw) -> None:
+def unpack(impl, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, rows_fn=kv_dtype.convert_rows,
+           **kw) -> None:
     """``wire_buf`` converted into the pool's format, then unpacked as the pool's own rows, a piece at a time."""
     wire, subs, at = in_format(pool.spec, rect.wire), pieces(rect, pool.rows), 0
     tmp = _scratch(subs, pool.rows, wire_buf.device)
     for sub in subs:
         own = as_stored(sub)
         n, w = own.nbytes(pool.rows), sub.nbytes(wire.comp_row_bytes())
-        impl(convert_wire(wire_buf[at:at + w], own, wire, pool.spec, tmp[:n]), pool, num_blocks, own, block_ids,
-             block_base, pool_bytes, **kw)
+        impl(convert_wire(wire_buf[at:at + w], own, wire, pool.spec, tmp[:n], rows_fn), pool, num_blocks, own,
+             block_ids, block_base, pool_bytes, **kw)
         at += w
 
 
 def copy_rect(pack_impl, unpack_impl, src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_pool, dst_nb,
-              dst_ids, dst_base, rect, **kw) -> None:
+              dst_ids, dst_base, rect, rows_fn=kv_dtype.convert_rows, **kw) -> None:
     """A pull between pools of two formats: the source's rows packed, converted, unpacked into the destination
     (the conversion happens in the copy, on the destination's device), a piece at a time."""
     subs = pieces(rect, src_pool.rows)
@@ -69,5 +72,5 @@ def copy_rect(pack_impl, unpack_impl, src_bytes, src_pool, src_nb, src_ids, src_
         own = as_stored(sub)
         n, m = own.nbytes(src_pool.rows), own.nbytes(dst_pool.rows)
         pack_impl(src_bytes, src_pool, src_nb, own, src_ids, src_base, src[:n], **kw)
-        unpack_impl(convert_wire(src[:n], own, src_pool.spec, dst_pool.spec, dst[:m]), dst_pool, dst_nb, own,
-                    dst_ids, dst_base, dst_bytes, **kw)
+        unpack_impl(convert_wire(src[:n], own, src_pool.spec, dst_pool.spec, dst[:m], rows_fn), dst_pool, dst_nb,
+                    own, dst_ids, dst_base, dst_bytes, **kw)

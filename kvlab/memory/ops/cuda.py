@@ -26,11 +26,13 @@ import torch
 from kvlab.core.paths import KERNELS_DIR
 from kvlab.memory.ops import convert
 from kvlab.memory.ops.reference import check_buffers, check_rect_pair
+from kvlab.model import kv_dtype
 from kvlab.model.layout import Rect, as_stored, converts
 from kvlab.model.state import RankPool, pool_format
 
 KERNEL_SOURCE = KERNELS_DIR / "kv_copy.cu"
 RUN_COPY_SOURCE = KERNELS_DIR / "run_copy.cu"
+FP8_ROWS_SOURCE = KERNELS_DIR / "fp8_rows.cu"
 DEFAULT_CTAS = 16
 _INT_MAX = 2**31 - 1
 
@@ -316,16 +318,16 @@ def _comp_params(pool: RankPool, num_blocks: int) -> tuple:
 def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *, ctas: int = DEFAULT_CTAS,
          tuning: Tuning = DEFAULT_TUNING) -> None:
     if converts(pool, rect):  # another KV dtype on the wire: the kernel moves the pool's rows, torch converts
-        return convert.pack(pack, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, ctas=ctas,
-                            tuning=tuning)
+        return convert.pack(pack, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, convert_rows,
+                            ctas=ctas, tuning=tuning)
     _launch(True, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, ctas, tuning)
 
 
 def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, *, ctas: int = DEFAULT_CTAS,
            tuning: Tuning = DEFAULT_TUNING) -> None:
     if converts(pool, rect):
-        return convert.unpack(unpack, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, ctas=ctas,
-                              tuning=tuning)
+        return convert.unpack(unpack, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes,
+                              convert_rows, ctas=ctas, tuning=tuning)
     _launch(False, pool_bytes, pool, num_blocks, rect, block_ids, block_base, wire_buf, ctas, tuning)
 
 
@@ -366,7 +368,7 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     dev = dst_bytes.device
     if pool_format(src_pool.spec) != pool_format(dst_pool.spec):  # another KV dtype: converted in the copy
         return convert.copy_rect(pack, unpack, src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
-                                 dst_pool, dst_num_blocks, dst_ids, dst_base, rect)
+                                 dst_pool, dst_num_blocks, dst_ids, dst_base, rect, convert_rows)
     rect = as_stored(rect)
     check_rect_pair(src_bytes, src_pool, src_num_blocks, dst_bytes, dst_pool, dst_num_blocks, rect)
     for side, (pool_bytes, pool, ids, base) in (("source", (src_bytes, src_pool, src_ids, src_base)),
@@ -407,3 +409,41 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
 @cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@lru_cache(maxsize=8)
+def _fp8_kernel(index: int):
+    from cuda.core import Device, ObjectCode
+
+    Device(index).set_current()
+    obj = ObjectCode.from_cubin(compile_for_arch(device_arch(index), DEFAULT_TUNING, source=FP8_ROWS_SOURCE),
+                                name="fp8_rows")
+    return obj.get_kernel("kv_quantize_rows"), obj
+
+
+def quantize_rows(rows: torch.Tensor, kind: str, elems: int, base: str) -> torch.Tensor:
+    """``kernels/fp8_rows.cu`` on the current stream: uint8 rows ``[n, elems * 2]`` of ``base`` values (bf16 or
+    fp16) as fp8 rows (kvlab.model.kv_dtype.from_values' bytes, bit for bit) in one pass."""
+    q, group = kv_dtype.groups(kind, elems)
+    n = rows.shape[0]
+    out = torch.empty((n, kv_dtype.row_bytes(kind, elems, base, "fp8")), dtype=torch.uint8, device=rows.device)
+    if n == 0:
+        return out
+    from cuda.core import LaunchConfig, Stream, launch
+
+    rows = rows.contiguous()
+    kernel, _ = _fp8_kernel(rows.device.index)
+    warps = n * -(-q // group)
+    grid = max(1, min(_sm_count(rows.device.index) * 8, -(-warps // 8)))
+    stream = Stream.from_handle(torch.cuda.current_stream(rows.device).cuda_stream)
+    launch(stream, LaunchConfig(grid=grid, block=256), kernel, rows.data_ptr(), out.data_ptr(), np.int64(n),
+           np.int32(elems), np.int32(q), np.int32(group), np.int32(base == "fp16"))
+    return out
+
+
+def convert_rows(rows: torch.Tensor, kind: str, elems: int, base: str, src: str, dst: str) -> torch.Tensor:
+    """kvlab.model.kv_dtype.convert_rows with the quantizing direction (bf16 or fp16 into fp8) on the kernel."""
+    if rows.is_cuda and dst == "fp8" and src == base and src in kv_dtype.BASES:
+        return quantize_rows(rows, kind, elems, base)
+    return kv_dtype.convert_rows(rows, kind, elems, base, src, dst)
+
