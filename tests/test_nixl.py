@@ -287,6 +287,15 @@ def test_without_the_extra_transport_nixl_is_one_line_naming_it(tmp_path, kvlab_
     assert not (tmp_path / "run").exists()
 
 
+def test_a_ucx_setting_the_backend_cannot_start_with_is_one_line_before_any_rank(tmp_path, kvlab_cli):
+    p = kvlab_cli("run", f"hydra.run.dir={tmp_path / 'run'}", *NIXL, env={"UCX_TLS": "bogus"})
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("kvlab: error: UCX_TLS=bogus: NIXL's UCX backend does not start with UCX_TLS=bogus ("), \
+        p.stderr
+    assert "'bogus' is not available" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_mode_is_one_line():
     from kvlab.config.schema import build, compose
     from kvlab.core.errors import ConfigError

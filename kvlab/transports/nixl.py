@@ -156,6 +156,7 @@ class Nixl(Transport):
             raise ConfigError("transport.progress_thread", thread, "use true (NIXL's own thread progresses WRITEs "
                               "and notifications) or false (the rank polls them)")
         nixl.api()
+        nixl.probe_ucx()
 
     @property
     def peak_staging_bytes(self) -> int:

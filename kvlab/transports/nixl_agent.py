@@ -11,6 +11,10 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
+import subprocess
+import sys
+from functools import cache
 
 import torch
 
@@ -30,6 +34,30 @@ def api():
         except ImportError:
             raise ConfigError("transport", "nixl", f"the NIXL package is not installed; {EXTRA}") from None
     return _api
+
+
+@cache
+def probe_ucx() -> None:
+    """Where UCX is told how to run (a ``UCX_*`` variable set), whether NIXL's UCX backend starts under it: an
+    agent made in a child process, else a ConfigError naming the variables and UCX's own complaint, before any
+    rank starts (a backend that fails in the ranks prints UCX's and NIXL's C++ errors, a traceback per rank, and
+    crashes each in NIXL's teardown). Free without such variables (UCX then picks its transports itself), and
+    skipped in ranks the launcher started after probing."""
+    ucx = {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
+    if not ucx or os.environ.get("KVLAB_PARENT"):
+        return
+    code = "import os; from kvlab.transports import nixl_agent; nixl_agent.agent('probe'); os._exit(0)"
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return  # a slow machine is not a broken UCX: the ranks find out for themselves
+    if p.returncode == 0:
+        return
+    said = [m.group(1).strip() for m in re.finditer(r"UCX\s+(?:ERROR|WARN)\s+(.*)", p.stdout + p.stderr)]
+    why = "; ".join(dict.fromkeys(said)) or (p.stderr.strip().splitlines() or ["no output"])[-1]
+    names = ", ".join(f"{k}={v}" for k, v in ucx.items())
+    raise ConfigError(next(iter(ucx)), next(iter(ucx.values())),
+                      f"NIXL's UCX backend does not start with {names} ({why}); unset it or name what UCX offers")
 
 
 def agent(name: str, progress_thread: bool = False):
