@@ -36,30 +36,32 @@ def _scratch(subs: list[Rect], rows: tuple[int, ...], device) -> torch.Tensor:
     return torch.empty(max(as_stored(r).nbytes(rows) for r in subs), dtype=torch.uint8, device=device)
 
 
+def _walk(pool, rect: Rect, device):
+    """Per piece of ``rect``: (the piece as the pool stores it, scratch of its bytes in the pool's format, its
+    bytes' span on the wire, the wire's format)."""
+    wire, subs, at = in_format(pool.spec, rect.wire), pieces(rect, pool.rows), 0
+    tmp = _scratch(subs, pool.rows, device)
+    for sub in subs:
+        own = as_stored(sub)
+        w = sub.nbytes(wire.comp_row_bytes())
+        yield own, tmp[:own.nbytes(pool.rows)], slice(at, at + w), wire
+        at += w
+
+
 def pack(impl, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, rows_fn=kv_dtype.convert_rows,
          **kw) -> None:
     """The pool's rows of ``rect`` into a piece, converted into ``out`` in the wire's format, a piece at a time."""
-    wire, subs, at = in_format(pool.spec, rect.wire), pieces(rect, pool.rows), 0
-    tmp = _scratch(subs, pool.rows, out.device)
-    for sub in subs:
-        own = as_stored(sub)
-        n, w = own.nbytes(pool.rows), sub.nbytes(wire.comp_row_bytes())
-        impl(pool_bytes, pool, num_blocks, own, block_ids, block_base, tmp[:n], **kw)
-        convert_wire(tmp[:n], own, pool.spec, wire, out[at:at + w], rows_fn)
-        at += w
+    for own, tmp, span, wire in _walk(pool, rect, out.device):
+        impl(pool_bytes, pool, num_blocks, own, block_ids, block_base, tmp, **kw)
+        convert_wire(tmp, own, pool.spec, wire, out[span], rows_fn)
 
 
 def unpack(impl, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, rows_fn=kv_dtype.convert_rows,
            **kw) -> None:
     """``wire_buf`` converted into the pool's format, then unpacked as the pool's own rows, a piece at a time."""
-    wire, subs, at = in_format(pool.spec, rect.wire), pieces(rect, pool.rows), 0
-    tmp = _scratch(subs, pool.rows, wire_buf.device)
-    for sub in subs:
-        own = as_stored(sub)
-        n, w = own.nbytes(pool.rows), sub.nbytes(wire.comp_row_bytes())
-        impl(convert_wire(wire_buf[at:at + w], own, wire, pool.spec, tmp[:n], rows_fn), pool, num_blocks, own,
-             block_ids, block_base, pool_bytes, **kw)
-        at += w
+    for own, tmp, span, wire in _walk(pool, rect, wire_buf.device):
+        impl(convert_wire(wire_buf[span], own, wire, pool.spec, tmp, rows_fn), pool, num_blocks, own, block_ids,
+             block_base, pool_bytes, **kw)
 
 
 def copy_rect(pack_impl, unpack_impl, src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_pool, dst_nb,
