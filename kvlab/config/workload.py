@@ -144,16 +144,14 @@ class RunPlan:
     - ``segments``: by request id, the exact cover of its cache from ctx to gen ranks (kvlab.model.plan);
     - ``order``: the global chunk order (``serve_order``), which every rank walks restricted to its own
       chunks (``chunks_of``);
-    - ``layer_s``: by prompt length, the seconds of each global layer of its prefill (kvlab.model.prefill:
-      what ``prefill=sim`` takes, and what the timeline adds up);
-    - ``times``: by request id, its prefill on the estimated timeline ``order`` was planned from;
+    - ``times``: by request id, its prefill on the estimated timeline ``order`` was planned from
+      (kvlab.model.prefill; a ctx rank's prefill measures what really happens);
     - ``ctx_ranks``: world ranks below it are ctx ranks, the others gen ranks (``Setup.side_of``).
     """
 
     requests: tuple[Request, ...]
     segments: dict[int, tuple[Segment, ...]]
     order: tuple[Chunk, ...]
-    layer_s: dict[int, tuple[float, ...]]
     times: dict[int, prefill.PrefillTimes]
     ctx_ranks: int
     _mine: dict[int, list[Chunk]] = field(default_factory=dict, init=False, repr=False)
@@ -193,12 +191,10 @@ def plan_run(setup: Setup) -> RunPlan:
                 for r in requests}
     schedules = [schedule(setup.model, setup.ctx, setup.gen, segments[r.id], setup.transfer.strategy,
                           setup.chunk_cap) for r in requests]
-    layer_s = {n: tuple(prefill.layer_seconds(setup.model, setup.prefill, setup.ctx.tp, n))
-               for n in sorted({r.isl for r in requests})}
-    times = prefill.timeline(requests, layer_s.__getitem__)
+    times = prefill.times_for(setup, requests)
     per_layer = setup.transfer.strategy.ready == Ready.layer
     link = setup.cost.rates(pair_backend(setup))  # an estimate of each chunk's time on the link
     order = serve_order(schedules, setup.workload.concurrency,
                         lambda c: prefill.ready_s(times[c.request], c.ready_layer, per_layer),
                         lambda c: link.message_s(c.nbytes))
-    return RunPlan(tuple(requests), segments, tuple(order), layer_s, times, setup.ctx.size)
+    return RunPlan(tuple(requests), segments, tuple(order), times, setup.ctx.size)

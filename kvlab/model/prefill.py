@@ -126,6 +126,11 @@ def timeline(requests, seconds_of) -> dict[int, PrefillTimes]:
     return out
 
 
+def times_for(setup, requests) -> dict[int, PrefillTimes]:
+    """The run's estimated prefill timeline: what every rank plans the chunk order from."""
+    return timeline(requests, lambda isl: layer_seconds(setup.model, setup.prefill, setup.ctx.tp, isl))
+
+
 def ready_s(times: PrefillTimes, layer: int, per_layer: bool) -> float:
     """When a chunk may go: its layer is done (layer-wise) or the whole prefill is (every other strategy)."""
     return times.layer_end[layer] if per_layer else times.end

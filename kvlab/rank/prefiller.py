@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from kvlab.model import prefill
 from kvlab.transports import ChunkFailed
 from kvlab.transports.deadline import call_within
 
@@ -72,8 +73,8 @@ class Prefiller:
     """The prefill of one ctx rank; ``start`` it after the clock, ``stop`` it when the loop ends."""
 
     def __init__(self, executor, requests: list):
-        """``requests``: those this rank sends some of; the rest (the ctx ranks sending each request, its
-        layers' seconds) comes from the run's plan (``executor.plan``: kvlab.config.workload.RunPlan)."""
+        """``requests``: those this rank sends some of; the ctx ranks sending each one come from the run's plan
+        (``executor.plan``: kvlab.config.workload.RunPlan)."""
         self.x = executor
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.id))  # FCFS, as every rank orders them
         self.senders = executor.plan.senders
@@ -173,7 +174,7 @@ class Prefiller:
 
     def _sim(self, req, p: Progress) -> None:
         x = self.x
-        seconds = x.plan.layer_s[req.isl]
+        seconds = prefill.layer_seconds(x.setup.model, x.setup.prefill, x.setup.ctx.tp, req.isl)
         p.start = t = time.time()
         self._publish(p, 0)
         last = self.held[-1]
