@@ -133,7 +133,7 @@ def copy_rates(case: str = "llama3_8b 16k chunked 4x16MiB", passes: int = 3) -> 
 
     torch.set_num_threads(1)  # as every rank runs (kvlab.cli.launch: OMP_NUM_THREADS=1)
     setup = build(compose(CASES[case]))
-    _, _, order = plan_run(setup)
+    order = plan_run(setup).order
     chunks = [c for c in order if c.src == 0 and c.dst == 0]
     t = setup.transfer
     sides = []

@@ -65,7 +65,7 @@ def copy_reference(overrides: list[str], reps: int = 3):
     from kvlab.config.workload import plan_run
     from kvlab.rank import linkrate
 
-    _, _, order = plan_run(build(compose(overrides)))
+    order = plan_run(build(compose(overrides))).order
     per_request: dict[int, list[int]] = {}
     for c in order:
         per_request.setdefault(c.request, []).append(c.nbytes)

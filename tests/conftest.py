@@ -108,7 +108,7 @@ def check_figures(run_dir: Path | str, importable: Path | str | None = None) -> 
         OmegaConf.set_struct(schema, False)  # keys appended with + survive, as in kvlab.analysis.sweeps.predict_dir
         sys.path[:0] = [str(importable)] if importable else []
         try:
-            _, segments, _ = plan_run(build(OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml"))))
+            segments = plan_run(build(OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml")))).segments
         finally:
             if importable:
                 sys.path.remove(str(importable))

@@ -105,7 +105,7 @@ def test_plan_cost_and_budget_follow_the_schedule(transfer):
     s_pull, s_push = summarize(pull), summarize(push)
     assert s_pull["total_bytes"] == s_push["total_bytes"]
     segments = sum(p["segments"] for p in s_pull["pairs"])
-    layers = sum(s.rect.l1 - s.rect.l0 for s in plan(pull.model, pull.ctx, pull.gen, plan_run(pull)[0][0]))
+    layers = sum(s.rect.l1 - s.rect.l0 for s in plan(pull.model, pull.ctx, pull.gen, plan_run(pull).requests[0]))
     want = layers if transfer == "layerwise" else segments
     assert s_pull["total_chunks"] == want and s_pull["chunk_cap_bytes"] is None
     if transfer != "naive":  # 204 slot-sized chunks over p2p at the default slot
@@ -121,7 +121,8 @@ def test_plan_cost_and_budget_follow_the_schedule(transfer):
 
 def test_run_order_is_uncut_for_ipc():
     setup = build(compose(QUIET + ["transport=ipc", "transfer=layerwise", "workload.requests=3"]))
-    requests, segments, order = plan_run(setup)
+    run = plan_run(setup)
+    requests, segments, order = run.requests, run.segments, run.order
     for r in requests:
         mine = [c for c in order if c.request == r.id]
         assert len(mine) == sum(s.rect.l1 - s.rect.l0 for s in segments[r.id])

@@ -71,17 +71,17 @@ def test_every_class_is_shown_or_explained_by_every_transport(transport):
 @pytest.mark.parametrize("transport", ["p2p", "ipc"])
 def test_check_refuses_what_the_transport_cannot_show_in_one_line(transport):
     setup = build(compose([*QUIET, f"transport={transport}"]))
-    _, _, order = plan_run(setup)
+    plan = plan_run(setup)
     cls = TRANSPORTS[transport]
     for klass in CLASSES:
         for side, rank in RANK.items():
             faulty = dataclasses.replace(setup, fault=FaultSpec(transfer=klass, transfer_rank=rank,
                                                                 transfer_at_chunk=0))
             if side in cls.injects.get(klass, ()):
-                check(faulty, order)
+                check(faulty, plan)
                 continue
             with pytest.raises(ConfigError) as e:
-                check(faulty, order)
+                check(faulty, plan)
             line = str(e.value)
             assert "\n" not in line
             if klass in cls.cannot:

@@ -247,7 +247,7 @@ def flips_caught(overrides: list[str], flip_rank: int, want, tmp_path: Path) -> 
     """Flips at the chunks ``want`` picks on world rank ``flip_rank`` are caught by the gen rank they were
     meant for, once each, and located at the element the bytes belong to."""
     setup = build(compose(overrides + QUIET))
-    _, _, order = plan_run(setup)
+    order = plan_run(setup).order
     side, rank = setup.side_of(flip_rank)
     mine = [c for c in order if (c.src if side.name == "ctx" else c.dst) == rank]
     starts = [sum(c.nbytes for c in mine[:i]) for i in range(len(mine))]

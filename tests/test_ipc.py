@@ -136,7 +136,7 @@ def test_flips_in_the_copy_are_caught_and_located(tmp_path):
     overrides = ["model=tiny_dsa", "ctx.tp=1", "gen.tp=2", "transfer=zerocopy", "transfer.slot_mib=0.1",
                  "workload.isl=1000"] + QUIET
     setup = build(compose(overrides))
-    _, _, order = plan_run(setup)
+    order = plan_run(setup).order
     mine = [c for c in order if c.dst == 1]  # gen1, world rank 2
     starts = [sum(c.nbytes for c in mine[:i]) for i in range(len(mine))]
     picks, used = [], set()

@@ -20,7 +20,7 @@ SMALL = ["workload.isl=1024", "transfer.slot_mib=0.25"]
 
 def test_messages_are_the_runs_largest_chunk_between_its_own_pairs():
     setup = build(compose(["ctx.tp=3", "gen.tp=2", "workload.isl=700", "transfer.slot_mib=0.05"]))
-    _, _, order = plan_run(setup)
+    order = plan_run(setup).order
     nbytes, n, pairs = linkrate.messages(order)
     assert nbytes == max(c.nbytes for c in order) <= setup.transfer.slot_bytes
     assert pairs == sorted({(c.src, c.dst) for c in order}) and len(pairs) == 4  # 3 -> 2: ctx1 feeds both
@@ -129,7 +129,7 @@ def test_every_run_reports_its_link_and_the_ratio_to_it(tmp_path):
     summary = run_transfer(over, tmp_path)
     assert summary["verified"]
     setup = build(compose(over))
-    _, _, order = plan_run(setup)
+    order = plan_run(setup).order
     nbytes, n, pairs = linkrate.messages(order)
     link = summary["link"]
     assert link["reference"] == "p2p" and link["message_bytes"] == nbytes and link["messages"] == n * len(pairs)
@@ -189,7 +189,7 @@ def test_a_pulling_transport_measures_the_faster_of_pieces_and_one_copy_per_requ
     summary = run_transfer(over, tmp_path)
     assert summary["verified"], summary
     link = summary["link"]
-    _, _, order = plan_run(build(compose(over)))
+    order = plan_run(build(compose(over))).order
     plan = linkrate.copy_plan(order, 0)
     assert link["reference"] == "copy" and link["bytes"] == plan.nbytes and link["messages"] == plan.pieces
     assert link["whole_bytes"] == plan.whole > link["message_bytes"] == plan.piece
@@ -209,7 +209,7 @@ def test_a_pulling_transport_on_a_gpu_times_both_forms_on_the_device(tmp_path):
     summary = run_transfer(over, tmp_path)
     assert summary["verified"], summary
     link = summary["link"]
-    plan = linkrate.copy_plan(plan_run(build(compose(over)))[2], 0, "cuda")
+    plan = linkrate.copy_plan(plan_run(build(compose(over))).order, 0, "cuda")
     assert link["reference"] == "copy" and link["bytes"] == plan.nbytes >= linkrate.COPY_REPEAT_BYTES["cuda"]
     assert set(link["forms"]) == {"pieces", "whole"} and len(link["samples"]) == link["repeats"]
     assert link["gbps_min"] <= link["gbps"] <= link["gbps_max"]

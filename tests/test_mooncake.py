@@ -101,7 +101,7 @@ def test_every_run_reports_raw_mooncake_writes_of_its_chunks_as_its_link(mode, t
 
     over = ["ctx.tp=3", "gen.tp=2", "workload.isl=700", "transfer.slot_mib=0.05", "workload.requests=2"]
     summary = _verified(over, mode, tmp_path)
-    nbytes, n, pairs = linkrate.messages(plan_run(build(compose(over + MOONCAKE)))[2])
+    nbytes, n, pairs = linkrate.messages(plan_run(build(compose(over + MOONCAKE))).order)
     assert len(pairs) == 4
     link = summary["link"]
     assert link["message_bytes"] == nbytes and link["messages"] == n * len(pairs) and link["seconds"] > 0

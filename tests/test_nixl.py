@@ -104,7 +104,7 @@ def test_every_nixl_run_reports_raw_nixl_writes_of_its_chunks_as_its_link(mode, 
                    "workload.requests=2"]
     summary = run_transfer(over, tmp_path)
     assert summary["verified"], summary
-    nbytes, n, pairs = linkrate.messages(plan_run(build(compose(over)))[2])
+    nbytes, n, pairs = linkrate.messages(plan_run(build(compose(over))).order)
     assert len(pairs) == 4
     link = summary["link"]
     assert link["reference"] == "nixl" and link["message_bytes"] == nbytes and link["messages"] == n * len(pairs)

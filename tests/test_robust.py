@@ -268,10 +268,11 @@ def test_budget_fits_what_runs_and_bounds_what_the_ranks_hold(monkeypatch):
     from kvlab.model.state import CacheState
     from kvlab.sizing.preflight import preflight
 
-    requests, _, order = plan_run(setup)
+    run = plan_run(setup)
+    requests, order = run.requests, run.order
     for w, need in enumerate(b.ranks):
         side, r = setup.side_of(w)
-        blocks = preflight(setup, requests, order, w)
+        blocks = preflight(setup, run, w)
         real = sum(p.pool_bytes(blocks[p.name] + setup.cache.spare_blocks) for p in CacheState(
             setup.model, side, r).pools())
         assert real <= need.cache <= 2 * real + (1 << 20)

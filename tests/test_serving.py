@@ -11,8 +11,7 @@ from conftest import check_figures
 from kvlab.api import run_transfer
 from kvlab.config.devices import pair_backend
 from kvlab.config.schema import build, compose
-from kvlab.config.workload import interleave, make_requests, plan_run, serve_order
-from kvlab.model.prefill import times_for
+from kvlab.config.workload import interleave, plan_run, serve_order
 from kvlab.model.schedule import Chunk
 
 LAYER_MS = 5.0
@@ -23,8 +22,8 @@ BASE = ["logger=quiet", "transfer=layerwise", "workload.arrival=poisson", "workl
 
 def test_order_follows_the_timeline():
     setup = build(compose(BASE))
-    requests, _, order = plan_run(setup)
-    times = times_for(setup, requests)
+    plan = plan_run(setup)
+    order, times = plan.order, plan.times
     ready = [times[c.request].layer_end[c.ready_layer] for c in order]
     # each chunk is, of those ready when the link frees, the first in round-robin order
     schedules = {}
@@ -67,8 +66,8 @@ def test_timeline_figures(served):
     summary, rows, ctx = served
     assert summary["verified"] and len(rows) == 6
     setup = build(compose(BASE))
-    requests = make_requests(setup)
-    times = times_for(setup, requests)
+    plan = plan_run(setup)
+    requests, times = plan.requests, plan.times
     eps = 1e-6
     for r, req in zip(rows, requests):
         t = times[req.id]

@@ -24,7 +24,8 @@ SOAK = ["model=tiny_gqa", "model.num_layers=1", "model.kv_heads=1", "model.head_
 @pytest.mark.slow
 def test_soak(tmp_path):
     setup = build(compose(SOAK))
-    requests, _, order = plan_run(setup)
+    run = plan_run(setup)
+    requests, order = run.requests, run.order
     t0 = time.time()
     summary = run_transfer(SOAK, tmp_path)
     wall = time.time() - t0  # reported below; how fast is the benchmarks' business (scripts/)

@@ -52,9 +52,9 @@ def launch(setup, run_dir: Path, config_yaml: str | None = None) -> int:
     out = launch_local(run_dir, setup.world_size, grace_s=grace_s(setup), names=names, config_yaml=config_yaml,
                        death_grace_s=min(setup.transfer.timeout_s + 1.0, 8.0), frozen_s=setup.transfer.timeout_s)
     if out.interrupted or (out.code not in (0, 2) and not (run_dir / records.SUMMARY).exists()):
-        requests, _, order = plan_run(setup)
+        plan = plan_run(setup)  # only now: the launcher does not hold a plan while the ranks run
         sig = interrupt.name(out.interrupted) if out.interrupted else None
-        summary = report.finalize_from_files(setup, run_dir, requests, order, predict_run(setup, requests), sig)
+        summary = report.finalize_from_files(setup, run_dir, plan, predict_run(setup, plan.requests), sig)
         if sig:
             done = summary.completed_requests
             shown = ", ".join(map(str, done[:20])) + (", ..." if len(done) > 20 else "")

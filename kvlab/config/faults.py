@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvlab.config.workload import chunks_of
+from kvlab.config.workload import RunPlan
 from kvlab.core.errors import ConfigError
 from kvlab.model.schedule import Chunk
 from kvlab.model.spec import TRANSFER_FAULTS, FaultSpec
@@ -194,9 +194,9 @@ def locate_flip(chunks: list[Chunk], offset: int) -> tuple[int, int]:
     return i, offset - starts[i]
 
 
-def check(setup, order: list[Chunk]) -> None:
-    """ConfigError for a fault position the run never reaches, or a transfer fault class its transport cannot
-    show (the same on every rank)."""
+def check(setup, plan: RunPlan) -> None:
+    """ConfigError for a fault position the run's ``plan`` never reaches, or a transfer fault class its transport
+    cannot show (the same on every rank)."""
     f = setup.fault
     if f.transfer:
         cls = setup.transport.cls()
@@ -217,12 +217,11 @@ def check(setup, order: list[Chunk]) -> None:
     for name in ("kill", "stall", "freeze", "transfer"):
         r, at = getattr(f, f"{name}_rank"), getattr(f, f"{name}_at_chunk")
         if r >= 0:
-            n = len(chunks_of(order, setup, r))
+            n = len(plan.chunks_of(r))
             if at >= n:
                 raise ConfigError(f"fault.{name}_at_chunk", at, f"rank {r} takes part in {n} chunks; use 0..{n - 1}")
     if f.flip_rank >= 0:
-        mine = chunks_of(order, setup, f.flip_rank)
-        total = sum(c.nbytes for c in mine)
+        total = plan.bytes_of(f.flip_rank)
         bad = [x for x in f.flip_at if x >= total]
         if bad:
             raise ConfigError("fault.flip_at", list(f.flip_at),

@@ -11,7 +11,8 @@ starves) and admitting the next request when one runs out of chunks; ``serve_ord
 it on the prefill's timeline (kvlab.model.prefill), so that a chunk never waits behind one whose
 layer is computed later. Every rank serves its own chunks in that global order; since all
 ranks follow one total order, a sender and a receiver can never wait on each other in a
-cycle.
+cycle. ``plan_run`` puts all of it into one record, the ``RunPlan``, built once per process and
+passed to whatever needs a piece of it.
 """
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ import math
 import random
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from kvlab.config.devices import pair_backend
 from kvlab.config.schema import Setup
 from kvlab.core import arrivals, traces
 from kvlab.model import prefill, prefix
-from kvlab.model.plan import Request, plan
+from kvlab.model.plan import Request, Segment, plan
 from kvlab.model.schedule import Chunk, Ready, schedule
 from kvlab.model.spec import WorkloadSpec
 
@@ -128,21 +130,71 @@ def serve_order(schedules: list[list[Chunk]], concurrency: int, ready, seconds) 
     return out
 
 
-def chunks_of(order: list[Chunk], setup: Setup, world_rank: int) -> list[Chunk]:
-    """The chunks one rank sends (ctx) or receives (gen), in the global order."""
-    side, rank = setup.side_of(world_rank)
-    return [c for c in order if (c.src if side.name == "ctx" else c.dst) == rank]
+@dataclass(frozen=True, eq=False)
+class RunPlan:
+    """What a run moves and in which order: everything its ranks need that follows from the config alone.
+
+    Pure: a function of the config, seed included, so every rank builds the same one and none exchanges
+    it. ``plan_run`` builds it once per process (each rank's runner, the launcher's checks and its merge of
+    an interrupted run, the simulator's calibration), and what needs a piece of it takes the plan (or that
+    field) from there rather than deriving it again from ``setup``, which stays the config.
+
+    - ``requests``: in arrival order (request ``i`` is the ``i``-th to arrive), each with its prefix hit on
+      the gen DP group's cache (kvlab.model.prefix) when that is on;
+    - ``segments``: by request id, the exact cover of its cache from ctx to gen ranks (kvlab.model.plan);
+    - ``order``: the global chunk order (``serve_order``), which every rank walks restricted to its own
+      chunks (``chunks_of``);
+    - ``times``: by request id, its prefill on the estimated timeline ``order`` was planned from
+      (kvlab.model.prefill; a ctx rank's prefill measures what really happens);
+    - ``ctx_ranks``: world ranks below it are ctx ranks, the others gen ranks (``Setup.side_of``).
+    """
+
+    requests: tuple[Request, ...]
+    segments: dict[int, tuple[Segment, ...]]
+    order: tuple[Chunk, ...]
+    times: dict[int, prefill.PrefillTimes]
+    ctx_ranks: int
+    _mine: dict[int, list[Chunk]] = field(default_factory=dict, init=False, repr=False)
+
+    @cached_property
+    def by_id(self) -> dict[int, Request]:
+        return {r.id: r for r in self.requests}
+
+    @cached_property
+    def senders(self) -> dict[int, frozenset[int]]:
+        """Request id -> the ctx ranks that send some of it (those whose prefill of it ends together)."""
+        out: dict[int, set[int]] = {}
+        for c in self.order:
+            out.setdefault(c.request, set()).add(c.src)
+        return {r: frozenset(s) for r, s in out.items()}
+
+    def chunks_of(self, world_rank: int) -> list[Chunk]:
+        """The chunks one rank sends (ctx) or receives (gen), in the global order; derived once per rank."""
+        if world_rank not in self._mine:
+            if world_rank < self.ctx_ranks:
+                mine = [c for c in self.order if c.src == world_rank]
+            else:
+                mine = [c for c in self.order if c.dst == world_rank - self.ctx_ranks]
+            self._mine[world_rank] = mine
+        return self._mine[world_rank]
+
+    def bytes_of(self, world_rank: int) -> int:
+        """Bytes one rank sends (ctx) or receives (gen) over the run."""
+        return sum(c.nbytes for c in self.chunks_of(world_rank))
 
 
-def plan_run(setup) -> tuple[list, dict, list[Chunk]]:
-    """(requests, segments by request, global chunk order): pure, the same on every rank."""
+def plan_run(setup: Setup) -> RunPlan:
+    """The run's plan (``RunPlan``): requests, their segments and schedules, the prefill timeline and the
+    global chunk order put on it."""
     requests = make_requests(setup)
-    segments = {r.id: plan(setup.model, setup.ctx, setup.gen, r, setup.fault.window_trim) for r in requests}
+    segments = {r.id: tuple(plan(setup.model, setup.ctx, setup.gen, r, setup.fault.window_trim))
+                for r in requests}
     schedules = [schedule(setup.model, setup.ctx, setup.gen, segments[r.id], setup.transfer.strategy,
                           setup.chunk_cap) for r in requests]
     times = prefill.times_for(setup, requests)
     per_layer = setup.transfer.strategy.ready == Ready.layer
     link = setup.cost.rates(pair_backend(setup))  # an estimate of each chunk's time on the link
-    return requests, segments, serve_order(schedules, setup.workload.concurrency,
-                                           lambda c: prefill.ready_s(times[c.request], c.ready_layer, per_layer),
-                                           lambda c: link.message_s(c.nbytes))
+    order = serve_order(schedules, setup.workload.concurrency,
+                        lambda c: prefill.ready_s(times[c.request], c.ready_layer, per_layer),
+                        lambda c: link.message_s(c.nbytes))
+    return RunPlan(tuple(requests), segments, tuple(order), times, setup.ctx.size)

@@ -1,11 +1,12 @@
 """The executor: one rank's chunks, pipelined, whatever moves them.
 
-Protocol (both sides, every rank): walk the global chunk order (``workload.serve_order``)
-restricted to the chunks this rank takes part in. Keep at most ``slots`` chunks in flight:
-chunk ``i`` is started only once chunk ``i - slots`` is finished, so whatever chunk ``i``
-reuses (a staging slot, a readiness flag) is free again. How a chunk moves is the
-transport's (kvlab.transports: the protocol of that seam is at its top); what the chunks
-are and when each may go is the strategy's (kvlab.model.schedule); the executor owns requests.
+Protocol (both sides, every rank): walk the global chunk order of the run's plan
+(kvlab.config.workload.RunPlan, built once by the runner) restricted to the chunks this rank
+takes part in. Keep at most ``slots`` chunks in flight: chunk ``i`` is started only once chunk
+``i - slots`` is finished, so whatever chunk ``i`` reuses (a staging slot, a readiness flag) is
+free again. How a chunk moves is the transport's (kvlab.transports: the protocol of that seam
+is at its top); what the chunks are and when each may go is the strategy's
+(kvlab.model.schedule); the executor owns requests.
 
 The loop is driven by events, not by its own pace: each turn it finishes the chunks in flight
 that are done (a transport that ``polls`` has marked each completion when it happened), posts
@@ -49,7 +50,7 @@ import torch
 
 from kvlab.config.faults import RankFaults
 from kvlab.config.schema import Setup
-from kvlab.config.workload import chunks_of
+from kvlab.config.workload import RunPlan
 from kvlab.core.clock import Clock
 from kvlab.memory.cache import PagedCache
 from kvlab.model.plan import Request, Segment
@@ -78,10 +79,13 @@ class InFlight:
 
 
 class Executor:
-    def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device,
+    """One rank's transfer loop over its chunks of ``plan`` (the module's docstring says how); ``setup``: the
+    run's config."""
+
+    def __init__(self, setup: Setup, plan: RunPlan, side: str, rank: int, world_rank: int, device: torch.device,
                  cache: PagedCache, transport: Transport, ops, clock: Clock | None, progress=None,
                  faults: RankFaults | None = None, beat=None, died=None):
-        self.setup, self.side, self.rank, self.world_rank = setup, side, rank, world_rank
+        self.setup, self.plan, self.side, self.rank, self.world_rank = setup, plan, side, rank, world_rank
         self.rank_ctx: RankContext | None = None  # what the transport sees of this rank (made by connect)
         self.device, self.cache, self.transport, self.ops, self.clock = device, cache, transport, ops, clock
         t = setup.transfer
@@ -106,7 +110,7 @@ class Executor:
         self.unverified: deque[tuple[Request, list[Segment], object]] = deque()
         self.looping = False
         self.prefiller: Prefiller | None = None  # a ctx rank's prefill thread (kvlab.rank.prefiller), made by run
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, Request] = plan.by_id
         # prefix reuse (gen): requests allocated ahead of their first chunk, as the source of an earlier-opened
         # sharer's blocks; those closed here; and those whose own chunks landed before their sources' did
         self.ahead: set[int] = set()
@@ -183,7 +187,7 @@ class Executor:
         self.records[req.id] = rec
         return rec
 
-    def _close(self, req: Request, segments: list[Segment]) -> None:
+    def _close(self, req: Request, segments: tuple[Segment, ...]) -> None:
         rec = self.records[req.id]
         rec.end = self.clock.mark()
         self.transport.closed(req.id)
@@ -291,7 +295,7 @@ class Executor:
             rec.first_post = self.clock.mark()
         return InFlight(i, c, self.transport.start(i, c, rec))
 
-    def _finish(self, f: InFlight, segments: dict[int, list[Segment]], requests: dict[int, Request]) -> None:
+    def _finish(self, f: InFlight, segments: dict[int, tuple[Segment, ...]], requests: dict[int, Request]) -> None:
         c, rec = f.chunk, self.records[f.chunk.request]
         in_place = self.transport.finish(f.handle, rec)
         rec.bytes += c.nbytes
@@ -329,23 +333,19 @@ class Executor:
         while inflight and self.transport.poll(inflight[0].handle):
             self._finish(inflight.popleft(), segments, requests)
 
-    def run(self, order: list[Chunk], requests: dict[int, Request], segments: dict[int, list[Segment]]
-            ) -> list[RequestRecord]:
+    def run(self) -> list[RequestRecord]:
         """The transfer loop: post each chunk as soon as it is ready and the window has room, finish chunks
         as they complete. A ctx rank's prefill runs meanwhile on its own thread (kvlab.rank.prefiller)."""
-        mine = chunks_of(order, self.setup, self.world_rank)
+        mine = self.plan.chunks_of(self.world_rank)
         self.chunks = mine
         if self.rank_ctx is not None:
             self.rank_ctx.chunks = mine
-        self.senders: dict[int, set[int]] = {}  # request -> the ctx ranks that send some of it
-        for c in order:
-            self.senders.setdefault(c.request, set()).add(c.src)
-        self.requests = requests
+        requests, segments = self.requests, self.plan.segments
         counts: dict[int, int] = {}
         for c in mine:
             counts[c.request] = counts.get(c.request, 0) + 1
         if self.sending:
-            self.prefiller = Prefiller(self, [requests[r] for r in counts], self.senders)
+            self.prefiller = Prefiller(self, [requests[r] for r in counts])
         inflight: deque[InFlight] = deque()
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         polls = self.transport.polls

@@ -72,10 +72,12 @@ class Halted(Exception):
 class Prefiller:
     """The prefill of one ctx rank; ``start`` it after the clock, ``stop`` it when the loop ends."""
 
-    def __init__(self, executor, requests: list, senders: dict[int, set[int]]):
+    def __init__(self, executor, requests: list):
+        """``requests``: those this rank sends some of; the ctx ranks sending each one come from the run's plan
+        (``executor.plan``: kvlab.config.workload.RunPlan)."""
         self.x = executor
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.id))  # FCFS, as every rank orders them
-        self.senders = senders
+        self.senders = executor.plan.senders
         self.progress: dict[int, Progress] = {}
         self.cond = threading.Condition()
         self.halt = threading.Event()

@@ -29,8 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+from kvlab.config.workload import RunPlan
 from kvlab.core import figures
-from kvlab.model.schedule import Chunk, Ready
+from kvlab.model.schedule import Ready
 from kvlab.results import metrics
 from kvlab.results.records import Env, PartFile, marked_dead, read_part, write_run
 from kvlab.transports.deadline import call_within
@@ -175,11 +176,12 @@ def rank_name(setup, w: int) -> str:
     return f"{side.name}{rank}"
 
 
-def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[int, PartFile], silent: list[int],
+def finalize(setup, run_dir: Path, plan: RunPlan, gathered: dict[int, PartFile], silent: list[int],
              why_silent: str, predicted_s: float | None = None, interrupted: str | None = None):
     """Merge the parts that arrived into results.jsonl, summary.json and the table; returns the Summary.
-    A request counts as verified only when every gen rank it targets reported all of its chunks and
-    found them exact."""
+    A request counts as verified only when every gen rank it targets (in the run's ``plan``) reported all
+    of its chunks and found them exact."""
+    requests, order = plan.requests, plan.order
     all_parts = [p for w in sorted(gathered) for p in gathered[w].parts]
     failures = {k: v for w in sorted(gathered) for k, v in gathered[w].failures.items()}
     # the likely cause first: silent ranks (their peers' timeouts follow from them), then by time
@@ -230,7 +232,7 @@ def finalize(setup, run_dir: Path, requests, order: list[Chunk], gathered: dict[
     return summary
 
 
-def finalize_from_files(setup, run_dir: Path, requests, order: list[Chunk], predicted_s: float | None = None,
+def finalize_from_files(setup, run_dir: Path, plan: RunPlan, predicted_s: float | None = None,
                         interrupted: str | None = None):
     """The local launcher's merge when rank 0 wrote no summary (it died, or the run was interrupted):
     the part files, with every request that did not arrive whole reported failed."""
@@ -238,5 +240,5 @@ def finalize_from_files(setup, run_dir: Path, requests, order: list[Chunk], pred
     if not gathered and not interrupted:
         return None
     silent = [w for w in range(setup.world_size) if w not in gathered]
-    return finalize(setup, run_dir, requests, order, gathered, silent, "dead or stopped", predicted_s, interrupted)
+    return finalize(setup, run_dir, plan, gathered, silent, "dead or stopped", predicted_s, interrupted)
 

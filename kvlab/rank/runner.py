@@ -1,7 +1,8 @@
 """One rank of a run, from its config to its part of the results (kvlab.cli.run_cmd starts the ranks).
 
     build specs -> init torch.distributed -> handshake (cache states) -> pair groups
-    -> requests, plans, schedules, global order (pure, identical everywhere: kvlab.config.workload)
+    -> the run plan: requests, segments, prefill timeline, global order (kvlab.config.workload.RunPlan:
+       pure, identical everywhere, built once and passed to what needs it)
     -> checks that need the plan (kvlab.sizing.preflight) -> cache + staging allocated once
     -> barrier -> executor -> canaries
     -> its part: parts/rank<N>.json and the store (kvlab.rank.report: no collective after the transfers)
@@ -31,7 +32,7 @@ from omegaconf import DictConfig
 from kvlab import transports
 from kvlab.config import faults
 from kvlab.config.schema import build
-from kvlab.config.workload import chunks_of, plan_run
+from kvlab.config.workload import RunPlan, plan_run
 from kvlab.core.clock import Clock
 from kvlab.core.errors import ConfigError
 from kvlab.core.interrupt import AtOnce, ignore, ready
@@ -141,15 +142,15 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
             signal.signal(s, h)
 
 
-def prefix_skipped(setup, requests, segments, gen_rank: int) -> dict[int, int]:
+def prefix_skipped(setup, run_plan: RunPlan, gen_rank: int) -> dict[int, int]:
     """Bytes of each request gen rank ``gen_rank`` did not need moved: its plan without the prefix hit, less
-    with it (the same pure plan both sides follow)."""
+    with it (``run_plan``'s segments: the same pure plan both sides follow)."""
     out = {}
-    for r in requests:
+    for r in run_plan.requests:
         if r.prefix is not None and r.prefix.hit:
             full = plan(setup.model, setup.ctx, setup.gen, replace(r, prefix=None), setup.fault.window_trim)
             out[r.id] = sum(s.nbytes for s in full if s.dst == gen_rank) - \
-                sum(s.nbytes for s in segments[r.id] if s.dst == gen_rank)
+                sum(s.nbytes for s in run_plan.segments[r.id] if s.dst == gen_rank)
     return out
 
 
@@ -169,8 +170,8 @@ def _worker(setup, run_dir: Path, world_rank: int, device: torch.device, at_once
 def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side: str, rank: int,
               state: CacheState, mover, at_once: AtOnce) -> int:
 
-    requests, segments, order = plan_run(setup)
-    needed = preflight(setup, requests, order, world_rank)  # the same checks on every rank: all stop or none
+    run_plan = plan_run(setup)
+    needed = preflight(setup, run_plan, world_rank)  # the same checks on every rank: all stop or none
     if device.type == "cuda":  # the host's memory was checked before the ranks started; the GPUs only here
         problem = budget.device_problem(setup, world_rank, torch.cuda.device_count(),
                                         torch.cuda.mem_get_info(device)[0],
@@ -179,7 +180,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         dist.all_gather_object(problems, problem)  # every rank stops, or none
         if any(problems):
             raise ConfigError(*next(p for p in problems if p))
-    mine = chunks_of(order, setup, world_rank)
+    mine = run_plan.chunks_of(world_rank)
 
     ops = get_ops(setup.kernels, device.type)
     cache = PagedCache(state, needed, setup.cache.spare_blocks, setup.cache.fragmentation,
@@ -194,8 +195,9 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         # the same layers each followed by the same cache write as in the run, on a request of each length (its
         # blocks taken for the measure and given back: before the run opens any)
         first = {}  # prompt length -> the first request of that length this rank sends
-        for r in requests:
-            if any(c.request == r.id for c in mine):
+        sends = {c.request for c in mine}
+        for r in run_plan.requests:
+            if r.id in sends:
                 first.setdefault(r.isl, r)
         alone = {n: gpu_prefill.alone_with_cache_s(first[n], cache, ops) for n in sorted(first)[:ALONE_LENGTHS]}
     if device.type == "cuda":
@@ -203,7 +205,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         base_alloc = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         free0 = torch.cuda.mem_get_info(device)[0]
-    progress = Progress(sum(c.nbytes for c in mine), world_rank == 0 and setup.logger.progress)
+    progress = Progress(run_plan.bytes_of(world_rank), world_rank == 0 and setup.logger.progress)
     board = report.Board(dist.distributed_c10d._get_default_store(), world_rank, setup.world_size,
                          report.stale_s(setup))
     board.gone = lambda r: marked_dead(run_dir, r)
@@ -211,18 +213,18 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     if setup.check.decode:  # the decode model's own cache instead of the hash fill; before the clock
         from kvlab.rank.decode_check import DecodeCheck
 
-        decode_check = DecodeCheck(setup, side, rank, requests, dist.distributed_c10d._get_default_store())
+        decode_check = DecodeCheck(setup, side, rank, run_plan.requests, dist.distributed_c10d._get_default_store())
         decode_check.prepare(cache, board.beat)
-    executor = Executor(setup, side, rank, world_rank, device, cache, mover, ops, None, progress,
+    executor = Executor(setup, run_plan, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat,
                         functools.partial(_died, setup, run_dir))
     if side == "gen" and setup.gen.prefix_cache_tokens:  # prefix reuse: which blocks it shares, what it saves
-        cache.share(requests)
-        executor.skipped = prefix_skipped(setup, requests, segments, rank)
+        cache.share(run_plan.requests)
+        executor.skipped = prefix_skipped(setup, run_plan, rank)
     executor.connect()  # after the baseline: what the transport allocates (slots, NCCL's buffers) is extra
     if os.environ.get(linkcurve.ENV):  # kvlab link: the curve over message sizes instead of the transfers
-        return linkcurve.run(setup, mover, world_rank, order, run_dir, device)
-    link = linkrate.measure(setup, mover, world_rank, order) if setup.transfer.baseline else None
+        return linkcurve.run(setup, mover, world_rank, run_plan.order, run_dir, device)
+    link = linkrate.measure(setup, mover, world_rank, run_plan.order) if setup.transfer.baseline else None
     if device.type == "cuda":
         # the baseline's own buffers are freed by now: keep them out of the transfer's peak, which still
         # starts from everything connect allocated (slots, the transport's buffers)
@@ -234,7 +236,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     clock = executor.clock = Clock(device)  # started right after the barrier: one epoch for every rank
     board.watch()
 
-    records = executor.run(order, {r.id: r for r in requests}, segments)
+    records = executor.run()
     failures = dict(executor.failures)
     errors = [executor.error] if executor.error else []
     progress.close()
@@ -289,8 +291,9 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
                 silent.remove(r)
         sink = WandbSink.create(setup, run_dir, world_rank)  # its warnings before the results line
         # with the launcher dead, no one else says the run was interrupted: the summary does
-        summary = report.finalize(setup, run_dir, requests, order, gathered, silent, why,
-                                  predict_run(setup, requests), f"SIGTERM{_orphaned()}" if _orphaned() else None)
+        summary = report.finalize(setup, run_dir, run_plan, gathered, silent, why,
+                                  predict_run(setup, run_plan.requests),
+                                  f"SIGTERM{_orphaned()}" if _orphaned() else None)
         if executor.stopped or board.broken == "stopped":
             return 1
         board.publish({"verified": summary.verified}, sorted(set(gathered) - {0, *silent}))

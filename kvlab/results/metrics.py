@@ -188,7 +188,7 @@ def violations(rows: list[RequestRow], summary: Summary | None = None, parts: li
                plan=None, tol: float = 1e-5) -> list[str]:
     """The identities of kvlab.core.figures that the rows, the summary and the parts break, one line each (none: []).
 
-    ``plan``: what the run was to move, as segments by request (``kvlab.config.workload.plan_run``'s) or any
+    ``plan``: what the run was to move, as segments by request (a ``kvlab.config.workload.RunPlan``'s) or any
     iterable of segments or chunks (``request``, ``src``, ``dst``, ``nbytes``). ``tol``: seconds of slack in
     the time identities, for marks of absolute wall time (about 0.2 us resolution each) subtracted and added.
     """

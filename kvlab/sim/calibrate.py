@@ -160,7 +160,7 @@ def _order_waits(setup, ids: list[int]) -> list[np.ndarray]:
 
     index = {rid: k for k, rid in enumerate(ids)}
     try:
-        _, _, order = plan_run(setup)
+        order = plan_run(setup).order
     except Exception:  # noqa: BLE001 - a run whose workload no longer builds: no order to follow
         return [np.zeros(0, dtype=np.int64) for _ in ids]
     last = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from kvlab.config import faults
-from kvlab.config.workload import chunks_of, plan_run
+from kvlab.config.workload import RunPlan, plan_run
 from kvlab.core.errors import ConfigError
 from kvlab.memory.cache import blocks_for
 from kvlab.model.prefix import users
@@ -100,14 +100,15 @@ def shared_peak_blocks(state: CacheState, spans: dict[int, tuple[int, int]], req
     return out
 
 
-def preflight(setup, requests=None, order=None, rank: int | None = None) -> dict[str, int] | None:
-    """Checks that need the plan, before anything is allocated; returns the blocks per pool that world
-    rank ``rank`` allocates. With ``cache.capacity_tokens`` every pool holds that many tokens, and the
-    requests in flight at the worst moment must fit on every rank (checked for all of them, so that
-    every rank stops or none does): kvlab has no admission control for cache blocks."""
-    if requests is None:
-        requests, _, order = plan_run(setup)
-    faults.check(setup, order)
+def preflight(setup, plan: RunPlan | None = None, rank: int | None = None) -> dict[str, int] | None:
+    """Checks that need the plan (``plan``; built here when not given), before anything is allocated; returns
+    the blocks per pool that world rank ``rank`` allocates. With ``cache.capacity_tokens`` every pool holds
+    that many tokens, and the requests in flight at the worst moment must fit on every rank (checked for all
+    of them, so that every rank stops or none does): kvlab has no admission control for cache blocks."""
+    if plan is None:
+        plan = plan_run(setup)
+    faults.check(setup, plan)
+    requests, order = plan.requests, plan.order
     isl = {r.id: r.isl for r in requests}
     fcfs = [r.id for r in sorted(requests, key=lambda r: (r.arrival_s, r.id))]
     cap = setup.cache.capacity_tokens
@@ -115,7 +116,7 @@ def preflight(setup, requests=None, order=None, rank: int | None = None) -> dict
     for w in range(setup.world_size) if cap else ([] if rank is None else [rank]):
         side, side_rank = setup.side_of(w)
         state = CacheState(setup.model, side, side_rank)
-        mine = chunks_of(order, setup, w)
+        mine = plan.chunks_of(w)
         spans = (held_spans(mine, setup.transfer.slots, order, fcfs) if side.name == "ctx"
                  else held_spans(mine, setup.transfer.slots))
         need = (shared_peak_blocks(state, spans, requests) if side.name == "gen" and side.prefix_cache_tokens
