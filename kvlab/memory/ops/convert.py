@@ -4,8 +4,8 @@ Each implementation (reference, cpu, cuda) calls these first thing when ``kvlab.
 passing its own function (and ``rows_fn``, its form of kvlab.model.kv_dtype.convert_rows, where it has one: the
 GPU's ``kernels/fp8_rows.cu``): the pool's rows move as that implementation moves them (through scratch pieces of
 whole tiles, at most ``layout.CONVERT_PIECE`` bytes in the pool's format), and the rows are converted between
-the piece and the wire in torch, on the buffers' device. The rounding is kvlab.model.kv_dtype's; the kernels
-move bytes of one format only.
+the piece and the wire on the buffers' device (in torch unless ``rows_fn`` says otherwise). The rounding is
+kvlab.model.kv_dtype's; the copy kernels move bytes of one format only.
 """
 from __future__ import annotations
 

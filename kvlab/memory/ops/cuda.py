@@ -317,7 +317,7 @@ def _comp_params(pool: RankPool, num_blocks: int) -> tuple:
 
 def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *, ctas: int = DEFAULT_CTAS,
          tuning: Tuning = DEFAULT_TUNING) -> None:
-    if converts(pool, rect):  # another KV dtype on the wire: the kernel moves the pool's rows, torch converts
+    if converts(pool, rect):  # another KV dtype on the wire: the kernel moves the pool's rows, convert_rows converts
         return convert.pack(pack, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, convert_rows,
                             ctas=ctas, tuning=tuning)
     _launch(True, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, ctas, tuning)
@@ -446,4 +446,3 @@ def convert_rows(rows: torch.Tensor, kind: str, elems: int, base: str, src: str,
     if rows.is_cuda and dst == "fp8" and src == base and src in kv_dtype.BASES:
         return quantize_rows(rows, kind, elems, base)
     return kv_dtype.convert_rows(rows, kind, elems, base, src, dst)
-
