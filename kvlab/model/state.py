@@ -102,7 +102,7 @@ class RankPool:
 
     def comp_offsets(self) -> tuple[int, ...]:
         """Byte offset of each component inside one (block, layer) of a block-major or layer-major pool:
-        [comp][head][token][row] (any layout: ``comp_strides``)."""
+        ``[comp][head][token][row]`` (any layout: ``comp_strides``)."""
         out, acc = [], 0
         for row in self.rows:
             out.append(acc)
