@@ -21,6 +21,9 @@ PACKAGES = ["api", "analysis", "cli", "sim", "rank", "sizing", "transports", "me
             "core"]
 
 
+NODE = object()  # a mapping: its row says what it holds, its fields follow
+
+
 def cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -40,6 +43,7 @@ def flat(cfg, prefix: str = "") -> dict[str, object]:
         value = cfg[key] if not OmegaConf.is_missing(cfg, key) else "???"
         path = f"{prefix}{key}"
         if OmegaConf.is_dict(value):
+            out[path] = NODE
             out.update(flat(value, f"{path}."))
         else:
             out[path] = value
@@ -65,8 +69,10 @@ def options(group: str) -> str:
 def table(rows: dict[str, object], helps: dict[str, str], top: str) -> list[str]:
     out = ["| field | default | what it means |", "| --- | --- | --- |"]
     for path, value in rows.items():
-        if path.split(".")[0] == top:
-            out.append(f"| `{path}` | {cell(shown(value))} | {cell(helps.get(path, ''))} |")
+        if path.split(".")[0] != top or (value is NODE and (path not in helps or path == top)):
+            continue
+        default = "(the fields below)" if value is NODE else cell(shown(value))
+        out.append(f"| `{path}` | {default} | {cell(helps.get(path, ''))} |")
     return out
 
 
@@ -84,8 +90,10 @@ def config_page() -> str:
              "in the field's name (`_ms`, `_mib`, `_s`, `_gbps`) or its help line. `kvlab run --help model=NAME "
              "transport=NAME` shows the fields and defaults a given choice composes.", ""]
     tops = list(dict.fromkeys(p.split(".")[0] for p in rows))
+    lines += [f"Groups: {', '.join(f'[`{t}`](#{t})' for t in tops)}; [each transport's own options]"
+              "(#each-transports-own-options); [`kvlab sim`](#kvlab-sim-the-cluster-and-the-simulator).", ""]
     for top in tops:
-        lines += [f"## `{top}`", ""]
+        lines += [f"## `{top}` {{#{top}}}", ""]
         if (CONF_DIR / top).is_dir():
             lines += [f"Options (`{top}=NAME`, `conf/{top}/`): {options(top)}.", ""]
         lines += [*table(rows, helps, top), ""]

@@ -8,12 +8,19 @@ on the lines right above a block says how to treat it:
 - ``<!-- docs-test: cfg-job REASON -->``: the test appends ``--cfg job`` (the config is composed and checked,
   nothing runs), for a command that runs too long for the suite;
 - ``<!-- docs-test: help REASON -->`` (scripts): the test runs ``--help`` and checks every ``--flag`` quoted exists;
+- ``<!-- docs-test: error -->``: the command shows bad input: it must stop with exit code 2 and one ``kvlab:`` line,
+  the one the block quotes;
 - ``<!-- docs-test: skip REASON -->``: not run, for the reason given (a GPU, a file the reader has);
 - ``<!-- docs-sample -->``, or ``<!-- docs-sample: grep REGEX -->``: this script runs each ``$`` command of the
   block and writes what it printed below it (with ``grep``: ``...`` and the lines matching REGEX).
 
     python scripts/docs_samples.py              # regenerate every sample in README.md and docs/
     python scripts/docs_samples.py --check      # list them and their commands, run nothing
+
+``--in-process`` (what the test uses) reads JSON lines ``{"command": ..., "mode": "cfg-job" | "error"}`` and runs each
+``kvlab`` command through ``kvlab.cli.main`` in this one process (``--cfg job`` appended), printing one JSON line
+per command: its exit code and what it printed. A sweep (``-m``) is checked as its first job, since Hydra prints
+no config for a sweep: ``-m`` dropped, each swept value its first.
 """
 from __future__ import annotations
 
@@ -170,12 +177,56 @@ def regenerate(only: str | None = None) -> None:
                 path.write_text("\n".join(lines) + "\n")
 
 
+def first_job(argv: list[str]) -> list[str]:
+    """A sweep's overrides as its first job: ``-m`` dropped, ``key=a,b,c`` as ``key=a`` (commas inside brackets or
+    quotes belong to one value)."""
+    out = []
+    for a in argv:
+        if a in ("-m", "--multirun"):
+            continue
+        key, eq, value = a.partition("=")
+        if eq and not a.startswith("hydra.") and "," in value and value[:1] not in "[{'\"":
+            value = value.split(",")[0]
+        out.append(f"{key}{eq}{value}")
+    return out
+
+
+def in_process() -> None:
+    import contextlib
+    import io
+    import json
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from kvlab.cli import main as kvlab_main
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        argv = shlex.split(os.path.expandvars(job["command"]), comments=True)
+        assert argv[0] == "kvlab", argv
+        argv = [*first_job(argv[1:]), "--cfg", "job"]
+        out, err, code = io.StringIO(), io.StringIO(), 0
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                kvlab_main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except Exception as e:  # noqa: BLE001 -- reported as the command's failure, with what it raised
+            code, err = 1, io.StringIO(f"{err.getvalue()}{type(e).__name__}: {e}")
+        GlobalHydra.instance().clear()
+        print(json.dumps({**job, "argv": argv, "code": code, "stdout": out.getvalue()[-4000:],
+                          "stderr": err.getvalue()[-4000:]}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="list the samples and their commands; run nothing")
     ap.add_argument("--only", help="regenerate only the samples whose FILE:LINE contains this")
+    ap.add_argument("--in-process", action="store_true", help="check kvlab commands read from stdin (JSON lines)")
     args = ap.parse_args()
+    if args.in_process:
+        return in_process()
     if args.check:
         for b in every_block():
             if b.sample is not None:
