@@ -11,6 +11,7 @@ from pathlib import Path
 import mkdocs_gen_files
 from omegaconf import OmegaConf
 
+from kvlab.cli.commands import group_options
 from kvlab.config import help as config_help
 from kvlab.config.schema import CONF_DIR, compose
 from kvlab.core import figures
@@ -50,20 +51,9 @@ def flat(cfg, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def group_helps(full) -> dict[str, str]:
-    """Help from the option files a config composed (their comments), under the spec's own words."""
-    helps = dict(config_help.FALLBACK)
-    for group, option in full.hydra.runtime.choices.items():
-        path = CONF_DIR / group / f"{option}.yaml"
-        if "/" not in group and option and path.is_file() and "@package" not in path.read_text()[:200]:
-            helps.update(config_help.yaml_help(path, f"{group}."))
-    return helps
-
-
 def options(group: str) -> str:
-    d = CONF_DIR / group
-    names = sorted(p.stem for p in d.glob("*.yaml") if not p.stem.startswith("base_")) if d.is_dir() else []
-    return ", ".join(f"`{n}`" for n in names)
+    """A group's options as ``kvlab run --help`` lists them (base_* are the schemas behind them)."""
+    return ", ".join(f"`{n}`" for n in group_options(group) if not n.startswith("base_"))
 
 
 def table(rows: dict[str, object], helps: dict[str, str], top: str) -> list[str]:
@@ -78,7 +68,7 @@ def table(rows: dict[str, object], helps: dict[str, str], top: str) -> list[str]
 
 def config_page() -> str:
     full = compose([], return_hydra_config=True)
-    helps = group_helps(full)
+    helps = config_help.option_help(full.hydra.runtime.choices)
     helps.update(config_help.field_help())
     cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
     rows = flat(cfg)
@@ -94,7 +84,7 @@ def config_page() -> str:
               "(#each-transports-own-options); [`kvlab sim`](#kvlab-sim-the-cluster-and-the-simulator).", ""]
     for top in tops:
         lines += [f"## `{top}` {{#{top}}}", ""]
-        if (CONF_DIR / top).is_dir():
+        if options(top):
             lines += [f"Options (`{top}=NAME`, `conf/{top}/`): {options(top)}.", ""]
         lines += [*table(rows, helps, top), ""]
     lines += ["## Each transport's own options", "",
@@ -117,7 +107,7 @@ def sim_section() -> list[str]:
     from kvlab.sim.cluster import ClusterSpec, SimSpec
 
     full = compose([], config_name="sim", return_hydra_config=True)
-    helps = group_helps(full)
+    helps = config_help.option_help(full.hydra.runtime.choices)
     helps.update(config_help.yaml_help(CONF_DIR / "sim.yaml"))
     helps.update(config_help.field_help())
     helps.update(config_help.dataclass_help(ClusterSpec, "cluster."))
@@ -129,7 +119,7 @@ def sim_section() -> list[str]:
              "plus these two.", ""]
     for top in ("cluster", "sim"):
         lines += [f"### `{top}`", ""]
-        if (CONF_DIR / top).is_dir():
+        if options(top):
             lines += [f"Options (`{top}=NAME`, `conf/{top}/`): {options(top)}.", ""]
         lines += [*table(rows, helps, top), ""]
     return lines

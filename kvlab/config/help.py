@@ -107,6 +107,19 @@ def yaml_help(path: Path, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def option_help(choices) -> dict[str, str]:
+    """Dotted path -> help from the option files a composed config chose (``hydra.runtime.choices``: group ->
+    option), their comments, over ``FALLBACK``; a spec's own words (``field_help``) go over these."""
+    from kvlab.config.schema import CONF_DIR
+
+    helps = dict(FALLBACK)
+    for group, option in choices.items():
+        path = CONF_DIR / group / f"{option}.yaml"
+        if "/" not in group and option and path.is_file() and "@package" not in path.read_text()[:200]:
+            helps.update(yaml_help(path, f"{group}."))
+    return helps
+
+
 def annotate(yaml_text: str, helps: dict[str, str], width: int = 120) -> str:
     """``yaml_text`` (OmegaConf's dump of a config) with each field's help after it, on the field's line where it
     fits in ``width`` columns, else on a comment line of its own above it."""
