@@ -2,7 +2,8 @@
 script regenerates, so that no figure in them is typed.
 
 A fenced block's commands are its lines that start with ``$ `` where it has any (the rest is their output),
-else its lines that start with ``kvlab `` or ``python scripts/``; a line ending in ``\\`` goes on. An HTML comment
+else its lines that start with ``kvlab `` or ``python scripts/`` (``torchrun ... -m kvlab ARGS``: as ``kvlab ARGS``);
+a line ending in ``\\`` goes on. An HTML comment
 on the lines right above a block says how to treat it:
 
 - ``<!-- docs-test: cfg-job REASON -->``: the test appends ``--cfg job`` (the config is composed and checked,
@@ -38,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MARK = re.compile(r"^<!--\s*docs-(test|sample)(?::\s*(.*?))?\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)")
 COMMAND = re.compile(r"^(kvlab |python scripts/)")
+# torchrun starting kvlab: checked as the kvlab command it starts (its ranks need the launcher, not the suite)
+TORCHRUN = re.compile(r"^torchrun\s.*?-m kvlab (.*)$")
 WIDTH = "110"  # the terminal width samples are printed at (rich reads COLUMNS)
 
 
@@ -64,13 +67,15 @@ def _commands(lines: list[str]) -> tuple[bool, list[str]]:
             cur += " " + ln.strip()
         elif prompts and ln.startswith("$ "):
             cur = ln[2:].strip()
-        elif not prompts and COMMAND.match(ln):
+        elif not prompts and (COMMAND.match(ln) or ln.startswith("torchrun ")):
             cur = ln.strip()
         else:
             continue
         if cur.endswith("\\"):
             cur = cur[:-1].rstrip()
             continue
+        if m := TORCHRUN.match(cur):
+            cur = f"kvlab {m.group(1)}"
         out.append(cur)
         cur = None
     return prompts, [c for c in out if COMMAND.match(c)]

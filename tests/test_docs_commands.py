@@ -59,12 +59,13 @@ def test_the_parser_reads_prompts_continuations_and_markers(tmp_path):
     page = tmp_path / "p.md"
     page.write_text("text\n\n<!-- docs-test: cfg-job too long -->\n<!-- docs-sample: grep ^x -->\n```\n"
                     "$ kvlab run a=1 \\\n    b=2\nkvlab: output, not a command\n```\n\n```\nkvlab plan\n"
-                    "python scripts/x.py --out f   # a comment\npip install kvlab\n```\n")
+                    "python scripts/x.py --out f   # a comment\npip install kvlab\n"
+                    "torchrun --nnodes=2 \\\n  -m kvlab run b=2\n```\n")
     first, second = docs.blocks(page)
     assert first.test == ("cfg-job", "too long") and first.sample == "grep ^x" and first.prompts
     assert first.commands == ["kvlab run a=1 b=2"]
     assert second.test == ("run", "") and second.sample is None
-    assert second.commands == ["kvlab plan", "python scripts/x.py --out f   # a comment"]
+    assert second.commands == ["kvlab plan", "python scripts/x.py --out f   # a comment", "kvlab run b=2"]
     assert docs.first_job(["-m", "a=1,2", "b=[1,2]", "hydra.sweep.dir=x", "'c=3'"]) == ["a=1", "b=[1,2]",
                                                                                      "hydra.sweep.dir=x", "'c=3'"]
 
