@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from enum import Enum
 from pathlib import Path
 
 import mkdocs_gen_files
+import yaml
 from omegaconf import OmegaConf
 
 from kvlab.cli.commands import group_options
@@ -30,11 +32,11 @@ def cell(text) -> str:
 
 
 def shown(value) -> str:
-    if value is None:
-        return "`null`"
+    """A default as one writes it in an override (YAML: null, true, an enum by name)."""
     if OmegaConf.is_config(value):
-        value = OmegaConf.to_container(value)
-    return f"`{value}`" if value != "" else "`''`"
+        value = OmegaConf.to_container(value, enum_to_str=True)
+    text = yaml.safe_dump(value.name if isinstance(value, Enum) else value, default_flow_style=True, width=10**6)
+    return f"`{text.strip().removesuffix('...').strip()}`"
 
 
 def flat(cfg, prefix: str = "") -> dict[str, object]:
