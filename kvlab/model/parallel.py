@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from kvlab.core.errors import ConfigError, positive, require
 from kvlab.model import kv_dtype
-from kvlab.model.engine_layouts import LAYOUTS, NAMES, EngineLayout, Layout, layout_of
+from kvlab.model.engine_layouts import ALIASES, LAYOUTS, NAMES, EngineLayout, Layout, layout_of
 from kvlab.model.prefix import BLOCK_TOKENS
 from kvlab.model.spec import DTYPE_BYTES, ModelSpec
 
@@ -52,7 +52,8 @@ class SideSpec:
         try:
             object.__setattr__(self, "layout", layout_of(self.layout))
         except ValueError:
-            raise ConfigError(f"{self.name}.layout", self.layout, f"use one of {', '.join(NAMES)}") from None
+            raise ConfigError(f"{self.name}.layout", self.layout, f"use one of {', '.join(NAMES)} (or vLLM's aliases "
+                              f"{', '.join(f'{a}={b}' for a, b in ALIASES.items())})") from None
         if self.tokens_per_block is not None:
             positive(f"{self.name}.tokens_per_block", self.tokens_per_block)
         elif not LAYOUTS[self.layout.value].fixed_tpb:  # the layout's default, whatever the model
