@@ -135,8 +135,12 @@ class SideSpec:
         if self.layer_split is not None:
             require(sum(self.layer_split) == n, f"{self.name}.layer_split", list(self.layer_split),
                     f"must add up to the {n} layers of {model.name}")
+        if model.has_state:  # the engines split a state by whole groups (kvlab.model.spec.state_shape)
+            require(model.state_groups % self.tp == 0, f"{self.name}.tp", self.tp,
+                    f"{model.name}'s recurrent state splits by its {model.state_groups} groups over TP, as vLLM "
+                    f"and SGLang split it; use a divisor of {model.state_groups}")
         h = model.tp_heads
-        if h > 1:
+        if h > 1 and model.has_attention:
             require(h % self.tp == 0 or self.tp % h == 0, f"{self.name}.tp", self.tp,
                     f"{model.name}'s {h} kv heads cannot be split or duplicated over {self.tp} ranks; "
                     f"use a divisor or a multiple of {h}")
