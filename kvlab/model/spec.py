@@ -56,12 +56,13 @@ class KindDef:
 
     name: str
     replicated: bool  # identical on every TP rank: never split by heads (MLA's latent, the indexer keys)
-    per_request: bool  # one state per request and layer, after the prompt's last token (held as token 0)
     # its number in the fill hash (kvlab.memory.fill): bytes delivered into another kind's pool are caught
     fill_tag: int
     # (heads, elements per token per head of each component, their dtypes) of its pools for a model whose cache
     # is stored in a dtype; None where the model has no such cache
     shape: Callable[[ModelSpec, str], tuple[int, tuple[int, ...], tuple[str, ...]] | None]
+    # one state per request and layer, after the prompt's last token (held as token 0, in blocks of one)
+    per_request: bool = False
 
 
 @dataclass(frozen=True)
@@ -303,13 +304,13 @@ def state_shape(m: ModelSpec, dtype: str):
 
 
 KINDS: dict[str, KindDef] = {  # in the order a model's pools are listed
-    "kv": KindDef("kv", False, False, 1, lambda m, dtype: (m.kv_heads, (m.head_dim, m.head_dim), (dtype, dtype))
+    "kv": KindDef("kv", False, 1, lambda m, dtype: (m.kv_heads, (m.head_dim, m.head_dim), (dtype, dtype))
                      if m.attention == Attention.gqa and m.has_attention else None),
-    "mla": KindDef("mla", True, False, 2, lambda m, dtype: (1, (m.mla_dim,), (dtype,))
+    "mla": KindDef("mla", True, 2, lambda m, dtype: (1, (m.mla_dim,), (dtype,))
                       if m.attention == Attention.mla and m.has_attention else None),
-    "indexer": KindDef("indexer", True, False, 3, lambda m, dtype: _indexer_shape(m, dtype)
+    "indexer": KindDef("indexer", True, 3, lambda m, dtype: _indexer_shape(m, dtype)
                        if m.has_attention else None),  # fp8 values, then their fp32 scales
-    "state": KindDef("state", False, True, 4, state_shape),  # conv parts, then the recurrent state
+    "state": KindDef("state", False, 4, state_shape, per_request=True),  # conv parts, then the recurrent state
 }
 
 
