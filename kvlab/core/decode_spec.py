@@ -59,7 +59,8 @@ class DecodeModel:
     def __post_init__(self):
         require(self.family in ("", *FAMILIES), "model.decode.family", self.family,
                 f"use one of {', '.join(FAMILIES)}")
-        for name in ("num_layers", "kv_heads", "head_dim", "state_heads", "state_groups", "state_head_dim", "state_dim"):
+        for name in ("num_layers", "kv_heads", "head_dim", "state_heads", "state_groups", "state_head_dim",
+                     "state_dim"):
             v = getattr(self, name)
             require(v is None or isinstance(v, int) and v > 0, f"model.decode.{name}", v,
                     "must be a positive integer, or null for the preset's own")

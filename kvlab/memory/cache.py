@@ -208,8 +208,8 @@ class PagedCache:
     def held_rect(self, name: str, isl: int) -> Rect:
         """Everything this rank holds of a request in pool ``name``."""
         p = self.pools[name].pool
-        return Rect(name, p.layers.start, p.layers.stop, p.heads.start, p.heads.stop, p.held_start(isl), p.held_stop(isl),
-                    p.tokens_per_block)
+        return Rect(name, p.layers.start, p.layers.stop, p.heads.start, p.heads.stop, p.held_start(isl),
+                    p.held_stop(isl), p.tokens_per_block)
 
     def _buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two views of ``nbytes`` into scratch allocated once: fill and verify allocate nothing per piece."""

@@ -32,8 +32,8 @@ import functools
 import torch
 
 from kvlab.core.decode_spec import ROPE_DIM, CheckSpec
-from kvlab.model.layout import Rect
 from kvlab.core.errors import ConfigError
+from kvlab.model.layout import Rect
 from kvlab.model.spec import INDEXER_HEAD_DIM, LAYER_ATTENTION, LAYER_NONE, LAYER_STATE, Kind, ModelSpec, PoolSpec
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
@@ -100,7 +100,8 @@ def hf_config(model: ModelSpec):
         cfg = tf.Qwen3NextConfig(**gqa, layer_types=hybrid_types(model), linear_num_key_heads=model.state_groups,
                                  linear_num_value_heads=model.state_heads, linear_key_head_dim=model.state_dim,
                                  linear_value_head_dim=model.state_head_dim, linear_conv_kernel_dim=model.conv_kernel,
-                                 num_experts=d.experts or 1, num_experts_per_tok=min(d.experts_per_token, d.experts or 1),
+                                 num_experts=d.experts or 1,
+                                 num_experts_per_tok=min(d.experts_per_token, d.experts or 1),
                                  moe_intermediate_size=d.moe_intermediate_size,
                                  shared_expert_intermediate_size=d.moe_intermediate_size)
     elif d.family == "nemotron_h":
