@@ -178,3 +178,12 @@ def test_a_dropped_or_corrupted_state_fails_the_decode_check(kvlab_cli, tmp_path
     assert row["byte_check_failures"] == byte_failures and row["decode_first_divergent"] is not None
     assert "(state " in row["error"] and "byte check failed on gen0" in row["error"], row["error"]
     assert json.loads((Path(out) / "summary.json").read_text())["verified"] is False
+
+
+def test_kvlab_plan_shows_the_state_and_its_share():
+    from kvlab.cli.plan_cmd import summarize
+
+    s = summarize(build(compose(["model=qwen3_next_80b", "ctx.tp=2", "workload.isl=32768", "workload.requests=1"])))
+    assert s["ctx"]["wire_tile"]["state"] == 1 and s["gen"]["wire_tile"]["kv"] == 32
+    # 36 GDN layers x (conv 8192 x 3 bf16 + recurrent 32 x 128 x 128 fp32), against 12 layers of 2 x 2 x 256 bf16
+    assert s["pool_bytes"] == {"kv": 12 * 32768 * 2048, "state": 36 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)}
