@@ -286,7 +286,10 @@ def state_shape(m: ModelSpec, dtype: str):
       head (``state_groups``) serves ``state_heads / state_groups`` value heads; q and k have ``state_dim``
       channels per key head, v ``state_head_dim`` per value head; the recurrent state is ``[value heads,
       state_dim, state_head_dim]``. Both engines shard q, k and v by heads and the state by value heads over TP:
-      a TP rank holds whole key heads with their value heads, i.e. whole groups.
+      a TP rank holds whole key heads with their value heads, i.e. whole groups. SGLang's
+      ``_send_mamba_state_slice`` slices dim 3 of ``conv_state [layers, slots, conv_dim / tp, K - 1]`` and of
+      ``temporal_state [layers, slots, heads / tp, ...]``, the GDN conv's q, k and v sub-blocks each on its own:
+      the three conv parts here.
     - Mamba-2 (Nemotron-H, vLLM ``mamba_mixer2.py``): the conv runs over x (``state_head_dim`` channels per
       head), B and C (``state_dim`` channels per group each); the recurrent state is ``[heads, state_head_dim,
       state_dim]``. vLLM shards x and the state by heads and B, C by groups (where ``n_groups`` divides TP):
