@@ -39,10 +39,10 @@ class DecodeModel:
     head_dim: int | None = None  # null: the preset's
     window: int | None = None  # the sliding window, scaled down with the prompts a CPU can prefill
     layer_pattern: str | None = None  # hybrids: null for the preset's (kvlab.model.spec LAYER_*)
-    state_heads: int | None = None  # hybrids: the recurrent state's shape, null for the preset's
-    state_groups: int | None = None
-    state_head_dim: int | None = None
-    state_dim: int | None = None
+    state_heads: int | None = None  # hybrids: the recurrent state's heads, null for the preset's
+    state_groups: int | None = None  # hybrids: its TP groups (at least two, so that TP 2 splits it), or null
+    state_head_dim: int | None = None  # hybrids: values per state head, or null for the preset's
+    state_dim: int | None = None  # hybrids: the state's other dim (GDN key head dim, Mamba-2 d_state), or null
     hidden_size: int = 64  # the decode model's width (what a layer computes, kept small)
     q_heads: int = 4  # a multiple of kv_heads (GQA): the preset's ratio where it fits
     intermediate_size: int = 128  # its dense MLP width
