@@ -187,3 +187,20 @@ def test_kvlab_plan_shows_the_state_and_its_share():
     assert s["ctx"]["wire_tile"]["state"] == 1 and s["gen"]["wire_tile"]["kv"] == 32
     # 36 GDN layers x (conv 8192 x 3 bf16 + recurrent 32 x 128 x 128 fp32), against 12 layers of 2 x 2 x 256 bf16
     assert s["pool_bytes"] == {"kv": 12 * 32768 * 2048, "state": 36 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)}
+
+
+@pytest.mark.parametrize("capacity", [0, 16384])
+def test_the_budget_counts_one_state_per_open_request(capacity):
+    """A state pool holds a block (one state) per open request plus the canaries, with or without a fixed token
+    capacity (which sizes the attention pools only)."""
+    from kvlab.sizing.budget import estimate
+
+    setup = build(compose(["model=qwen3_next_80b", "ctx.tp=2", "workload.isl=4096", "workload.requests=4",
+                           f"cache.capacity_tokens={capacity}"]))
+    b = estimate(setup)
+    open_requests = min(4, setup.workload.concurrency + setup.transfer.slots)
+    state_layer = 8192 * 3 * 2 + 32 * 128 * 128 * 4  # one rank of gen (tp 1): every group
+    kv_tokens = capacity or open_requests * 4096
+    kv = 12 * 2048 * (kv_tokens + setup.cache.spare_blocks * setup.gen.tokens_per_block)
+    gen0 = next(r for r in b.ranks if r.name == "gen0")
+    assert gen0.cache == kv + 36 * state_layer * (open_requests + setup.cache.spare_blocks)
