@@ -1,10 +1,15 @@
-"""One side's parallelism and the mapping of its ranks to layers and heads.
+"""One side's parallelism and the mapping of its ranks to layers, heads and tokens.
 
-Side-local rank ``r = dp_rank * (pp * tp) + pp_rank * tp + tp_rank``. Every attention-DP
-group holds the whole model and serves its own requests. Heads split evenly over TP when
-``tp <= heads``; when ``tp > heads`` each head is duplicated on ``tp / heads`` consecutive
-ranks. PP splits layers evenly (earlier stages take the remainder) or by an explicit
-``layer_split``.
+Side-local rank ``r = dp_rank * (pp * cp * tp) + pp_rank * (cp * tp) + cp_rank * tp + tp_rank``, as
+TensorRT-LLM's ``Mapping`` numbers them (TP innermost, CP across TP groups, PP outside): context parallelism on
+the prefill side (``ctx.cp``) adds ranks, ``cp`` TP groups of one stage each holding its chunks of every
+request (kvlab.model.tokens). Decode context parallelism (``gen.dcp``, vLLM's DCP) adds none: it reuses the TP
+ranks, as vLLM's DCP group is ``dcp`` consecutive TP ranks, so DCP rank ``tp_rank % dcp`` holds the tokens of
+its interleave runs, and heads split over the ``tp / dcp`` DCP groups (the ranks of one group hold the same
+heads, which in vLLM they would otherwise hold as duplicates). Every attention-DP group holds the whole model and
+serves its own requests. Heads split evenly over TP when ``tp <= heads``; when ``tp > heads`` each head is
+duplicated on ``tp / heads`` consecutive ranks. PP splits layers evenly (earlier stages take the remainder) or by
+an explicit ``layer_split``.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from kvlab.model import kv_dtype
 from kvlab.model.engine_layouts import LAYOUTS, NAMES, EngineLayout, Layout, layout_of
 from kvlab.model.prefix import BLOCK_TOKENS
 from kvlab.model.spec import DTYPE_BYTES, ModelSpec
+from kvlab.model.tokens import SCHEMES, Tokens
 
 __all__ = ["EngineLayout", "Layout", "RankCoord", "SideSpec"]
 
@@ -24,6 +30,7 @@ class RankCoord:
     dp: int
     pp: int
     tp: int
+    cp: int = 0  # the prefill side's context-parallel index (the decode side's DCP index is tp % dcp)
 
 
 @dataclass(frozen=True)
@@ -45,10 +52,19 @@ class SideSpec:
     # gen only: tokens of earlier prompts' blocks each gen DP group keeps for prefix reuse (each rank its share), LRU by
     # block hash (kvlab.model.prefix; needs a trace with hash_ids, workload=mooncake); 0: off
     prefix_cache_tokens: int = 0
+    # ctx only: context-parallel ranks, each holding chunks of every request's tokens (kvlab.model.tokens): more
+    # ranks, cp TP groups per stage
+    cp: int = 1
+    cp_scheme: str = "contiguous"  # contiguous (chunk r on CP rank r) | load_balanced (chunks r and 2cp-1-r of 2cp)
+    # gen only: decode context parallelism (vLLM's DCP): tokens dealt round-robin in runs of dcp_interleave over
+    # dcp consecutive TP ranks (no more ranks; heads split over tp/dcp groups)
+    dcp: int = 1
+    dcp_interleave: int = 1  # tokens per run (vLLM's dcp_kv_cache_interleave_size); divides tokens_per_block
 
     def __post_init__(self):
-        for f in ("tp", "pp", "dp"):
+        for f in ("tp", "pp", "dp", "cp", "dcp", "dcp_interleave"):
             positive(f"{self.name}.{f}", getattr(self, f))
+        self._check_context_parallel()
         try:
             object.__setattr__(self, "layout", layout_of(self.layout))
         except ValueError:
@@ -78,6 +94,37 @@ class SideSpec:
             require(all(isinstance(n, int) and n > 0 for n in self.layer_split), f"{self.name}.layer_split",
                     list(self.layer_split), "every stage needs at least one layer")
 
+    def _check_context_parallel(self) -> None:
+        n = self.name
+        if self.cp > 1:
+            require(n == "ctx", f"{n}.cp", self.cp, "the decode side splits a request's tokens as vLLM's DCP does; "
+                    "set gen.dcp (and gen.dcp_interleave) instead, or gen.cp=1")
+        require(self.cp_scheme in SCHEMES, f"{n}.cp_scheme", self.cp_scheme, f"use {' or '.join(SCHEMES)}")
+        if self.dcp > 1:
+            require(n == "gen", f"{n}.dcp", self.dcp, "the prefill side splits a request's tokens in chunks; set "
+                    "ctx.cp (and ctx.cp_scheme) instead, or ctx.dcp=1")
+            require(self.tp % self.dcp == 0, f"{n}.dcp", self.dcp, f"DCP ranks are TP ranks (vLLM's DCP group is dcp "
+                    f"consecutive TP ranks): use a divisor of {n}.tp={self.tp}, or raise {n}.tp")
+            require(not self.prefix_cache_tokens, f"{n}.prefix_cache_tokens", self.prefix_cache_tokens,
+                    "prefix reuse keeps whole blocks of undivided ranks; use 0 with gen.dcp > 1")
+        else:
+            require(self.dcp_interleave == 1, f"{n}.dcp_interleave", self.dcp_interleave,
+                    f"interleaves tokens over DCP ranks; set {n}.dcp > 1 too, or leave it 1")
+
+    @property
+    def head_tp(self) -> int:
+        """Ranks that heads split over: TP, less the DCP ranks of a group, which hold the same heads."""
+        return self.tp // self.dcp
+
+    def tokens(self, rank: int, model: ModelSpec) -> Tokens:
+        """Which of a request's tokens side-local rank ``rank`` holds (kvlab.model.tokens)."""
+        c = self.coord(rank)
+        if self.cp > 1:
+            return Tokens(self.cp_scheme, self.cp, c.cp, align=self.block_tokens(model))
+        if self.dcp > 1:
+            return Tokens("interleaved", self.dcp, c.tp % self.dcp, self.dcp_interleave)
+        return Tokens()
+
     @property
     def fmt(self) -> str:
         """The format of its converted pools (``PoolSpec.fmt``): "" where the rows hold ``dtype`` itself."""
@@ -85,14 +132,15 @@ class SideSpec:
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     def coord(self, rank: int) -> RankCoord:
         require(0 <= rank < self.size, f"{self.name}.rank", rank, f"must be in [0, {self.size})")
-        return RankCoord(rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp)
+        stage = self.cp * self.tp
+        return RankCoord(rank // (self.pp * stage), rank // stage % self.pp, rank % self.tp, rank // self.tp % self.cp)
 
-    def rank(self, dp: int, pp: int, tp: int) -> int:
-        return dp * self.pp * self.tp + pp * self.tp + tp
+    def rank(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        return (dp * self.pp + pp) * self.cp * self.tp + cp * self.tp + tp
 
     def block_tokens(self, model: ModelSpec) -> int:
         """Tokens per block: as set, else what the layout fixes for this model's pools, else its default."""
@@ -134,11 +182,18 @@ class SideSpec:
         if self.layer_split is not None:
             require(sum(self.layer_split) == n, f"{self.name}.layer_split", list(self.layer_split),
                     f"must add up to the {n} layers of {model.name}")
-        h = model.tp_heads
+        h, t = model.tp_heads, self.head_tp
         if h > 1:
-            require(h % self.tp == 0 or self.tp % h == 0, f"{self.name}.tp", self.tp,
-                    f"{model.name}'s {h} kv heads cannot be split or duplicated over {self.tp} ranks; "
+            over = f"{t} DCP groups ({self.name}.tp={self.tp} / {self.name}.dcp={self.dcp})" if self.dcp > 1 \
+                else f"{t} ranks"
+            require(h % t == 0 or t % h == 0, f"{self.name}.tp", self.tp,
+                    f"{model.name}'s {h} kv heads cannot be split or duplicated over {over}; "
                     f"use a divisor or a multiple of {h}")
+        if self.dcp > 1:
+            n = self.block_tokens(model)
+            require(n % self.dcp_interleave == 0, f"{self.name}.dcp_interleave", self.dcp_interleave,
+                    f"a run of interleaved tokens must lie in one block, as vLLM requires "
+                    f"(tokens_per_block % interleave == 0); use a divisor of {self.name}.tokens_per_block={n}")
 
     def stage_layers(self, model: ModelSpec, pp_rank: int) -> range:
         """Global layers held by pipeline stage ``pp_rank``."""
@@ -151,21 +206,24 @@ class SideSpec:
         return range(start, start + counts[pp_rank])
 
     def head_range(self, heads: int, tp_rank: int) -> range:
-        """Heads held by ``tp_rank`` out of ``heads`` (one head when duplicated; all when replicated)."""
+        """Heads held by ``tp_rank`` out of ``heads`` (one head when duplicated; all when replicated); the ranks
+        of one DCP group hold the same heads."""
         if heads == 1:
             return range(1)
-        if self.tp <= heads:
-            per = heads // self.tp
-            return range(tp_rank * per, (tp_rank + 1) * per)
-        h = tp_rank // (self.tp // heads)
+        tp, g = self.head_tp, tp_rank // self.dcp
+        if tp <= heads:
+            per = heads // tp
+            return range(g * per, (g + 1) * per)
+        h = g // (tp // heads)
         return range(h, h + 1)
 
     def head_holders(self, heads: int, head: int) -> range:
-        """TP ranks that hold ``head`` (several when duplicated or replicated)."""
+        """TP ranks that hold ``head`` (several when duplicated or replicated, or a DCP group)."""
         if heads == 1:
             return range(self.tp)
-        if self.tp <= heads:
-            t = head // (heads // self.tp)
-            return range(t, t + 1)
-        dup = self.tp // heads
-        return range(head * dup, (head + 1) * dup)
+        tp, d = self.head_tp, self.dcp
+        if tp <= heads:
+            t = head // (heads // tp)
+            return range(t * d, (t + 1) * d)
+        dup = tp // heads
+        return range(head * dup * d, (head + 1) * dup * d)

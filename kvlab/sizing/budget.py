@@ -137,7 +137,7 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
         mine = [[s for s in segs if (s.src if side.name == "ctx" else s.dst) == r] for segs in samples]
         cache = tables = 0
         for pool in state.pools():
-            per_req = math.ceil(tokens / pool.tokens_per_block) - pool.held_start(tokens) // pool.tokens_per_block
+            per_req = pool.held_blocks(tokens)  # a context-parallel rank's share of the prompt
             blocks = math.ceil(capacity / pool.tokens_per_block) if capacity else open_requests * per_req
             cache += pool.pool_bytes(blocks + setup.cache.spare_blocks)
             tables += open_requests * per_req * 8 * 2  # int64 ids on the device, and their host copy
