@@ -16,7 +16,6 @@ needs it, and never kept past the last one.
 """
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, replace
 
