@@ -25,6 +25,18 @@ from kvlab.model.tokens import SCHEMES, Tokens
 __all__ = ["EngineLayout", "Layout", "RankCoord", "SideSpec"]
 
 
+def label(side) -> str:
+    """A side's parallelism in a title, ``tp2 pp1 dp1`` and its context parallelism where it has one; ``side``: a
+    SideSpec or its dict (a summary's)."""
+    get = side.get if isinstance(side, dict) else lambda k, d=None: getattr(side, k, d)
+    out = f"tp{get('tp')} pp{get('pp')} dp{get('dp')}"
+    if (get("cp", 1) or 1) > 1:
+        out += f" cp{get('cp')} {get('cp_scheme')}"
+    if (get("dcp", 1) or 1) > 1:
+        out += f" dcp{get('dcp')} interleave {get('dcp_interleave')}"
+    return out
+
+
 @dataclass(frozen=True)
 class RankCoord:
     dp: int

@@ -174,7 +174,8 @@ class Prefiller:
 
     def _sim(self, req, p: Progress) -> None:
         x = self.x
-        seconds = prefill.layer_seconds(x.setup.model, x.setup.prefill, x.setup.ctx.tp, req.isl)
+        seconds = prefill.layer_seconds(x.setup.model, x.setup.prefill, x.setup.ctx.tp, req.isl,
+                                        x.setup.ctx.tokens(0, x.setup.model))
         p.start = t = time.time()
         self._publish(p, 0)
         last = self.held[-1]

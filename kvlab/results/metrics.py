@@ -19,6 +19,7 @@ from kvlab.core import figures, serving
 from kvlab.core.clock import Clock
 from kvlab.core.decode_spec import check_line
 from kvlab.core.paths import provenance
+from kvlab.model.parallel import label
 from kvlab.results.records import Env, Link, Peak, RankPart, RequestRow, Summary, TimelineRow
 
 
@@ -253,8 +254,8 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
         if not console.is_terminal:  # a log file or a pipe: rich's 80 columns would cut the table's columns
             console = Console(width=max(console.width, 132))
     c, g = summary.ctx, summary.gen
-    t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx tp{c['tp']} pp{c['pp']} dp{c['dp']} -> "
-                    f"gen tp{g['tp']} pp{g['pp']} dp{g['dp']}, {summary.device}")
+    t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx {label(c)} -> "
+                    f"gen {label(g)}, {summary.device}")
     cols = [f for f in figures.columns()
             if f.name not in figures.OPTIONAL_COLUMNS or any(getattr(r, f.name) is not None for r in rows)]
     for col in ("request", "tokens", *(f.column for f in cols), "verified"):

@@ -89,7 +89,7 @@ def prefill_model_s(setup: Setup, isls: np.ndarray, tflops: float, mfu: float) -
     pts = distinct if len(distinct) <= 256 else np.unique(np.geomspace(distinct[0], distinct[-1], 256).round())
     whole, first = [], []
     for n in pts:
-        s = layer_seconds(setup.model, spec, setup.ctx.tp, int(n))
+        s = layer_seconds(setup.model, spec, setup.ctx.tp, int(n), setup.ctx.tokens(0, setup.model))
         whole.append(sum(s))
         first.append(s[0])
     return np.interp(isls, pts, whole), np.interp(isls, pts, first)
