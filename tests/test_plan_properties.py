@@ -57,12 +57,14 @@ def stages(num_layers: int, side: SideSpec) -> list[range]:
 
 
 def coords(side: SideSpec, rank: int) -> tuple[int, int, int]:
-    """(dp, pp, tp) of a side-local rank: TensorRT-LLM's order, TP innermost, then CP, then PP, then DP."""
-    return rank // (side.pp * side.cp * side.tp), rank // (side.cp * side.tp) % side.pp, rank % side.tp
+    """(dp, pp, tp) of a side-local rank: TensorRT-LLM's order, TP innermost, then CP, then PP, then DP; a TP
+    group of tp * dcp ranks (vLLM's DCP group: dcp consecutive TP ranks)."""
+    t = side.tp * side.dcp
+    return rank // (side.pp * side.cp * t), rank // (side.cp * t) % side.pp, rank % t
 
 
 def cp_rank(side: SideSpec, rank: int) -> int:
-    return rank // side.tp % side.cp
+    return rank // (side.tp * side.dcp) % side.cp
 
 
 def cp_chunks(side: SideSpec, rank: int, isl: int) -> list[tuple[int, int]]:
@@ -79,18 +81,18 @@ def cp_chunks(side: SideSpec, rank: int, isl: int) -> list[tuple[int, int]]:
 
 def dcp_position(gen: SideSpec, rank: int, t: int) -> int:
     """How many tokens before global token ``t`` DCP rank ``rank % dcp``'s interleave runs hold."""
-    i, d = gen.dcp_interleave, rank % gen.tp % gen.dcp
+    i, d = gen.dcp_interleave, rank % gen.dcp
     return sum(1 for x in range(t % (i * gen.dcp)) if x // i == d) + t // (i * gen.dcp) * i
 
 
 def dcp_token(gen: SideSpec, rank: int, u: int) -> int:
     """The global token at local position ``u`` of a DCP rank."""
-    i, d = gen.dcp_interleave, rank % gen.tp % gen.dcp
+    i, d = gen.dcp_interleave, rank % gen.dcp
     return u // i * i * gen.dcp + d * i + u % i
 
 
 def held_heads(n_heads: int, tp: int, t: int, dcp: int = 1) -> set[int]:
-    tp, t = tp // dcp, t // dcp  # a DCP group's ranks hold the same heads
+    t = t // dcp  # TP rank t is in head group t // dcp: a DCP group's ranks hold the same heads
     if n_heads == 1:
         return {0}
     if tp <= n_heads:
@@ -198,7 +200,7 @@ def sides(draw, name: str, model: ModelSpec, dtype: str):
     if name == "gen" and draw(st.booleans()):  # DCP: TP ranks, interleave runs dividing the block
         dcp = draw(st.sampled_from([2, 3, 4]))
         more = {"dcp": dcp, "dcp_interleave": draw(st.sampled_from([i for i in (1, 2, 4, 8, 16, 64) if tpb % i == 0]))}
-    return SideSpec(name, tp=dcp * draw(st.sampled_from(tps)), pp=pp, dp=draw(st.integers(1, 3)),
+    return SideSpec(name, tp=draw(st.sampled_from(tps)), pp=pp, dp=draw(st.integers(1, 3)),
                     tokens_per_block=tpb, layout=draw(st.sampled_from(list(Layout))), dtype=dtype, layer_split=split,
                     **more)
 
@@ -208,7 +210,7 @@ def min_slot(model: ModelSpec, ctx: SideSpec, gen: SideSpec) -> int:
     out = 0
     for kind in kinds(model):
         n = kind_heads(model, kind)
-        seg_heads = max(1, n // max(ctx.tp, gen.tp // gen.dcp)) if n > 1 else 1
+        seg_heads = max(1, n // max(ctx.tp, gen.tp)) if n > 1 else 1
         out = max(out, seg_heads * head_token_bytes(model, kind, ctx.dtype))
     return out
 
@@ -258,7 +260,7 @@ def global_span(case: Case, dst: int, rect) -> tuple[int, int]:
 
 
 def gen_group(case: Case) -> list[int]:
-    n = case.gen.pp * case.gen.tp
+    n = case.gen.pp * case.gen.tp * case.gen.dcp
     return list(range(case.req.gen_dp * n, (case.req.gen_dp + 1) * n))
 
 

@@ -100,7 +100,7 @@ def side_summary(setup: Setup, side) -> dict:
     # holds (kvlab.model.tokens), as global intervals (a CP rank's chunks) or a count (a DCP rank's interleave runs)
     split = {}
     if side.cp > 1 or side.dcp > 1:
-        for r in range(side.cp * side.tp):
+        for r in range(side.cp * side.ranks_tp):
             t = side.tokens(r, setup.model)
             split[f"{side.name}{r}"] = {"tokens": t.count(isl), **({"chunks": t.chunks(isl)} if side.cp > 1 else {})}
     return {"tp": side.tp, "pp": side.pp, "dp": side.dp, "layout": side.layout.value, "engine": d.engine,

@@ -1,12 +1,14 @@
 """One side's parallelism and the mapping of its ranks to layers, heads and tokens.
 
-Side-local rank ``r = dp_rank * (pp * cp * tp) + pp_rank * (cp * tp) + cp_rank * tp + tp_rank``, as
-TensorRT-LLM's ``Mapping`` numbers them (TP innermost, CP across TP groups, PP outside): context parallelism on
-the prefill side (``ctx.cp``) adds ranks, ``cp`` TP groups of one stage each holding its chunks of every
-request (kvlab.model.tokens). Decode context parallelism (``gen.dcp``, vLLM's DCP) adds none: it reuses the TP
-ranks, as vLLM's DCP group is ``dcp`` consecutive TP ranks, so DCP rank ``tp_rank % dcp`` holds the tokens of
-its interleave runs, and heads split over the ``tp / dcp`` DCP groups (the ranks of one group hold the same
-heads, which in vLLM they would otherwise hold as duplicates). Every attention-DP group holds the whole model and
+Side-local rank ``r = dp_rank * (pp * cp * T) + pp_rank * (cp * T) + cp_rank * T + tp_rank`` with
+``T = tp * dcp`` TP ranks per stage, as TensorRT-LLM's ``Mapping`` numbers them (TP innermost, CP across TP
+groups, PP outside): context parallelism on the prefill side (``ctx.cp``) adds ranks, ``cp`` TP groups of one
+stage each holding its chunks of every request (kvlab.model.tokens). Decode context parallelism (``gen.dcp``,
+vLLM's DCP) lives inside TP, as in vLLM, whose DCP group is ``dcp`` consecutive ranks of its TP group: TP rank
+``t`` is DCP rank ``t % dcp`` of head group ``t // dcp``, holding that group's heads and the tokens of its
+interleave runs. ``gen.tp`` counts the head groups (what heads split over), so the side's TP group has
+``tp * dcp`` ranks: vLLM's ``--tensor-parallel-size`` is ``gen.tp * gen.dcp`` with
+``--decode-context-parallel-size gen.dcp`` (DCP reuses the ranks that would otherwise hold duplicate heads). Every attention-DP group holds the whole model and
 serves its own requests. Heads split evenly over TP when ``tp <= heads``; when ``tp > heads`` each head is
 duplicated on ``tp / heads`` consecutive ranks. PP splits layers evenly (earlier stages take the remainder) or by
 an explicit ``layer_split``.
@@ -69,7 +71,7 @@ class SideSpec:
     cp: int = 1
     cp_scheme: str = "contiguous"  # contiguous (chunk r on CP rank r) | load_balanced (chunks r and 2cp-1-r of 2cp)
     # gen only: decode context parallelism (vLLM's DCP): tokens dealt round-robin in runs of dcp_interleave over
-    # dcp consecutive TP ranks (no more ranks; heads split over tp/dcp groups)
+    # dcp consecutive TP ranks holding the same heads (the TP group has tp * dcp ranks: vLLM's tp = tp * dcp)
     dcp: int = 1
     dcp_interleave: int = 1  # tokens per run (vLLM's dcp_kv_cache_interleave_size); divides tokens_per_block
 
@@ -115,8 +117,6 @@ class SideSpec:
         if self.dcp > 1:
             require(n == "gen", f"{n}.dcp", self.dcp, "the prefill side splits a request's tokens in chunks; set "
                     "ctx.cp (and ctx.cp_scheme) instead, or ctx.dcp=1")
-            require(self.tp % self.dcp == 0, f"{n}.dcp", self.dcp, f"DCP ranks are TP ranks (vLLM's DCP group is dcp "
-                    f"consecutive TP ranks): use a divisor of {n}.tp={self.tp}, or raise {n}.tp")
             require(not self.prefix_cache_tokens, f"{n}.prefix_cache_tokens", self.prefix_cache_tokens,
                     "prefix reuse keeps whole blocks of undivided ranks; use 0 with gen.dcp > 1")
         else:
@@ -124,9 +124,14 @@ class SideSpec:
                     f"interleaves tokens over DCP ranks; set {n}.dcp > 1 too, or leave it 1")
 
     @property
+    def ranks_tp(self) -> int:
+        """TP ranks of one stage (and CP rank): ``tp`` head groups of ``dcp`` DCP ranks each."""
+        return self.tp * self.dcp
+
+    @property
     def head_tp(self) -> int:
-        """Ranks that heads split over: TP, less the DCP ranks of a group, which hold the same heads."""
-        return self.tp // self.dcp
+        """Head groups: what heads split over (the DCP ranks of a group hold the same heads)."""
+        return self.tp
 
     def tokens(self, rank: int, model: ModelSpec) -> Tokens:
         """Which of a request's tokens side-local rank ``rank`` holds (kvlab.model.tokens)."""
@@ -144,15 +149,17 @@ class SideSpec:
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
+        return self.dp * self.pp * self.cp * self.ranks_tp
 
     def coord(self, rank: int) -> RankCoord:
+        """Its dp, pp and cp index, and ``tp``: its rank in the stage's TP group (of ``tp * dcp`` ranks)."""
         require(0 <= rank < self.size, f"{self.name}.rank", rank, f"must be in [0, {self.size})")
-        stage = self.cp * self.tp
-        return RankCoord(rank // (self.pp * stage), rank // stage % self.pp, rank % self.tp, rank // self.tp % self.cp)
+        t = self.ranks_tp
+        stage = self.cp * t
+        return RankCoord(rank // (self.pp * stage), rank // stage % self.pp, rank % t, rank // t % self.cp)
 
     def rank(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
-        return (dp * self.pp + pp) * self.cp * self.tp + cp * self.tp + tp
+        return (dp * self.pp + pp) * self.cp * self.ranks_tp + cp * self.ranks_tp + tp
 
     def block_tokens(self, model: ModelSpec) -> int:
         """Tokens per block: as set, else what the layout fixes for this model's pools, else its default."""
@@ -196,8 +203,7 @@ class SideSpec:
                     f"must add up to the {n} layers of {model.name}")
         h, t = model.tp_heads, self.head_tp
         if h > 1:
-            over = f"{t} DCP groups ({self.name}.tp={self.tp} / {self.name}.dcp={self.dcp})" if self.dcp > 1 \
-                else f"{t} ranks"
+            over = f"{t} DCP groups of {self.dcp} ranks" if self.dcp > 1 else f"{t} ranks"
             require(h % t == 0 or t % h == 0, f"{self.name}.tp", self.tp,
                     f"{model.name}'s {h} kv heads cannot be split or duplicated over {over}; "
                     f"use a divisor or a multiple of {h}")
@@ -232,7 +238,7 @@ class SideSpec:
     def head_holders(self, heads: int, head: int) -> range:
         """TP ranks that hold ``head`` (several when duplicated or replicated, or a DCP group)."""
         if heads == 1:
-            return range(self.tp)
+            return range(self.ranks_tp)
         tp, d = self.head_tp, self.dcp
         if tp <= heads:
             t = head // (heads // tp)

@@ -67,8 +67,8 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
     gen.validate_for(model)
     check_kv_dtypes(ctx, gen)
     segments = []
-    for g_tp_pp in range(gen.pp * gen.tp):
-        dst = req.gen_dp * gen.pp * gen.tp + g_tp_pp
+    for g_tp_pp in range(gen.pp * gen.ranks_tp):
+        dst = req.gen_dp * gen.pp * gen.ranks_tp + g_tp_pp
         g = gen.coord(dst)
         mine = gen.tokens(dst, model)  # a DCP rank's tokens, counted in its local positions
         for gp in CacheState(model, gen, dst).pools():
@@ -97,7 +97,7 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
                         if a >= b:
                             continue
                         # ctx TP ranks whose heads overlap the gen rank's, each head from one holder
-                        for c_tp in range(ctx.tp):
+                        for c_tp in range(ctx.ranks_tp):
                             heads = _overlap(gp.heads, ctx.head_range(spec.heads, c_tp))
                             if not heads:
                                 continue

@@ -154,7 +154,8 @@ def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[
     run = figures.Run(rows, [_parts(rid, ps, traits, pairs) for rid, ps in _by_request(parts).items()], peaks, link)
     isl = [r.isl for r in rows if r.isl]
     side = lambda s: {"tp": s.tp, "pp": s.pp, "dp": s.dp, "tokens_per_block": s.tokens_per_block,  # noqa: E731
-                      "layout": s.layout.value}
+                      "layout": s.layout.value, "cp": s.cp, "cp_scheme": s.cp_scheme, "dcp": s.dcp,
+                      "dcp_interleave": s.dcp_interleave}
     return Summary(
         verified=bool(rows) and all(r.verified for r in rows) and not errors,
         requests=len(rows),
