@@ -8,7 +8,8 @@ vLLM's DCP) lives inside TP, as in vLLM, whose DCP group is ``dcp`` consecutive 
 ``t`` is DCP rank ``t % dcp`` of head group ``t // dcp``, holding that group's heads and the tokens of its
 interleave runs. ``gen.tp`` counts the head groups (what heads split over), so the side's TP group has
 ``tp * dcp`` ranks: vLLM's ``--tensor-parallel-size`` is ``gen.tp * gen.dcp`` with
-``--decode-context-parallel-size gen.dcp`` (DCP reuses the ranks that would otherwise hold duplicate heads). Every attention-DP group holds the whole model and
+``--decode-context-parallel-size gen.dcp`` (DCP reuses the ranks that would otherwise hold duplicate heads).
+Every attention-DP group holds the whole model and
 serves its own requests. Heads split evenly over TP when ``tp <= heads``; when ``tp > heads`` each head is
 duplicated on ``tp / heads`` consecutive ranks. PP splits layers evenly (earlier stages take the remainder) or by
 an explicit ``layer_split``.
