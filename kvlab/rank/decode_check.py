@@ -222,17 +222,19 @@ class DecodeCheck:
                 out[g] = _loads(self.store.get(f"{KEY}share/{r.id}/{g}"))
         return out
 
-    def _misplaced(self, at, isl: int):
-        """fault.misplaced_run: the gather puts interleave run N's tokens where run N+1's go and back (runs of
-        gen.dcp_interleave tokens, in global order): every byte arrived right, only the reassembly is wrong."""
+    def _misplace(self, planes: dict, isl: int) -> None:
+        """fault.misplaced_run: the gather puts interleave run N (gen.dcp_interleave tokens, in global order) one
+        run late, over run N+1, and leaves run N's place empty, as a DCP rank's shard placed at the wrong offset
+        would: every byte arrived right, only the reassembly is wrong. (A swap of two whole runs, K and V of each
+        token together, would not do: attention over a full cache does not depend on the order of its tokens.)"""
         n, run = self.setup.fault.misplaced_run, self.setup.gen.dcp_interleave
         if n < 0:
-            return at
-        at = torch.arange(at.start, at.stop) if isinstance(at, slice) else at.clone()
-        a, b = n * run, (n + 1) * run
-        swap = (at >= a) & (at < min(b + run, isl))
-        at[swap] = torch.where(at[swap] < b, at[swap] + run, at[swap] - run)
-        return at
+            return
+        a, b = n * run, min((n + 1) * run, isl)
+        for comps in planes.values():
+            for plane in comps:
+                plane[:, :, b:b + (b - a)] = plane[:, :, a:b].clone()
+                plane[:, :, a:b] = 0
 
     def decode(self, r: Request, own: dict, beat=lambda: None) -> tuple[DecodeResult | None, str | None]:
         payloads = self._payloads(r, own, beat)
@@ -247,9 +249,9 @@ class DecodeCheck:
                     # a DCP rank's shard goes back to its global tokens, in order: its runs interleaved with the
                     # other DCP ranks' (kvlab.model.tokens)
                     at = slice(t0, t1) if local is None else to_global(tuple(local), torch.arange(t0, t1))
-                    at = self._misplaced(at, r.isl)
                     for c, plane in enumerate(comps):
                         planes[name][c][l0:l1, h0:h1, at] = plane
+        self._misplace(planes, r.isl)
         ref = self.refs[r.id]
         first = int(self.store.get(f"{KEY}first/{r.id}"))
         net, cfg = hf_models.build(self.model, self.check.seed, str(self.cache.device))
