@@ -139,6 +139,8 @@ def test_cp_to_dcp_runs_verified(transport, transfer, cp, dcp, ctx_tp, model, is
 def test_decode_reassembles_a_dcp_group_in_token_order_and_a_misplaced_run_fails(kvlab_cli, tmp_path):
     args = ["model=llama3_8b", "ctx.cp=2", "ctx.cp_scheme=load_balanced", "ctx.tp=1", "gen.dcp=2",
             "gen.dcp_interleave=4", "workload.isl=61", "workload.requests=1", "check.tokens=4"]
+    for d in ("good", "bad"):
+        (tmp_path / d).mkdir()
     res, summary, rows, _ = run_decode(kvlab_cli, tmp_path / "good", *args)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert summary["decode_tokens_equal"] == 4 and summary["decode_max_logit_diff"] == 0.0

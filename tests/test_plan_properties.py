@@ -163,7 +163,8 @@ class Case:
 
     @property
     def tile(self) -> int:
-        return math.gcd(self.ctx.tokens_per_block, self.gen.tokens_per_block, self.gen.dcp_interleave)
+        run = self.gen.dcp_interleave if self.gen.dcp > 1 else 0  # gcd(x, 0) = x: no DCP, no run to stay in
+        return math.gcd(self.ctx.tokens_per_block, self.gen.tokens_per_block, run)
 
 
 @st.composite
@@ -283,7 +284,7 @@ def check_plan(case: Case, segs) -> None:
         r = s.rect
         assert s.request == req.id
         assert r.tile == case.tile and ctx.tokens_per_block % r.tile == 0 and gen.tokens_per_block % r.tile == 0
-        assert gen.dcp_interleave % r.tile == 0
+        assert gen.dcp == 1 or gen.dcp_interleave % r.tile == 0
         assert 0 <= r.t0 < r.t1 <= req.isl and r.l0 < r.l1 and r.h0 < r.h1
         assert s.dst in group
         g0, g1 = global_span(case, s.dst, r)

@@ -254,7 +254,8 @@ def wire_tile(ctx: SideSpec, gen: SideSpec, model: ModelSpec | None = None, pool
     if pool is not None and not (side_pool(model, ctx, pool).token_runs and side_pool(model, gen, pool).token_runs):
         return 1
     # a tile lies in one interleave run of a DCP rank: its tokens are consecutive on both sides
-    return math.gcd(ctx.block_tokens(model), gen.block_tokens(model), ctx.dcp_interleave * gen.dcp_interleave)
+    runs = [s.dcp_interleave for s in (ctx, gen) if s.dcp > 1]
+    return math.gcd(ctx.block_tokens(model), gen.block_tokens(model), *runs)
 
 
 def check_compatible(a: dict, b: dict, names: tuple[str, str] = ("ctx", "gen")) -> None:
