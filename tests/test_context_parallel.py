@@ -15,6 +15,7 @@ from conftest import E2E, check_figures
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_decode_check import run_decode
+from test_mooncake import _loads as mooncake_loads
 
 from kvlab.api import run_transfer
 from kvlab.config.schema import build, compose
@@ -106,7 +107,8 @@ def test_a_cp_rank_allocates_its_chunks_only_and_a_dcp_rank_its_runs():
 
 # ---------------------------------------------------------------- end to end
 
-TRANSPORTS = ["p2p", "ipc"] + (["nixl"] if importlib.util.find_spec("nixl_cu13") else [])
+TRANSPORTS = ["p2p", "ipc"] + (["nixl"] if importlib.util.find_spec("nixl_cu13") else []) + \
+    (["mooncake"] if mooncake_loads() else [])
 
 
 @pytest.mark.slow
@@ -124,6 +126,8 @@ def test_cp_to_dcp_runs_verified(transport, transfer, cp, dcp, ctx_tp, model, is
                  "workload.requests=2", f"workload.isl={isl}", "transfer.slot_mib=0.02"]
     if transport == "ipc":
         overrides.remove("transfer.slot_mib=0.02")
+    elif transport in ("nixl", "mooncake") and transfer != "naive":  # staged through slots, or pool to pool
+        overrides.append(f"transport.mode={'direct' if isl % 2 else 'staged'}")
     tmp_path = tmp_path_factory.mktemp("cp")
     summary = run_transfer(overrides + QUIET, tmp_path)
     assert summary["verified"] and summary["failed_requests"] == [] and summary["errors"] == [], summary
