@@ -37,6 +37,18 @@ CATALOGUE = [
     ("spare-blocks-negative", ["cache.spare_blocks=-2"], ["cache.spare_blocks=-2", ">= 0"]),
     # splits
     ("tp-not-dividing-heads", ["ctx.tp=4"], ["ctx.tp=4", "divisor or a multiple of 6"]),
+    # context parallelism (kvlab.model.tokens)
+    ("cp-on-gen", ["gen.cp=2"], ["gen.cp=2", "gen.dcp"]),
+    ("dcp-on-ctx", ["ctx.dcp=2"], ["ctx.dcp=2", "ctx.cp"]),
+    ("cp-zero", ["ctx.cp=0"], ["ctx.cp=0", "positive integer"]),
+    ("cp-scheme-unknown", ["ctx.cp=2", "ctx.cp_scheme=ring"], ["ctx.cp_scheme=ring", "contiguous or load_balanced"]),
+    ("dcp-interleave-not-dividing-block", ["gen.dcp=2", "gen.dcp_interleave=3", "gen.tokens_per_block=16"],
+     ["gen.dcp_interleave=3", "tokens_per_block % interleave", "divisor of gen.tokens_per_block=16"]),
+    ("dcp-interleave-without-dcp", ["gen.dcp_interleave=4"], ["gen.dcp_interleave=4", "gen.dcp > 1"]),
+    ("dcp-with-prefix-reuse", ["gen.dcp=2", "workload=mooncake", "gen.prefix_cache_tokens=65536"],
+     ["gen.prefix_cache_tokens=65536", "gen.dcp > 1"]),
+    ("dcp-heads-over-groups", ["gen.dcp=2", "gen.tp=4"], ["gen.tp=4", "4 DCP groups of 2 ranks"]),
+    ("misplaced-run-without-decode", ["fault.misplaced_run=1"], ["fault.misplaced_run=1", "check=decode"]),
     ("gen-tp-not-dividing-heads", ["gen.tp=5"], ["gen.tp=5", "divisor or a multiple of 6"]),
     ("pp-more-than-layers", ["gen.pp=5"], ["gen.pp=5", "pp <= 4"]),
     ("layer-split-wrong-length", ["ctx.pp=2", "ctx.layer_split=[4]"], ["ctx.layer_split=[4]", "per pp stage (2)"]),

@@ -38,6 +38,11 @@ def runs(draw) -> list[str]:
             f"workload.arrival={arrival}", f"prefill.layer_ms={draw(st.sampled_from([0, 1, 5]))}"]
     if arrival == "poisson":
         over.append(f"workload.rate={draw(st.sampled_from([20, 100]))}")
+    # context parallelism where a side has one rank: CP ranks end a prefill together, DCP ranks share heads
+    if ctx == (1, 1, 1) and draw(st.booleans()):
+        over += ["ctx.cp=2", f"ctx.cp_scheme={draw(st.sampled_from(['contiguous', 'load_balanced']))}"]
+    if gen == (1, 1, 1) and draw(st.booleans()):
+        over += ["gen.dcp=2", f"gen.dcp_interleave={draw(st.sampled_from([1, 16]))}"]
     return over
 
 
@@ -81,6 +86,9 @@ def check_run(over: list[str], tmp: Path) -> None:
 @example(over=["transfer=layerwise", "ctx.tp=1", "ctx.pp=2", "gen.tp=1", "workload.requests=8",  # a stage's share
                "workload.concurrency=1", "workload.isl=2048", "transfer.slots=1", "transfer.slot_mib=1",  # ends before
                "workload.arrival=poisson", "prefill.layer_ms=1", "workload.rate=100"])  # the model's last layer
+@example(over=["transfer=layerwise", "ctx.tp=1", "ctx.cp=2", "ctx.cp_scheme=load_balanced", "gen.tp=1",  # CP ranks
+               "gen.dcp=2", "gen.dcp_interleave=16", "workload.requests=8", "workload.concurrency=8",  # end each
+               "transfer.slots=1", "transfer.slot_mib=0.25", "prefill.layer_ms=1"])  # prefill together
 def test_every_run_completes(over, tmp_path_factory):
     assume(_valid(over))
     check_run(over, tmp_path_factory.mktemp("run"))

@@ -1,9 +1,12 @@
 """Plan and schedule invariants over random models, parallel layouts, prompts and strategies.
 
 Expectations come from an oracle written from the design's definitions (stage layers,
-head split/duplication, sliding windows, bytes per element), not from the code under
-test. Elements are tracked as (kind, layer, head) -> token intervals, so prompts of
-hundreds of thousands of tokens cost no more than short ones.
+head split/duplication, sliding windows, bytes per element, context-parallel chunks and
+DCP interleave runs), not from the code under test. Elements are tracked as
+(kind, layer, head) -> token intervals, so prompts of hundreds of thousands of tokens
+cost no more than short ones; on a DCP gen rank the intervals count its local positions
+(the n-th token it holds), and the source's chunk is checked at the global tokens of
+their ends (the map from local positions to global tokens is increasing).
 """
 from __future__ import annotations
 
@@ -54,10 +57,42 @@ def stages(num_layers: int, side: SideSpec) -> list[range]:
 
 
 def coords(side: SideSpec, rank: int) -> tuple[int, int, int]:
-    return rank // (side.pp * side.tp), (rank // side.tp) % side.pp, rank % side.tp
+    """(dp, pp, tp) of a side-local rank: TensorRT-LLM's order, TP innermost, then CP, then PP, then DP; a TP
+    group of tp * dcp ranks (vLLM's DCP group: dcp consecutive TP ranks)."""
+    t = side.tp * side.dcp
+    return rank // (side.pp * side.cp * t), rank // (side.cp * t) % side.pp, rank % t
 
 
-def held_heads(n_heads: int, tp: int, t: int) -> set[int]:
+def cp_rank(side: SideSpec, rank: int) -> int:
+    return rank // (side.tp * side.dcp) % side.cp
+
+
+def cp_chunks(side: SideSpec, rank: int, isl: int) -> list[tuple[int, int]]:
+    """The global token intervals a ctx CP rank holds: 2*cp (load-balanced) or cp chunks of whole blocks, as
+    even as they go, earlier chunks the larger; load-balanced rank r holds chunks r and 2*cp-1-r."""
+    n = side.cp * (2 if side.cp_scheme == "load_balanced" else 1)
+    blocks = -(-isl // side.tokens_per_block)
+    sizes = [blocks // n + (i < blocks % n) for i in range(n)]
+    starts = [sum(sizes[:i]) * side.tokens_per_block for i in range(n + 1)]
+    r = cp_rank(side, rank)
+    own = {r, n - 1 - r} if side.cp_scheme == "load_balanced" else {r}
+    return [(min(starts[i], isl), min(starts[i + 1], isl)) for i in sorted(own) if starts[i] < isl]
+
+
+def dcp_position(gen: SideSpec, rank: int, t: int) -> int:
+    """How many tokens before global token ``t`` DCP rank ``rank % dcp``'s interleave runs hold."""
+    i, d = gen.dcp_interleave, rank % gen.dcp
+    return sum(1 for x in range(t % (i * gen.dcp)) if x // i == d) + t // (i * gen.dcp) * i
+
+
+def dcp_token(gen: SideSpec, rank: int, u: int) -> int:
+    """The global token at local position ``u`` of a DCP rank."""
+    i, d = gen.dcp_interleave, rank % gen.dcp
+    return u // i * i * gen.dcp + d * i + u % i
+
+
+def held_heads(n_heads: int, tp: int, t: int, dcp: int = 1) -> set[int]:
+    t = t // dcp  # TP rank t is in head group t // dcp: a DCP group's ranks hold the same heads
     if n_heads == 1:
         return {0}
     if tp <= n_heads:
@@ -101,10 +136,13 @@ def required(model: ModelSpec, gen: SideSpec, rank: int, isl: int, tile: int) ->
     """(kind, layer, head) -> (first, last) tokens the gen rank must receive."""
     _, pp, tp = coords(gen, rank)
     out = {}
+    pos = (lambda t: dcp_position(gen, rank, t)) if gen.dcp > 1 else (lambda t: t)
     for layer in stages(model.num_layers, gen)[pp]:
         for kind in kinds(model):
-            for h in held_heads(kind_heads(model, kind), gen.tp, tp):
-                out[(kind, layer, h)] = (first_token(window_of(model, layer), isl, tile), isl)
+            for h in held_heads(kind_heads(model, kind), gen.tp, tp, gen.dcp):
+                a, b = pos(first_token(window_of(model, layer), isl, tile)), pos(isl)
+                if a < b:
+                    out[(kind, layer, h)] = (a, b)
     return out
 
 
@@ -125,7 +163,8 @@ class Case:
 
     @property
     def tile(self) -> int:
-        return math.gcd(self.ctx.tokens_per_block, self.gen.tokens_per_block)
+        run = self.gen.dcp_interleave if self.gen.dcp > 1 else 0  # gcd(x, 0) = x: no DCP, no run to stay in
+        return math.gcd(self.ctx.tokens_per_block, self.gen.tokens_per_block, run)
 
 
 @st.composite
@@ -154,9 +193,17 @@ def sides(draw, name: str, model: ModelSpec, dtype: str):
                                     unique=True)))
         bounds = [0, *cuts, model.num_layers]
         split = tuple(b - a for a, b in pairwise(bounds))
+    tpb = draw(st.sampled_from([8, 16, 32, 64]))
+    cp, dcp, more = 1, 1, {}
+    if name == "ctx" and draw(st.booleans()):  # context parallelism: more ranks, chunks of the prompt
+        cp = draw(st.integers(2, 4))
+        more = {"cp": cp, "cp_scheme": draw(st.sampled_from(["contiguous", "load_balanced"]))}
+    if name == "gen" and draw(st.booleans()):  # DCP: TP ranks, interleave runs dividing the block
+        dcp = draw(st.sampled_from([2, 3, 4]))
+        more = {"dcp": dcp, "dcp_interleave": draw(st.sampled_from([i for i in (1, 2, 4, 8, 16, 64) if tpb % i == 0]))}
     return SideSpec(name, tp=draw(st.sampled_from(tps)), pp=pp, dp=draw(st.integers(1, 3)),
-                    tokens_per_block=draw(st.sampled_from([8, 16, 32, 64])),
-                    layout=draw(st.sampled_from(list(Layout))), dtype=dtype, layer_split=split)
+                    tokens_per_block=tpb, layout=draw(st.sampled_from(list(Layout))), dtype=dtype, layer_split=split,
+                    **more)
 
 
 def min_slot(model: ModelSpec, ctx: SideSpec, gen: SideSpec) -> int:
@@ -206,8 +253,15 @@ def rect_bytes(case: Case, rect) -> int:
     return len(layers) * len(heads) * (rect.t1 - rect.t0) * head_token_bytes(case.model, kind, case.ctx.dtype)
 
 
+def global_span(case: Case, dst: int, rect) -> tuple[int, int]:
+    """The first and one past the last global token of ``rect`` as gen rank ``dst`` counts it."""
+    if rect.local is None:
+        return rect.t0, rect.t1
+    return dcp_token(case.gen, dst, rect.t0), dcp_token(case.gen, dst, rect.t1 - 1) + 1
+
+
 def gen_group(case: Case) -> list[int]:
-    n = case.gen.pp * case.gen.tp
+    n = case.gen.pp * case.gen.tp * case.gen.dcp
     return list(range(case.req.gen_dp * n, (case.req.gen_dp + 1) * n))
 
 
@@ -230,8 +284,12 @@ def check_plan(case: Case, segs) -> None:
         r = s.rect
         assert s.request == req.id
         assert r.tile == case.tile and ctx.tokens_per_block % r.tile == 0 and gen.tokens_per_block % r.tile == 0
+        assert gen.dcp == 1 or gen.dcp_interleave % r.tile == 0
         assert 0 <= r.t0 < r.t1 <= req.isl and r.l0 < r.l1 and r.h0 < r.h1
         assert s.dst in group
+        g0, g1 = global_span(case, s.dst, r)
+        # the tokens of one CP chunk of the source
+        assert any(a <= g0 and g1 <= b for a, b in cp_chunks(ctx, s.src, req.isl)), (s, cp_chunks(ctx, s.src, req.isl))
         assert s.nbytes == rect_bytes(case, r) == r.nbytes(pools_by_name(case)[r.pool].comp_row_bytes())
         kind, layers, heads = elements(case, r)
         # the source really holds what it sends
@@ -240,7 +298,7 @@ def check_plan(case: Case, segs) -> None:
         assert set(layers) <= set(stages(model.num_layers, ctx)[pp])
         assert set(heads) <= held_heads(kind_heads(model, kind), ctx.tp, tp)
         for layer in layers:
-            assert r.t0 >= first_token(window_of(model, layer), req.isl, ctx.tokens_per_block)
+            assert g0 >= first_token(window_of(model, layer), req.isl, ctx.tokens_per_block)
             for h in heads:
                 got[s.dst][(kind, layer, h)].append((r.t0, r.t1))
     for dst in group:
@@ -256,12 +314,15 @@ def check_plan(case: Case, segs) -> None:
 
 
 def check_schedule(case: Case, segs, chunks) -> None:
-    by_key = {(s.src, s.dst, s.rect.pool): s for s in segs}
-    assert len(by_key) == len(segs), "two segments for one (src, dst, pool)"
+    by_key = defaultdict(list)
+    for s in segs:
+        by_key[(s.src, s.dst, s.rect.pool)].append(s)
+    # two segments for one (src, dst, pool) only from the two chunks of a load-balanced CP rank
+    assert all(len(v) <= (2 if case.ctx.cp_scheme == "load_balanced" else 1) for v in by_key.values())
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     parts: dict = defaultdict(lambda: defaultdict(list))
     for c in chunks:
-        seg = by_key[(c.src, c.dst, c.rect.pool)]
+        (seg,) = [s for s in by_key[(c.src, c.dst, c.rect.pool)] if s.rect.t0 <= c.rect.t0 < s.rect.t1]
         r, sr = c.rect, seg.rect
         assert c.request == seg.request
         assert (r.h0, r.h1, r.tile) == (sr.h0, sr.h1, sr.tile)
@@ -292,7 +353,8 @@ def check_schedule(case: Case, segs, chunks) -> None:
         # round-robin: every segment's first chunk goes before any segment's second
         seen, first_round = set(), True
         for c in chunks:
-            key = (c.src, c.dst, c.rect.pool)
+            key = next(i for i, s in enumerate(segs) if (s.src, s.dst, s.rect.pool) == (c.src, c.dst, c.rect.pool)
+                       and s.rect.t0 <= c.rect.t0 < s.rect.t1)
             if key in seen:
                 first_round = False
             else:
@@ -306,19 +368,19 @@ def check_schedule(case: Case, segs, chunks) -> None:
 def check_zerocopy_flags(case: Case, segs, chunks) -> None:
     """Conditions on in-place flags that follow from the layout alone, on each side."""
     T = case.tile
-    seg_end = {(s.src, s.dst, s.rect.pool): s.rect.t1 for s in segs}
     for c in chunks:
         r = c.rect
         kind, layers, heads = elements(case, r)
         pool = pools_by_name(case)[r.pool]
-        end = seg_end[(c.src, c.dst, r.pool)]
+        end = next(s.rect.t1 for s in segs if (s.src, s.dst, s.rect.pool) == (c.src, c.dst, r.pool)
+                   and s.rect.t0 <= r.t0 < s.rect.t1)
         assert not (end % T and r.t0 < end // T * T < r.t1), "a chunk straddles the partial last tile"
         for side, rank, flag in ((case.ctx, c.src, c.ctx_in_place), (case.gen, c.dst, c.gen_in_place)):
             tpb = side.tokens_per_block
             _, pp, tp = coords(side, rank)
             stage = stages(case.model.num_layers, side)[pp]
             rank_layers = [g for g in pool.layers if g in stage]
-            full_heads = set(heads) == held_heads(pool.heads, side.tp, tp)
+            full_heads = set(heads) == held_heads(pool.heads, side.tp, tp, side.dcp)
             groups = len(layers) * len(pool.comp_elems) * len(heads)
             tiles_short = any(min((a // T + 1) * T, r.t1) - a < tpb
                               for a in [r.t0, *range((r.t0 // T + 1) * T, r.t1, T)])
@@ -327,7 +389,9 @@ def check_zerocopy_flags(case: Case, segs, chunks) -> None:
             if len(pool.comp_elems) > 1 and not full_heads:
                 assert not flag, (side.name, c)
             blocks = (r.t1 - r.t0) // tpb
-            whole = T == tpb and r.t0 % tpb == 0 and r.t1 % tpb == 0 and full_heads
+            # a rectangle in a DCP rank's positions is strided on the ctx side: its flag there says nothing here
+            whole = T == tpb and r.t0 % tpb == 0 and r.t1 % tpb == 0 and full_heads and \
+                (r.local is None or side.name == "gen")
             if whole and side.layout == Layout.block_major and (layers == rank_layers or blocks == 1):
                 assert flag, (side.name, c)
             if whole and side.layout == Layout.layer_major and len(layers) == 1:

@@ -27,6 +27,7 @@ from kvlab.config.workload import plan_requests
 from kvlab.core.errors import ConfigError
 from kvlab.model import kv_dtype
 from kvlab.model.engine_layouts import LAYOUTS
+from kvlab.model.parallel import label
 from kvlab.model.plan import plan
 from kvlab.model.schedule import schedule
 from kvlab.model.state import pool_format, side_pools, wire_pool, wire_tile
@@ -97,7 +98,17 @@ def side_summary(setup: Setup, side) -> dict:
     tensor shape, and per pool the wire tile (1 where a side keeps a head's token rows apart)."""
     d = LAYOUTS[side.layout.value]
     pools = setup.model.pools(side.dtype)
+    isl = setup.workload.isl
+    # context parallelism: which tokens of a workload.isl-token prompt each rank of the first DP group and stage
+    # holds (kvlab.model.tokens), as global intervals (a CP rank's chunks) or a count (a DCP rank's interleave runs)
+    split = {}
+    if side.cp > 1 or side.dcp > 1:
+        for r in range(side.cp * side.ranks_tp):
+            t = side.tokens(r, setup.model)
+            split[f"{side.name}{r}"] = {"tokens": t.count(isl), **({"chunks": t.chunks(isl)} if side.cp > 1 else {})}
     return {"tp": side.tp, "pp": side.pp, "dp": side.dp, "layout": side.layout.value, "engine": d.engine,
+            "cp": side.cp, "cp_scheme": side.cp_scheme, "dcp": side.dcp, "dcp_interleave": side.dcp_interleave,
+            "tokens_per_rank": split, "label": label(side),
             "tokens_per_block": side.tokens_per_block,
             "shape": {p.name: d.shape_of(str(getattr(p.kind, "value", p.kind))) for p in pools},
             "wire_tile": {p.name: wire_tile(setup.ctx, setup.gen, setup.model, p) for p in pools}}
@@ -150,6 +161,12 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
             pools = "; ".join(f"{p}: {side['shape'][p]}, wire tile {n}" for p, n in side["wire_tile"].items())
             console.print(f"{name} layout: {side['layout']} ({side['engine']}), {side['tokens_per_block']} tokens "
                           f"per block; {pools}", soft_wrap=True, markup=False)
+        if side.get("tokens_per_rank"):  # context parallelism: each rank's share of one prompt
+            held = ", ".join(f"{r}: {v['tokens']}" + (" in " + " + ".join(f"[{a}, {b})" for a, b in v["chunks"])
+                                                      if "chunks" in v else "")
+                             for r, v in side["tokens_per_rank"].items())
+            console.print(f"{name} context parallelism: {side['label']}; tokens of {summary['isl']} per rank of the "
+                          f"first stage: {held}", soft_wrap=True, markup=False)
     for pool, d in summary.get("kv_dtype", {}).items():
         if d["conversion"] != "none":
             src, wire = summary.get("total_source_bytes", 0), summary["total_bytes"]

@@ -187,7 +187,7 @@ class Setup:
                     "or one kv_dtype on both sides")
         # the smallest chunk is one token row: one token of one layer of a segment's heads
         for pool in model.pools(ctx.dtype) if self.chunk_cap is not None else ():
-            seg_heads = max(1, pool.heads // max(ctx.tp, gen.tp)) if not pool.replicated else 1
+            seg_heads = max(1, pool.heads // max(ctx.head_tp, gen.head_tp)) if not pool.replicated else 1
             row = pool.token_bytes(min(pool.heads, seg_heads))
             require(self.chunk_cap >= row, "transfer.slot_mib", self.transfer.slot_mib,
                     f"a slot must hold one token row of pool {pool.name} ({row} B); use >= {row / 2**20:.6f}")

@@ -149,6 +149,8 @@ class CheckSpec:
     def validate(self, setup) -> None:
         """What spans groups: the model runs in the cache's dtype, on the CPU."""
         if not self.decode:
+            require(setup.fault.misplaced_run < 0, "fault.misplaced_run", setup.fault.misplaced_run,
+                    "misplaces tokens in the decode check's gather; use it with check=decode")
             return
         require(setup.ctx.dtype == "bf16", "ctx.dtype", setup.ctx.dtype,
                 "check=decode runs the model in the cache's dtype; use bf16")
@@ -158,6 +160,13 @@ class CheckSpec:
             windows = [p.window for p in setup.model.pools(setup.ctx.dtype) if p.window]
             require(bool(windows), "fault.window_trim", setup.fault.window_trim,
                     f"model {setup.model.name} has no sliding-window layer to trim")
+        run = setup.fault.misplaced_run
+        if run >= 0:
+            n = setup.gen.dcp_interleave
+            shortest = min(setup.workload.isl_list or (setup.workload.isl,))
+            require((run + 2) * n <= shortest, "fault.misplaced_run", run,
+                    f"runs {run} and {run + 1} of {n} tokens must lie in every prompt ({shortest} tokens); use < "
+                    f"{shortest // n - 1}")
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:

@@ -16,7 +16,6 @@ needs it, and never kept past the last one.
 """
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, replace
 
@@ -28,6 +27,7 @@ from kvlab.model.plan import Request, Segment
 from kvlab.model.prefix import users
 from kvlab.model.schedule import cut_rect
 from kvlab.model.state import CacheState, RankPool
+from kvlab.model.tokens import HOLE
 
 VERIFY_PIECE_BYTES = 8 << 20  # fill and verify in pieces through two scratch buffers of this size
 # on a GPU a piece's cost is its kernel launches, not its bytes: 8 MiB pieces checked 3 GB at 1.8 GB/s on an
@@ -92,7 +92,7 @@ class BlockTable:
 
 
 def blocks_for(pool: RankPool, isl: int) -> int:
-    return math.ceil(pool.held_stop(isl) / pool.tokens_per_block) - pool.held_start(isl) // pool.tokens_per_block
+    return pool.held_blocks(isl)
 
 
 class PagedCache:
@@ -175,7 +175,10 @@ class PagedCache:
                     self.kept[(req.id, name, n)] = ids[n]
                     self.kept_as[(name, ids[n])] = (req.id, name, n)
                     self.refs[(name, ids[n])] = 1 + len(users_n)
-            base = store.pool.held_start(req.isl) // store.pool.tokens_per_block
+            base, used = store.pool.block_table(req.isl)
+            if not all(used):  # a context-parallel rank's gap between its chunks: never read or written
+                it = iter(ids)
+                ids = [next(it) if u else HOLE for u in used]
             tables[name] = BlockTable(torch.tensor(ids, dtype=torch.int64, device=self.device), base, tuple(ids))
         self.tables[req.id] = tables
         return tables
@@ -184,6 +187,8 @@ class PagedCache:
         """Give back one holder's blocks: a shared block only once its last reference goes."""
         free = []
         for b in blocks:
+            if b == HOLE:
+                continue
             left = self.refs.get((name, b))
             if left is None:
                 free.append(b)
@@ -205,11 +210,17 @@ class PagedCache:
         seg = Segment(0, 0, 0, rect, rect.nbytes(pool.rows))
         return cut_rect(seg, pool.rows, verify_piece_bytes(self.device), per_layer=False, split_tail=False)
 
-    def held_rect(self, name: str, isl: int) -> Rect:
-        """Everything this rank holds of a request in pool ``name``."""
+    def held_rects(self, name: str, isl: int) -> list[Rect]:
+        """Everything this rank holds of a request in pool ``name``: one rectangle per chunk of its tokens (a
+        DCP rank's in its local positions)."""
         p = self.pools[name].pool
-        return Rect(name, p.layers.start, p.layers.stop, p.heads.start, p.heads.stop, p.held_start(isl),
-                    p.held_stop(isl), p.tokens_per_block)
+        return [Rect(name, p.layers.start, p.layers.stop, p.heads.start, p.heads.stop, a, b, p.tokens_per_block,
+                     local=p.tokens.local) for a, b in p.held(isl)]
+
+    def held_rect(self, name: str, isl: int) -> Rect:
+        """Everything this rank holds of a request in pool ``name``, where it is one rectangle (no CP)."""
+        (rect,) = self.held_rects(name, isl)
+        return rect
 
     def _buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two views of ``nbytes`` into scratch allocated once: fill and verify allocate nothing per piece."""
@@ -220,17 +231,17 @@ class PagedCache:
         only global layer ``layer`` when given (the prefill writes each layer when it has computed it)."""
         for name, store in self.pools.items():
             table = self.tables[req.id][name]
-            rect = self.held_rect(name, req.isl)
-            if layer is not None:
-                if layer not in store.pool.spec.layers[rect.l0:rect.l1]:
-                    continue
-                i = store.pool.spec.layers.index(layer)
-                rect = replace(rect, l0=i, l1=i + 1)
-            for piece in self._pieces(rect, store.pool):
-                self.tick()
-                data = self.contents(key_of(req), store.pool, piece,
-                                     out=self._buffers(piece.nbytes(store.pool.rows))[0])
-                ops.unpack(data, store.pool, store.num_blocks, piece, table.ids, table.base, store.storage)
+            for rect in self.held_rects(name, req.isl):
+                if layer is not None:
+                    if layer not in store.pool.spec.layers[rect.l0:rect.l1]:
+                        continue
+                    i = store.pool.spec.layers.index(layer)
+                    rect = replace(rect, l0=i, l1=i + 1)
+                for piece in self._pieces(rect, store.pool):
+                    self.tick()
+                    data = self.contents(key_of(req), store.pool, piece,
+                                         out=self._buffers(piece.nbytes(store.pool.rows))[0])
+                    ops.unpack(data, store.pool, store.num_blocks, piece, table.ids, table.base, store.storage)
 
     def verify(self, req: Request, segments: list[Segment], ops) -> list[str]:
         """Bit-exact check of everything this rank received for ``req``, and of the blocks it shares with earlier
@@ -254,7 +265,8 @@ class PagedCache:
                     continue
                 bad = (got != want).nonzero()
                 at = locate(store.pool, piece, int(bad[0]))
-                block = table.host[at["token"] // store.pool.tokens_per_block - table.base]  # where it lies here
+                here = at.get("position", at["token"])  # a DCP rank's local position
+                block = table.host[here // store.pool.tokens_per_block - table.base]  # where it lies here
                 errors.append(
                     f"request {req.id}: {bad.numel()} wrong bytes {where}, first at pool {at['pool']} "
                     f"layer {at['layer']} component {at['component']} head {at['head']} token {at['token']} "

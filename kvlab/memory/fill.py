@@ -22,6 +22,7 @@ from kvlab.model.layout import Rect, as_stored, convert_wire, tile_groups
 from kvlab.model.prefix import BLOCK_TOKENS
 from kvlab.model.spec import KINDS
 from kvlab.model.state import RankPool
+from kvlab.model.tokens import to_global
 
 _MASK = 0xFFFFFFFF
 _STEP = 0x9E3779B1  # golden-ratio multiplier of the byte position
@@ -70,7 +71,8 @@ def row_seeds(request, pool: RankPool, rect: Rect, comp: int, device) -> torch.T
     # no tensor built from host data on the device: that copy would wait for every kernel queued before it
     layers = _layers(pool.spec.layers, str(device))[rect.l0:rect.l1]
     heads = torch.arange(rect.h0, rect.h1, device=device, dtype=torch.int64)
-    tokens = torch.arange(rect.t0, rect.t1, device=device, dtype=torch.int64)
+    # a row's contents are those of its global token, wherever a rank keeps it (a DCP rank's local position)
+    tokens = to_global(rect.local, torch.arange(rect.t0, rect.t1, device=device, dtype=torch.int64))
     tag = KINDS[pool.spec.kind].fill_tag * 0x7F4A7C15 + comp * 0x6A09E667
     # a block's key joins the token's term, in the last mix: no more work per row than a request's id (the fill
     # is part of the emulated prefill's time)
@@ -221,7 +223,10 @@ def locate(pool: RankPool, rect: Rect, offset: int) -> dict:
         if rem < ntok * nh * row:
             head, rem = divmod(rem, ntok * row)
             tok, byte = divmod(rem, row)
-            return {"pool": pool.name, "layer": pool.spec.layers[rect.l0 + layer], "component": c,
-                    "head": rect.h0 + head, "token": ts + tok, "byte": byte}
+            at = {"pool": pool.name, "layer": pool.spec.layers[rect.l0 + layer], "component": c,
+                  "head": rect.h0 + head, "token": ts + tok, "byte": byte}
+            if rect.local is not None:  # the global token, and where the DCP rank keeps it
+                at["position"], at["token"] = ts + tok, int(to_global(rect.local, torch.tensor(ts + tok)))
+            return at
         rem -= ntok * nh * row
     raise AssertionError("offset outside the rectangle")

@@ -21,6 +21,7 @@ import torch
 from kvlab.model import kv_dtype
 from kvlab.model.spec import PoolSpec
 from kvlab.model.state import RankPool
+from kvlab.model.tokens import to_global
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class Rect:
     # the KV dtype on the wire where the two sides' differ (kvlab.model.kv_dtype): a pool of another format converts
     # its rows in the pack or the unpack (kvlab.memory.ops); "": each side's bytes as they are
     wire: str = ""
+    # (dcp, dcp rank, interleave) where t0/t1 count a decode-context-parallel rank's local positions
+    # (kvlab.model.tokens): the prefill side finds global token (u // I) * I * dcp + rank * I + u % I; None: global
+    local: tuple[int, int, int] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -82,7 +86,8 @@ def runs(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, b
     te = torch.clamp((u + 1) * T, max=rect.t1)
     ntok = te - ts
     tile_wire = (ts - rect.t0) * nl * bpl
-    blk = block_ids.to(torch.int64)[ts // tpb - block_base]
+    at = mem_tokens(pool, rect, ts)  # where the tiles lie in this pool: a tile's tokens are consecutive there too
+    blk = block_ids.to(torch.int64)[at // tpb - block_base]
 
     l = torch.arange(nl, device=dev, dtype=torch.int64)
     h = torch.arange(nh, device=dev, dtype=torch.int64)
@@ -95,7 +100,7 @@ def runs(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, b
         w = (tile_wire[:, None, None]
              + ntok[:, None, None] * (l[None, :, None] * bpl + comp_wire + h[None, None, :] * row))
         m = (blk[:, None, None] * s.block + l_local[None, :, None] * s.layer + s.offset
-             + h_local[None, None, :] * s.head + (ts % tpb)[:, None, None] * s.token)
+             + h_local[None, None, :] * s.head + (at % tpb)[:, None, None] * s.token)
         mems.append(m)
         wires.append(w)
         lens.append((ntok * row)[:, None, None].expand_as(m))
@@ -113,6 +118,17 @@ def runs(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, b
         wire = (wire[..., None] + k * row)[keep]
         length = row.expand(*length.shape, T)[keep]
     return Runs(mem.reshape(-1), wire.reshape(-1), length.reshape(-1), converts(pool, rect))
+
+
+def mem_tokens(pool: RankPool, rect: Rect, ts: torch.Tensor) -> torch.Tensor:
+    """The positions in ``pool``'s blocks of ``rect``'s positions ``ts``: the same where the rectangle counts
+    the pool's own positions, the global tokens where it counts a DCP rank's and the pool holds global ones."""
+    own = pool.tokens.local
+    if rect.local == own:
+        return ts
+    if own is not None:
+        raise ValueError(f"rect counts positions {rect.local}, the pool's rank keeps its own {own}")
+    return to_global(rect.local, ts)
 
 
 def converts(pool: RankPool, rect: Rect) -> bool:
@@ -190,12 +206,22 @@ def is_in_place(r: Runs) -> bool:
 def first_byte(pool: RankPool, num_blocks: int, rect: Rect, first_block: int) -> int:
     """Pool offset of the first byte of ``rect`` when its first token lies in physical block ``first_block``."""
     s = pool.comp_strides(num_blocks)[0]
+    t0 = int(mem_tokens(pool, rect, torch.tensor([rect.t0]))[0])
     return (s.offset + first_block * s.block + (rect.l0 - pool.layers.start) * s.layer
-            + (rect.h0 - pool.heads.start) * s.head + rect.t0 % pool.tokens_per_block * s.token)
+            + (rect.h0 - pool.heads.start) * s.head + t0 % pool.tokens_per_block * s.token)
 
 
-def identity_blocks(rect: Rect, tokens_per_block: int) -> tuple[torch.Tensor, int]:
-    """A block table of consecutive blocks covering ``rect``: for shape-only questions."""
-    first = rect.t0 // tokens_per_block
-    last = (rect.t1 - 1) // tokens_per_block
+def mem_span(pool: RankPool, rect: Rect) -> tuple[int, int]:
+    """(first, last) logical block of ``pool`` that ``rect``'s tokens lie in."""
+    ends = mem_tokens(pool, rect, torch.tensor([rect.t0, rect.t1 - 1]))
+    return int(ends[0]) // pool.tokens_per_block, int(ends[1]) // pool.tokens_per_block
+
+
+def identity_blocks(rect: Rect, tokens_per_block: int, pool: RankPool | None = None) -> tuple[torch.Tensor, int]:
+    """A block table of consecutive blocks covering ``rect`` (in ``pool``, where it counts other positions than
+    the pool's own): for shape-only questions."""
+    if pool is not None:
+        first, last = mem_span(pool, rect)
+    else:
+        first, last = rect.t0 // tokens_per_block, (rect.t1 - 1) // tokens_per_block
     return torch.arange(0, last - first + 1, dtype=torch.int64), first

@@ -1,10 +1,18 @@
-"""One side's parallelism and the mapping of its ranks to layers and heads.
+"""One side's parallelism and the mapping of its ranks to layers, heads and tokens.
 
-Side-local rank ``r = dp_rank * (pp * tp) + pp_rank * tp + tp_rank``. Every attention-DP
-group holds the whole model and serves its own requests. Heads split evenly over TP when
-``tp <= heads``; when ``tp > heads`` each head is duplicated on ``tp / heads`` consecutive
-ranks. PP splits layers evenly (earlier stages take the remainder) or by an explicit
-``layer_split``.
+Side-local rank ``r = dp_rank * (pp * cp * T) + pp_rank * (cp * T) + cp_rank * T + tp_rank`` with
+``T = tp * dcp`` TP ranks per stage, as TensorRT-LLM's ``Mapping`` numbers them (TP innermost, CP across TP
+groups, PP outside): context parallelism on the prefill side (``ctx.cp``) adds ranks, ``cp`` TP groups of one
+stage each holding its chunks of every request (kvlab.model.tokens). Decode context parallelism (``gen.dcp``,
+vLLM's DCP) lives inside TP, as in vLLM, whose DCP group is ``dcp`` consecutive ranks of its TP group: TP rank
+``t`` is DCP rank ``t % dcp`` of head group ``t // dcp``, holding that group's heads and the tokens of its
+interleave runs. ``gen.tp`` counts the head groups (what heads split over), so the side's TP group has
+``tp * dcp`` ranks: vLLM's ``--tensor-parallel-size`` is ``gen.tp * gen.dcp`` with
+``--decode-context-parallel-size gen.dcp`` (DCP reuses the ranks that would otherwise hold duplicate heads).
+Every attention-DP group holds the whole model and
+serves its own requests. Heads split evenly over TP when ``tp <= heads``; when ``tp > heads`` each head is
+duplicated on ``tp / heads`` consecutive ranks. PP splits layers evenly (earlier stages take the remainder) or by
+an explicit ``layer_split``.
 """
 from __future__ import annotations
 
@@ -15,8 +23,21 @@ from kvlab.model import kv_dtype
 from kvlab.model.engine_layouts import ALIASES, LAYOUTS, NAMES, EngineLayout, Layout, layout_of
 from kvlab.model.prefix import BLOCK_TOKENS
 from kvlab.model.spec import DTYPE_BYTES, ModelSpec
+from kvlab.model.tokens import SCHEMES, Tokens
 
 __all__ = ["EngineLayout", "Layout", "RankCoord", "SideSpec"]
+
+
+def label(side) -> str:
+    """A side's parallelism in a title, ``tp2 pp1 dp1`` and its context parallelism where it has one; ``side``: a
+    SideSpec or its dict (a summary's)."""
+    get = side.get if isinstance(side, dict) else lambda k, d=None: getattr(side, k, d)
+    out = f"tp{get('tp')} pp{get('pp')} dp{get('dp')}"
+    if (get("cp", 1) or 1) > 1:
+        out += f" cp{get('cp')} {get('cp_scheme')}"
+    if (get("dcp", 1) or 1) > 1:
+        out += f" dcp{get('dcp')} interleave {get('dcp_interleave')}"
+    return out
 
 
 @dataclass(frozen=True)
@@ -24,6 +45,7 @@ class RankCoord:
     dp: int
     pp: int
     tp: int
+    cp: int = 0  # the prefill side's context-parallel index (the decode side's DCP index is tp % dcp)
 
 
 @dataclass(frozen=True)
@@ -45,10 +67,19 @@ class SideSpec:
     # gen only: tokens of earlier prompts' blocks each gen DP group keeps for prefix reuse (each rank its share), LRU by
     # block hash (kvlab.model.prefix; needs a trace with hash_ids, workload=mooncake); 0: off
     prefix_cache_tokens: int = 0
+    # ctx only: context-parallel ranks, each holding chunks of every request's tokens (kvlab.model.tokens): more
+    # ranks, cp TP groups per stage
+    cp: int = 1
+    cp_scheme: str = "contiguous"  # contiguous (chunk r on CP rank r) | load_balanced (chunks r and 2cp-1-r of 2cp)
+    # gen only: decode context parallelism (vLLM's DCP): tokens dealt round-robin in runs of dcp_interleave over
+    # dcp consecutive TP ranks holding the same heads (the TP group has tp * dcp ranks: vLLM's tp = tp * dcp)
+    dcp: int = 1
+    dcp_interleave: int = 1  # tokens per run (vLLM's dcp_kv_cache_interleave_size); divides tokens_per_block
 
     def __post_init__(self):
-        for f in ("tp", "pp", "dp"):
+        for f in ("tp", "pp", "dp", "cp", "dcp", "dcp_interleave"):
             positive(f"{self.name}.{f}", getattr(self, f))
+        self._check_context_parallel()
         try:
             object.__setattr__(self, "layout", layout_of(self.layout))
         except ValueError:
@@ -79,6 +110,40 @@ class SideSpec:
             require(all(isinstance(n, int) and n > 0 for n in self.layer_split), f"{self.name}.layer_split",
                     list(self.layer_split), "every stage needs at least one layer")
 
+    def _check_context_parallel(self) -> None:
+        n = self.name
+        if self.cp > 1:
+            require(n == "ctx", f"{n}.cp", self.cp, "the decode side splits a request's tokens as vLLM's DCP does; "
+                    "set gen.dcp (and gen.dcp_interleave) instead, or gen.cp=1")
+        require(self.cp_scheme in SCHEMES, f"{n}.cp_scheme", self.cp_scheme, f"use {' or '.join(SCHEMES)}")
+        if self.dcp > 1:
+            require(n == "gen", f"{n}.dcp", self.dcp, "the prefill side splits a request's tokens in chunks; set "
+                    "ctx.cp (and ctx.cp_scheme) instead, or ctx.dcp=1")
+            require(not self.prefix_cache_tokens, f"{n}.prefix_cache_tokens", self.prefix_cache_tokens,
+                    "prefix reuse keeps whole blocks of undivided ranks; use 0 with gen.dcp > 1")
+        else:
+            require(self.dcp_interleave == 1, f"{n}.dcp_interleave", self.dcp_interleave,
+                    f"interleaves tokens over DCP ranks; set {n}.dcp > 1 too, or leave it 1")
+
+    @property
+    def ranks_tp(self) -> int:
+        """TP ranks of one stage (and CP rank): ``tp`` head groups of ``dcp`` DCP ranks each."""
+        return self.tp * self.dcp
+
+    @property
+    def head_tp(self) -> int:
+        """Head groups: what heads split over (the DCP ranks of a group hold the same heads)."""
+        return self.tp
+
+    def tokens(self, rank: int, model: ModelSpec) -> Tokens:
+        """Which of a request's tokens side-local rank ``rank`` holds (kvlab.model.tokens)."""
+        c = self.coord(rank)
+        if self.cp > 1:
+            return Tokens(self.cp_scheme, self.cp, c.cp, align=self.block_tokens(model))
+        if self.dcp > 1:
+            return Tokens("interleaved", self.dcp, c.tp % self.dcp, self.dcp_interleave)
+        return Tokens()
+
     @property
     def fmt(self) -> str:
         """The format of its converted pools (``PoolSpec.fmt``): "" where the rows hold ``dtype`` itself."""
@@ -86,14 +151,17 @@ class SideSpec:
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.ranks_tp
 
     def coord(self, rank: int) -> RankCoord:
+        """Its dp, pp and cp index, and ``tp``: its rank in the stage's TP group (of ``tp * dcp`` ranks)."""
         require(0 <= rank < self.size, f"{self.name}.rank", rank, f"must be in [0, {self.size})")
-        return RankCoord(rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp)
+        t = self.ranks_tp
+        stage = self.cp * t
+        return RankCoord(rank // (self.pp * stage), rank // stage % self.pp, rank % t, rank // t % self.cp)
 
-    def rank(self, dp: int, pp: int, tp: int) -> int:
-        return dp * self.pp * self.tp + pp * self.tp + tp
+    def rank(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        return (dp * self.pp + pp) * self.cp * self.ranks_tp + cp * self.ranks_tp + tp
 
     def block_tokens(self, model: ModelSpec) -> int:
         """Tokens per block: as set, else what the layout fixes for this model's pools, else its default."""
@@ -139,11 +207,22 @@ class SideSpec:
             require(model.state_groups % self.tp == 0, f"{self.name}.tp", self.tp,
                     f"{model.name}'s recurrent state splits by its {model.state_groups} groups over TP, as vLLM "
                     f"and SGLang split it; use a divisor of {model.state_groups}")
-        h = model.tp_heads
+            # a recurrent state is the prompt's running summary, not rows per token: a CP rank's chunk has no state
+            # of its own to send, and no engine splits one over DCP ranks
+            for field, value in ((f"{self.name}.cp", self.cp), (f"{self.name}.dcp", self.dcp)):
+                require(value == 1, field, value, f"{model.name} keeps a recurrent state, which kvlab does not split "
+                        f"over context-parallel ranks; use {field}=1")
+        h, t = model.tp_heads, self.head_tp
         if h > 1 and model.has_attention:
-            require(h % self.tp == 0 or self.tp % h == 0, f"{self.name}.tp", self.tp,
-                    f"{model.name}'s {h} kv heads cannot be split or duplicated over {self.tp} ranks; "
+            over = f"{t} DCP groups of {self.dcp} ranks" if self.dcp > 1 else f"{t} ranks"
+            require(h % t == 0 or t % h == 0, f"{self.name}.tp", self.tp,
+                    f"{model.name}'s {h} kv heads cannot be split or duplicated over {over}; "
                     f"use a divisor or a multiple of {h}")
+        if self.dcp > 1:
+            n = self.block_tokens(model)
+            require(n % self.dcp_interleave == 0, f"{self.name}.dcp_interleave", self.dcp_interleave,
+                    f"a run of interleaved tokens must lie in one block, as vLLM requires "
+                    f"(tokens_per_block % interleave == 0); use a divisor of {self.name}.tokens_per_block={n}")
 
     def stage_layers(self, model: ModelSpec, pp_rank: int) -> range:
         """Global layers held by pipeline stage ``pp_rank``."""
@@ -156,21 +235,24 @@ class SideSpec:
         return range(start, start + counts[pp_rank])
 
     def head_range(self, heads: int, tp_rank: int) -> range:
-        """Heads held by ``tp_rank`` out of ``heads`` (one head when duplicated; all when replicated)."""
+        """Heads held by ``tp_rank`` out of ``heads`` (one head when duplicated; all when replicated); the ranks
+        of one DCP group hold the same heads."""
         if heads == 1:
             return range(1)
-        if self.tp <= heads:
-            per = heads // self.tp
-            return range(tp_rank * per, (tp_rank + 1) * per)
-        h = tp_rank // (self.tp // heads)
+        tp, g = self.head_tp, tp_rank // self.dcp
+        if tp <= heads:
+            per = heads // tp
+            return range(g * per, (g + 1) * per)
+        h = g // (tp // heads)
         return range(h, h + 1)
 
     def head_holders(self, heads: int, head: int) -> range:
-        """TP ranks that hold ``head`` (several when duplicated or replicated)."""
+        """TP ranks that hold ``head`` (several when duplicated or replicated, or a DCP group)."""
         if heads == 1:
-            return range(self.tp)
-        if self.tp <= heads:
-            t = head // (heads // self.tp)
-            return range(t, t + 1)
-        dup = self.tp // heads
-        return range(head * dup, (head + 1) * dup)
+            return range(self.ranks_tp)
+        tp, d = self.head_tp, self.dcp
+        if tp <= heads:
+            t = head // (heads // tp)
+            return range(t * d, (t + 1) * d)
+        dup = tp // heads
+        return range(head * dup * d, (head + 1) * dup * d)

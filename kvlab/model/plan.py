@@ -10,6 +10,11 @@ Sliding-window pools move only the tiles that overlap the window. A request whos
 group's prefix cache holds (``Request.prefix``, kvlab.model.prefix) moves, in every pool without a window, only
 the tokens from the first gen block the hit does not cover: a multiple of that gen pool's block, and so of
 the wire tile, whatever the ctx side's block size.
+
+Context parallelism (kvlab.model.tokens): a prefill CP rank sends the tokens of its chunks, one segment per
+chunk, and a segment aimed at a decode DCP rank holds the tokens of that rank among them, counted in its local
+positions (``Rect.local``): the gen pool is addressed as an undivided one, and the ctx side finds each tile's
+global tokens. Every (layer, head, token) a gen rank holds still arrives exactly once.
 """
 from __future__ import annotations
 
@@ -62,9 +67,10 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
     gen.validate_for(model)
     check_kv_dtypes(ctx, gen)
     segments = []
-    for g_tp_pp in range(gen.pp * gen.tp):
-        dst = req.gen_dp * gen.pp * gen.tp + g_tp_pp
+    for g_tp_pp in range(gen.pp * gen.ranks_tp):
+        dst = req.gen_dp * gen.pp * gen.ranks_tp + g_tp_pp
         g = gen.coord(dst)
+        mine = gen.tokens(dst, model)  # a DCP rank's tokens, counted in its local positions
         for gp in CacheState(model, gen, dst).pools():
             spec = gp.spec
             tile = wire_tile(ctx, gen, model, spec)  # per pool: one token where a side splits token rows
@@ -81,17 +87,26 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
                 if not local:
                     continue
                 l0, l1 = local[0], local[-1] + 1
-                # ctx TP ranks whose heads overlap the gen rank's, each head from one holder
-                for c_tp in range(ctx.tp):
-                    heads = _overlap(gp.heads, ctx.head_range(spec.heads, c_tp))
-                    if not heads:
-                        continue
-                    holders = ctx.head_holders(spec.heads, heads.start)
-                    if c_tp != holders[g.tp % len(holders)]:
-                        continue
-                    rect = Rect(spec.name, l0, l1, heads.start, heads.stop, t0, spec.held_tokens(req.isl), tile, wire)
-                    src = ctx.rank(req.ctx_dp, c_pp, c_tp)
-                    segments.append(Segment(req.id, src, dst, rect, rect.nbytes(wire_rows)))
+                # each CP rank sends the tokens of its chunks (kvlab.model.tokens), cut at ctx block boundaries:
+                # a multiple of the tile, in global tokens and in a DCP rank's local positions alike
+                for c_cp in range(ctx.cp):
+                    for a, b in ctx.tokens(ctx.rank(req.ctx_dp, c_pp, 0, c_cp), model).chunks(req.isl):
+                        a, b = max(a, t0), min(b, spec.held_tokens(req.isl))  # a recurrent state: token 0 only
+                        if mine.local is not None:
+                            a, b = mine.local_ceil(a), mine.local_ceil(b)
+                        if a >= b:
+                            continue
+                        # ctx TP ranks whose heads overlap the gen rank's, each head from one holder
+                        for c_tp in range(ctx.ranks_tp):
+                            heads = _overlap(gp.heads, ctx.head_range(spec.heads, c_tp))
+                            if not heads:
+                                continue
+                            holders = ctx.head_holders(spec.heads, heads.start)
+                            if c_tp != holders[g.tp % len(holders)]:
+                                continue
+                            rect = Rect(spec.name, l0, l1, heads.start, heads.stop, a, b, tile, wire, mine.local)
+                            src = ctx.rank(req.ctx_dp, c_pp, c_tp, c_cp)
+                            segments.append(Segment(req.id, src, dst, rect, rect.nbytes(wire_rows)))
     return segments
 
 

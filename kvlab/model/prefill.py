@@ -29,10 +29,11 @@ prefill (kvlab.rank.prefiller) measures what happens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvlab.core.errors import ConfigError, require
 from kvlab.model.spec import INDEXER_HEAD_DIM, ROPE_DIM, Attention, ModelSpec
+from kvlab.model.tokens import Tokens
 
 KINDS = ("sim", "gpu")
 
@@ -60,8 +61,9 @@ def causal_pairs(n: int, reach: int = 0) -> int:
     return reach * (reach + 1) // 2 + (n - reach) * reach
 
 
-def layer_flops(model: ModelSpec, layer: int, n: int) -> float:
-    """Forward FLOPs of global layer ``layer`` over a prompt of ``n`` tokens (the formula above)."""
+def layer_flops(model: ModelSpec, layer: int, n: int, queries: tuple[int, int] | None = None) -> float:
+    """Forward FLOPs of global layer ``layer`` over a prompt of ``n`` tokens (the formula above); of the queries
+    ``[a, b)`` alone where given (a context-parallel rank's chunk: its keys are all those before it)."""
     dims = model.dims
     h, qh = dims.hidden_size, dims.q_heads
     if model.attention == Attention.mla:
@@ -76,18 +78,26 @@ def layer_flops(model: ModelSpec, layer: int, n: int) -> float:
     dense = dims.experts_active == 0 or layer < dims.dense_layers
     mlp = 3 * h * (dims.intermediate_size if dense else dims.experts_active * dims.moe_intermediate_size)
     reach = min((r for r in (model.layer_window(layer), dims.attention_topk) if r), default=0)
-    flops = 2.0 * n * (proj + mlp) + 2.0 * qh * (qk + v) * causal_pairs(n, reach)
+    a, b = queries or (0, n)
+    flops = 2.0 * (b - a) * (proj + mlp) + 2.0 * qh * (qk + v) * (causal_pairs(b, reach) - causal_pairs(a, reach))
     if dims.indexer_heads:
-        flops += 2.0 * dims.indexer_heads * INDEXER_HEAD_DIM * causal_pairs(n)
+        flops += 2.0 * dims.indexer_heads * INDEXER_HEAD_DIM * (causal_pairs(b) - causal_pairs(a))
     return flops
 
 
-def layer_seconds(model: ModelSpec, spec: PrefillSpec, tp: int, n: int) -> list[float]:
-    """Seconds of each global layer of an ``n``-token prefill on one ctx DP group of ``tp`` ranks."""
+def layer_seconds(model: ModelSpec, spec: PrefillSpec, tp: int, n: int, cp: Tokens | None = None) -> list[float]:
+    """Seconds of each global layer of an ``n``-token prefill on one ctx DP group of ``tp`` ranks; with context
+    parallelism (``cp``: any CP rank's token split, kvlab.model.tokens) the layer ends with its slowest CP rank,
+    which computes the queries of its chunks against every key before them (ring attention): contiguous chunks
+    leave the last rank the most attention, load-balanced ones even it out."""
     if spec.layer_ms:
         return [spec.layer_ms / 1e3] * model.num_layers
     rate = tp * spec.tflops * 1e12 * spec.mfu
-    return [layer_flops(model, layer, n) / rate for layer in range(model.num_layers)]
+    if cp is None or cp.ranks == 1:
+        return [layer_flops(model, layer, n) / rate for layer in range(model.num_layers)]
+    ranks = [replace(cp, rank=r).chunks(n) for r in range(cp.ranks)]
+    return [max(sum(layer_flops(model, layer, n, q) for q in chunks) for chunks in ranks) / rate
+            for layer in range(model.num_layers)]
 
 
 @dataclass(frozen=True)
@@ -128,7 +138,8 @@ def timeline(requests, seconds_of) -> dict[int, PrefillTimes]:
 
 def times_for(setup, requests) -> dict[int, PrefillTimes]:
     """The run's estimated prefill timeline: what every rank plans the chunk order from."""
-    return timeline(requests, lambda isl: layer_seconds(setup.model, setup.prefill, setup.ctx.tp, isl))
+    cp = setup.ctx.tokens(0, setup.model)
+    return timeline(requests, lambda isl: layer_seconds(setup.model, setup.prefill, setup.ctx.tp, isl, cp))
 
 
 def ready_s(times: PrefillTimes, layer: int, per_layer: bool) -> float:

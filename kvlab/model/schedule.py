@@ -121,7 +121,7 @@ def cut_rect(seg: Segment, rows: tuple[int, ...], slot_bytes: int | None, per_la
 def in_place_shape(state: CacheState, rect: Rect) -> bool:
     """Whether ``rect`` lies in wire order in this side's memory when its blocks are consecutive."""
     pool = state.pool(rect.pool)
-    ids, base = identity_blocks(rect, pool.tokens_per_block)
+    ids, base = identity_blocks(rect, pool.tokens_per_block, pool)
     return is_in_place(runs(pool, len(ids) + 1, rect, ids, base))
 
 

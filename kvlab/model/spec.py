@@ -425,6 +425,10 @@ class FaultSpec:
     # tokens every sliding-window segment leaves out, from the first one the next token attends to: the bytes
     # sent all verify, and the decode check (check=decode) must still fail
     window_trim: int = 0
+    # check=decode: the gen side's gather of a request's cache swaps the tokens of interleave runs N and N+1
+    # (gen.dcp_interleave tokens each, in global order; a DCP group's shards reassembled out of order): the bytes
+    # all verify, and the decode must fail; -1: off
+    misplaced_run: int = -1
     # a failure of the transfer itself (kvlab.config.faults): drop_notice, wrong_request, stuck, reused_block or
     # torn_chunk, injected through the transport's hooks; '' for none
     transfer: str = ""
@@ -435,6 +439,8 @@ class FaultSpec:
         object.__setattr__(self, "flip_at", tuple(self.flip_at))
         require(isinstance(self.window_trim, int) and self.window_trim >= 0, "fault.window_trim", self.window_trim,
                 "must be 0 (off) or a number of tokens")
+        require(isinstance(self.misplaced_run, int) and self.misplaced_run >= -1, "fault.misplaced_run",
+                self.misplaced_run, "must be -1 (off) or an interleave run of the prompt")
         require(isinstance(self.unwritten_layer, int) and self.unwritten_layer >= -1, "fault.unwritten_layer",
                 self.unwritten_layer, "must be -1 (off) or a global layer")
         for name, r in self.ranks.items():

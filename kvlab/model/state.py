@@ -18,6 +18,7 @@ from kvlab.model import kv_dtype
 from kvlab.model.engine_layouts import LAYOUTS, EngineLayout, Layout
 from kvlab.model.parallel import RankCoord, SideSpec
 from kvlab.model.spec import ModelSpec, PoolSpec
+from kvlab.model.tokens import Tokens
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class RankPool:
     heads: range  # global head ids held by the rank
     tokens_per_block: int
     layout: Layout | EngineLayout
+    tokens: Tokens = Tokens()  # which of a request's tokens the rank holds (context parallelism)
 
     @property
     def name(self) -> str:
@@ -121,12 +123,38 @@ class RankPool:
         return out
 
     def held_start(self, isl: int) -> int:
-        """First token whose block this rank holds for a prompt of ``isl`` tokens (windows keep only their tail)."""
-        return window_start(self.spec, isl, self.tokens_per_block)
+        """First position whose block this rank holds for a prompt of ``isl`` tokens (windows keep only their
+        tail), in the positions its rectangles count (a DCP rank's local ones)."""
+        start = window_start(self.spec, isl, 1)
+        if self.tokens.local is not None:
+            start = self.tokens.local_ceil(start)
+        return start // self.tokens_per_block * self.tokens_per_block
 
-    def held_stop(self, isl: int) -> int:
-        """The end of what this rank holds of a prompt of ``isl`` tokens: ``isl``, or 1 for a recurrent state."""
-        return self.spec.held_tokens(isl)
+    def held(self, isl: int) -> list[tuple[int, int]]:
+        """The position intervals this rank holds of a request, in the positions its rectangles count (global
+        tokens, or a DCP rank's local ones), from the first block a window keeps."""
+        start, stop = self.held_start(isl), self.spec.held_tokens(isl)  # a recurrent state: token 0 only
+        if self.tokens.local is not None:
+            return [(start, self.tokens.count(isl))] if self.tokens.count(isl) > start else []
+        return [(max(a, start), min(b, stop)) for a, b in self.tokens.chunks(isl) if b > start and a < stop]
+
+    def held_blocks(self, isl: int) -> int:
+        """Blocks this rank allocates for a request of ``isl`` tokens."""
+        return sum(self.block_table(isl)[1])
+
+    def block_table(self, isl: int) -> tuple[int, list[bool]]:
+        """(first logical block, whether each logical block from there is held): the block table's shape for a
+        request; a context-parallel rank holds no block between its two chunks (``HOLE`` there)."""
+        tpb = self.tokens_per_block
+        spans = [(a // tpb, (b - 1) // tpb + 1) for a, b in self.held(isl)]
+        if not spans:
+            return 0, []
+        first = spans[0][0]
+        used = [False] * (spans[-1][1] - first)
+        for a, b in spans:
+            for i in range(a, b):
+                used[i - first] = True
+        return first, used
 
 
 def window_start(pool: PoolSpec, isl: int, align: int) -> int:
@@ -155,7 +183,8 @@ class CacheState:
             local = [i for i, g in enumerate(p.layers) if g in stage]
             if local:
                 out.append(RankPool(p, range(local[0], local[-1] + 1), self.side.head_range(p.heads, c.tp),
-                                    pool_block_tokens(self.model, self.side, p), self.side.layout))
+                                    pool_block_tokens(self.model, self.side, p), self.side.layout,
+                                    self.side.tokens(self.rank, self.model)))
         return tuple(out)
 
     def pool(self, name: str) -> RankPool:
@@ -232,7 +261,9 @@ def wire_tile(ctx: SideSpec, gen: SideSpec, model: ModelSpec | None = None, pool
         return 1
     if pool is not None and not (side_pool(model, ctx, pool).token_runs and side_pool(model, gen, pool).token_runs):
         return 1
-    return math.gcd(ctx.block_tokens(model), gen.block_tokens(model))
+    # a tile lies in one interleave run of a DCP rank: its tokens are consecutive on both sides
+    runs = [s.dcp_interleave for s in (ctx, gen) if s.dcp > 1]
+    return math.gcd(ctx.block_tokens(model), gen.block_tokens(model), *runs)
 
 
 def check_compatible(a: dict, b: dict, names: tuple[str, str] = ("ctx", "gen")) -> None:
@@ -250,7 +281,8 @@ def check_compatible(a: dict, b: dict, names: tuple[str, str] = ("ctx", "gen")) 
         raise ConfigError("dtype", f"{a['side']['dtype']} ({names[0]}) vs {b['side']['dtype']} ({names[1]})",
                           "kvlab moves cache bytes as they are; give both sides the same dtype")
     if a["side"]["name"] == b["side"]["name"]:
-        for key in ("tp", "pp", "dp", "tokens_per_block", "layout", "layer_split", "kv_dtype", "prefix_cache_tokens"):
+        for key in ("tp", "pp", "dp", "tokens_per_block", "layout", "layer_split", "kv_dtype", "prefix_cache_tokens",
+                    "cp", "cp_scheme", "dcp", "dcp_interleave"):
             if a["side"].get(key) != b["side"].get(key):
                 side = a["side"]["name"]
                 raise ConfigError(f"{side}.{key}", f"{a['side'][key]} ({names[0]}) vs {b['side'][key]} ({names[1]})",

@@ -37,6 +37,7 @@ import torch
 from kvlab.model.layout import convert_wire
 from kvlab.model.plan import Request
 from kvlab.model.spec import Kind
+from kvlab.model.tokens import to_global
 from kvlab.rank import hf_models
 from kvlab.results.records import DecodeResult, RankPart
 
@@ -177,13 +178,14 @@ class DecodeCheck:
         cache, share = self.cache, {}
         for name, store in cache.pools.items():
             table = cache.tables[req.id][name]
-            rect = cache.held_rect(name, req.isl)
-            buf = torch.empty(rect.nbytes(store.pool.rows), dtype=torch.uint8, device=cache.device)
-            ops.pack(store.storage, store.pool, store.num_blocks, rect, table.ids, table.base, buf)
-            base = replace(store.pool.spec, fmt="")  # read back as the model's values (dequantized from fp8)
-            buf = convert_wire(buf.cpu(), rect, store.pool.spec, base)
-            planes = hf_models.from_wire(buf, rect, base.comp_row_bytes())
-            share[name] = ((rect.l0, rect.l1, rect.h0, rect.h1, rect.t0, rect.t1), planes)
+            share[name] = []
+            for rect in cache.held_rects(name, req.isl):  # a DCP rank's: its local positions
+                buf = torch.empty(rect.nbytes(store.pool.rows), dtype=torch.uint8, device=cache.device)
+                ops.pack(store.storage, store.pool, store.num_blocks, rect, table.ids, table.base, buf)
+                base = replace(store.pool.spec, fmt="")  # read back as the model's values (dequantized from fp8)
+                buf = convert_wire(buf.cpu(), rect, store.pool.spec, base)
+                planes = hf_models.from_wire(buf, rect, base.comp_row_bytes())
+                share[name].append(((rect.l0, rect.l1, rect.h0, rect.h1, rect.t0, rect.t1), rect.local, planes))
         self.shares[req.id] = share
         self.byte_ok[req.id] = not errors
 
@@ -221,6 +223,20 @@ class DecodeCheck:
                 out[g] = _loads(self.store.get(f"{KEY}share/{r.id}/{g}"))
         return out
 
+    def _misplace(self, planes: dict, isl: int) -> None:
+        """fault.misplaced_run: the gather puts interleave run N (gen.dcp_interleave tokens, in global order) one
+        run late, over run N+1, and leaves run N's place empty, as a DCP rank's shard placed at the wrong offset
+        would: every byte arrived right, only the reassembly is wrong. (A swap of two whole runs, K and V of each
+        token together, would not do: attention over a full cache does not depend on the order of its tokens.)"""
+        n, run = self.setup.fault.misplaced_run, self.setup.gen.dcp_interleave
+        if n < 0:
+            return
+        a, b = n * run, min((n + 1) * run, isl)
+        for comps in planes.values():
+            for plane in comps:
+                plane[:, :, b:b + (b - a)] = plane[:, :, a:b].clone()
+                plane[:, :, a:b] = 0
+
     def decode(self, r: Request, own: dict, beat=lambda: None) -> tuple[DecodeResult | None, str | None]:
         payloads = self._payloads(r, own, beat)
         missing = [g for g, p in payloads.items() if p.get("missing")]
@@ -229,9 +245,14 @@ class DecodeCheck:
         planes = {p.name: [torch.zeros(len(p.layers), p.heads, p.held_tokens(r.isl), row, dtype=torch.uint8)
                            for row in p.comp_row_bytes()] for p in self.model.pools(self.setup.gen.dtype)}
         for p in payloads.values():
-            for name, ((l0, l1, h0, h1, t0, t1), comps) in p["share"].items():
-                for c, plane in enumerate(comps):
-                    planes[name][c][l0:l1, h0:h1, t0:t1] = plane
+            for name, pieces in p["share"].items():
+                for (l0, l1, h0, h1, t0, t1), local, comps in pieces:
+                    # a DCP rank's shard goes back to its global tokens, in order: its runs interleaved with the
+                    # other DCP ranks' (kvlab.model.tokens)
+                    at = slice(t0, t1) if local is None else to_global(tuple(local), torch.arange(t0, t1))
+                    for c, plane in enumerate(comps):
+                        planes[name][c][l0:l1, h0:h1, at] = plane
+        self._misplace(planes, r.isl)
         ref = self.refs[r.id]
         first = int(self.store.get(f"{KEY}first/{r.id}"))
         net, cfg = hf_models.build(self.model, self.check.seed, str(self.cache.device))

@@ -35,6 +35,7 @@ from kvlab.core.decode_spec import ROPE_DIM, CheckSpec
 from kvlab.core.errors import ConfigError
 from kvlab.model.layout import Rect
 from kvlab.model.spec import INDEXER_HEAD_DIM, LAYER_ATTENTION, LAYER_NONE, LAYER_STATE, Kind, ModelSpec, PoolSpec
+from kvlab.model.tokens import to_global
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
 MAX_POSITIONS = 32768
@@ -276,8 +277,11 @@ def wire_bytes(rows: list[torch.Tensor], rect: Rect, out: torch.Tensor | None = 
     nl, nh, off = rect.n_layers, rect.n_heads, 0
     for ts, ntiles, ntok in _tile_groups(rect):
         pieces = []
+        # a DCP rank's positions: the tiles' global tokens (kvlab.model.tokens), consecutive within a tile only
+        tok = None if rect.local is None else to_global(rect.local, torch.arange(ts, ts + ntiles * ntok))
         for r in rows:
-            x = r[rect.l0:rect.l1, rect.h0:rect.h1, ts:ts + ntiles * ntok]
+            x = r[rect.l0:rect.l1, rect.h0:rect.h1]
+            x = x[:, :, ts:ts + ntiles * ntok] if tok is None else x.index_select(2, tok.to(x.device))
             pieces.append(x.reshape(nl, nh, ntiles, ntok, -1).permute(2, 0, 1, 3, 4).reshape(ntiles, nl, -1))
         g = torch.cat(pieces, 2).reshape(-1)
         out[off:off + g.numel()].copy_(g)

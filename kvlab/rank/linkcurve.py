@@ -23,6 +23,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
+from kvlab.model.parallel import label
 from kvlab.rank import linkrate
 from kvlab.results import records
 from kvlab.transports.p2p import post
@@ -115,7 +116,7 @@ def run(setup, transport, world_rank: int, order, run_dir, device) -> int:
         records.write_link(run_dir, points)
         c, g = setup.ctx, setup.gen
         title = (f"kvlab link: transport={setup.transport.name} ({points[0].reference if points else '-'} reference), "
-                 f"ctx tp{c.tp} pp{c.pp} dp{c.dp} -> gen tp{g.tp} pp{g.pp} dp{g.dp}, {len(pairs)} pairs at once, "
+                 f"ctx {label(c)} -> gen {label(g)}, {len(pairs)} pairs at once, "
                  f"{device.type}, {setup.link.repeats} repeats after one untimed round")
         print(table(points, title), flush=True)
         print(f"results in {run_dir}", flush=True)

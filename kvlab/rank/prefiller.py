@@ -174,7 +174,8 @@ class Prefiller:
 
     def _sim(self, req, p: Progress) -> None:
         x = self.x
-        seconds = prefill.layer_seconds(x.setup.model, x.setup.prefill, x.setup.ctx.tp, req.isl)
+        seconds = prefill.layer_seconds(x.setup.model, x.setup.prefill, x.setup.ctx.tp, req.isl,
+                                        x.setup.ctx.tokens(0, x.setup.model))
         p.start = t = time.time()
         self._publish(p, 0)
         last = self.held[-1]
@@ -210,7 +211,7 @@ class Prefiller:
         written its share (a real prefill's collectives end it together on every TP rank)."""
         x = self.x
         side = x.setup.ctx
-        if side.tp == 1:
+        if side.ranks_tp * side.cp == 1:  # the TP and CP ranks of a stage end a prefill together
             return
         me = side.coord(x.rank)
         peers = [r for r in self.senders[req.id] if r != x.rank and side.coord(r).dp == me.dp

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from kvlab.core import figures
+from kvlab.model.parallel import label
 from kvlab.model.spec import WandbSpec
 from kvlab.results.metrics import flatten
 from kvlab.results.records import RequestRow, Summary, read_rows, to_dict
@@ -102,7 +103,7 @@ def job_name(run_dir: Path) -> str:
 
 
 def tags(setup: Setup, run_dir: Path) -> list[str]:
-    side = lambda s: f"{s.name} tp{s.tp} pp{s.pp} dp{s.dp}"  # noqa: E731
+    side = lambda s: f"{s.name} {label(s)}"  # noqa: E731
     exp = experiment(Path(run_dir).resolve())
     return [setup.model.name, setup.transfer.strategy.name, setup.transport.name, side(setup.ctx), side(setup.gen),
             *([f"experiment={exp}"] if exp else [])]

@@ -19,6 +19,7 @@ from kvlab.core import figures, serving
 from kvlab.core.clock import Clock
 from kvlab.core.decode_spec import check_line
 from kvlab.core.paths import provenance
+from kvlab.model.parallel import label
 from kvlab.results.records import Env, Link, Peak, RankPart, RequestRow, Summary, TimelineRow
 
 
@@ -153,7 +154,8 @@ def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[
     run = figures.Run(rows, [_parts(rid, ps, traits, pairs) for rid, ps in _by_request(parts).items()], peaks, link)
     isl = [r.isl for r in rows if r.isl]
     side = lambda s: {"tp": s.tp, "pp": s.pp, "dp": s.dp, "tokens_per_block": s.tokens_per_block,  # noqa: E731
-                      "layout": s.layout.value}
+                      "layout": s.layout.value, "cp": s.cp, "cp_scheme": s.cp_scheme, "dcp": s.dcp,
+                      "dcp_interleave": s.dcp_interleave}
     return Summary(
         verified=bool(rows) and all(r.verified for r in rows) and not errors,
         requests=len(rows),
@@ -253,8 +255,8 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
         if not console.is_terminal:  # a log file or a pipe: rich's 80 columns would cut the table's columns
             console = Console(width=max(console.width, 132))
     c, g = summary.ctx, summary.gen
-    t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx tp{c['tp']} pp{c['pp']} dp{c['dp']} -> "
-                    f"gen tp{g['tp']} pp{g['pp']} dp{g['dp']}, {summary.device}")
+    t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx {label(c)} -> "
+                    f"gen {label(g)}, {summary.device}")
     cols = [f for f in figures.columns()
             if f.name not in figures.OPTIONAL_COLUMNS or any(getattr(r, f.name) is not None for r in rows)]
     for col in ("request", "tokens", *(f.column for f in cols), "verified"):

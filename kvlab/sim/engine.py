@@ -89,7 +89,7 @@ def prefill_model_s(setup: Setup, isls: np.ndarray, tflops: float, mfu: float) -
     pts = distinct if len(distinct) <= 256 else np.unique(np.geomspace(distinct[0], distinct[-1], 256).round())
     whole, first = [], []
     for n in pts:
-        s = layer_seconds(setup.model, spec, setup.ctx.tp, int(n))
+        s = layer_seconds(setup.model, spec, setup.ctx.tp, int(n), setup.ctx.tokens(0, setup.model))
         whole.append(sum(s))
         first.append(s[0])
     return np.interp(isls, pts, whole), np.interp(isls, pts, first)
@@ -99,7 +99,7 @@ def decode_rates(setup: Setup, cluster: ClusterSpec, kv_token_bytes: float) -> t
     """(seconds per step fixed, per cached token, per batch member) and KV tokens of one gen DP group."""
     g = cluster.gpu
     d = cluster.decode
-    gpus = setup.gen.tp * setup.gen.pp
+    gpus = setup.gen.ranks_tp * setup.gen.pp
     try:  # active parameters per token, as the prefill's formula counts them (kvlab.model.prefill)
         from kvlab.model.prefill import layer_flops
 
@@ -169,7 +169,7 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
     t_wall = time.perf_counter()
     n = len(arrival)
     ctx, gen = setup.ctx, setup.gen
-    cg, gg = ctx.tp * ctx.pp, gen.tp * gen.pp  # GPUs of one DP group
+    cg, gg = ctx.ranks_tp * ctx.cp * ctx.pp, gen.ranks_tp * gen.pp  # GPUs of one DP group
     n_p, n_d = cluster.ctx_instances * ctx.dp, cluster.gen_instances * gen.dp
 
     # -- prefill: FIFO per server, known at arrival

@@ -273,7 +273,8 @@ class Ipc(Transport):
         ex = self.ctx
         store = next(iter(ex.cache.pools.values()))
         p = store.pool
-        rect = Rect(p.name, p.layers.start, p.layers.start + 1, p.heads.start, p.heads.start + 1, 0, 1, 1)
+        rect = Rect(p.name, p.layers.start, p.layers.start + 1, p.heads.start, p.heads.start + 1, 0, 1, 1,
+                    local=p.tokens.local)
         ids = torch.zeros(1, dtype=torch.int64, device=self.device)
         ex.ops.copy_rect(store.storage, p, store.num_blocks, ids, 0, store.storage, p, store.num_blocks, ids, 0, rect)
         if self.gpu:

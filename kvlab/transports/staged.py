@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.memory.staging import PerChunkBuffers, SlotPool
-from kvlab.model.layout import first_byte
+from kvlab.model.layout import first_byte, mem_span
 from kvlab.model.schedule import Chunk, Staging
 from kvlab.transports import RankContext
 
@@ -50,8 +50,8 @@ class ChunkStaging:
             # blocks are consecutive in this side's table. Either way the message is the same.
             store = cache.pools[c.rect.pool]
             table = cache.tables[c.request][c.rect.pool]
-            tpb = store.pool.tokens_per_block
-            ids = table.host[c.rect.t0 // tpb - table.base:(c.rect.t1 - 1) // tpb - table.base + 1]
+            first, last = mem_span(store.pool, c.rect)
+            ids = table.host[first - table.base:last - table.base + 1]
             if all(b == ids[0] + k for k, b in enumerate(ids)):
                 start = first_byte(store.pool, store.num_blocks, c.rect, ids[0])
                 return store.storage[start:start + c.nbytes], False

@@ -72,6 +72,14 @@ def _template(pool: RankPool, num_blocks: int, shape: Rect) -> _Template:
 
 def _rows(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, block_base: int
           ) -> tuple[int, torch.Tensor]:
+    if rect.local != pool.tokens.local:
+        # a DCP rank's positions on the prefill side: its tiles lie at strided global tokens, so the rows do not
+        # move with the first block alone; the runs give them for this table
+        r = runs(pool, num_blocks, rect, block_ids.to(torch.int64), block_base)
+        unit = functools.reduce(math.gcd, torch.cat([r.length, r.mem]).unique().tolist())
+        n = r.length // unit
+        within = torch.arange(int(n.sum()), dtype=torch.int64) - (torch.cumsum(n, 0) - n).repeat_interleave(n)
+        return unit, (r.mem // unit).repeat_interleave(n) + within
     shape, first = _shape(pool, rect)
     t = _template(pool, num_blocks, shape)
     ids = block_ids[first - block_base:].to(torch.int64)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvlab.core.paths import KERNELS_DIR
-from kvlab.memory.ops import convert
+from kvlab.memory.ops import convert, reference
 from kvlab.memory.ops.reference import check_buffers, check_rect_pair
 from kvlab.model import kv_dtype
 from kvlab.model.layout import Rect, as_stored, converts
@@ -315,8 +315,17 @@ def _comp_params(pool: RankPool, num_blocks: int) -> tuple:
     return tuple(np.int64(getattr(x, f)) for f in ("offset", "block", "layer", "head", "token") for x in two)
 
 
+def _strided(pool: RankPool, rect: Rect) -> bool:
+    """A DCP rank's positions on a pool that keeps global tokens (kvlab.model.tokens): the kernels address a pool by
+    the rectangle's own token positions, so these go through the torch reference's runs (slower, not yet a kernel's
+    work)."""
+    return rect.local != pool.tokens.local
+
+
 def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *, ctas: int = DEFAULT_CTAS,
          tuning: Tuning = DEFAULT_TUNING) -> None:
+    if _strided(pool, rect):
+        return reference.pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out)
     if converts(pool, rect):  # another KV dtype on the wire: the kernel moves the pool's rows, convert_rows converts
         return convert.pack(pack, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, convert_rows,
                             ctas=ctas, tuning=tuning)
@@ -325,6 +334,8 @@ def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *, ctas
 
 def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, *, ctas: int = DEFAULT_CTAS,
            tuning: Tuning = DEFAULT_TUNING) -> None:
+    if _strided(pool, rect):
+        return reference.unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes)
     if converts(pool, rect):
         return convert.unpack(unpack, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes,
                               convert_rows, ctas=ctas, tuning=tuning)
@@ -366,6 +377,9 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     destination pool in one launch, both sides' addresses computed on the device from their block tables
     (no index tensors, no host sync). ``src_bytes`` may be another process's pool opened through CUDA IPC."""
     dev = dst_bytes.device
+    if _strided(src_pool, rect) or _strided(dst_pool, rect):
+        return reference.copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool,
+                                   dst_num_blocks, dst_ids, dst_base, rect)
     if pool_format(src_pool.spec) != pool_format(dst_pool.spec):  # another KV dtype: converted in the copy
         return convert.copy_rect(pack, unpack, src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
                                  dst_pool, dst_num_blocks, dst_ids, dst_base, rect, convert_rows)
