@@ -47,6 +47,7 @@ CATALOGUE = [
     ("dcp-interleave-without-dcp", ["gen.dcp_interleave=4"], ["gen.dcp_interleave=4", "gen.dcp > 1"]),
     ("dcp-with-prefix-reuse", ["gen.dcp=2", "workload=mooncake", "gen.prefix_cache_tokens=65536"],
      ["gen.prefix_cache_tokens=65536", "gen.dcp > 1"]),
+    ("cp-with-recurrent-state", ["model=qwen3_next_80b", "ctx.cp=2"], ["ctx.cp=2", "recurrent state", "ctx.cp=1"]),
     ("dcp-heads-over-groups", ["gen.dcp=2", "gen.tp=4"], ["gen.tp=4", "4 DCP groups of 2 ranks"]),
     ("misplaced-run-without-decode", ["fault.misplaced_run=1"], ["fault.misplaced_run=1", "check=decode"]),
     ("gen-tp-not-dividing-heads", ["gen.tp=5"], ["gen.tp=5", "divisor or a multiple of 6"]),
