@@ -250,6 +250,28 @@ def test_calibrate_writes_a_profile_kvlab_sim_and_plan_read(tmp_path):
     assert json.loads((tmp_path / "plan" / "plan.json").read_text())["predicted"]["profile"] == "cpu (fitted, nixl)"
 
 
+def test_calibrate_writes_into_the_user_config_directory_that_cost_name_reads(tmp_path):
+    """Never into the package's conf/ (in a wheel: site-packages): $XDG_CONFIG_HOME/kvlab/cost/NAME.yaml, which
+    cost=NAME finds beside the shipped profiles, in kvlab plan and kvlab sim."""
+    from kvlab.core.paths import CONF_DIR
+
+    before = sorted(p.name for p in (CONF_DIR / "cost").iterdir())
+    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "xdg"))
+    r = subprocess.run([sys.executable, "-m", "kvlab", "sim", "calibrate", str(CPU_RUNS / "p2p_pois_chunked"),
+                        "--name", "mine"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    profile = tmp_path / "xdg" / "kvlab" / "cost" / "mine.yaml"
+    assert profile.is_file() and f"profile written to {profile} (cost=mine)" in r.stdout, r.stdout
+    assert sorted(p.name for p in (CONF_DIR / "cost").iterdir()) == before
+    r = subprocess.run([sys.executable, "-m", "kvlab", "plan", "cost=mine", "transport=p2p",
+                        f"hydra.run.dir={tmp_path / 'plan'}"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["predicted"]["profile"] == "cpu (fitted, p2p)"
+    wrong = subprocess.run([sys.executable, "-m", "kvlab", "plan", "cost=theirs"], capture_output=True, text=True,
+                           timeout=300, env=env, cwd=tmp_path)
+    assert wrong.returncode == 2 and "mine" in wrong.stderr and "cpu_fit" in wrong.stderr, wrong.stderr
+
+
 # ---------------------------------------------------------------- the command
 
 

@@ -94,7 +94,10 @@ def test_without_wandb_or_a_key_one_kvlab_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError (wandb is an extra)
     assert not WandbSink.create(_setup(), tmp_path, 0).active
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("kvlab: logger.wandb.mode=offline: wandb is not installed")
+    assert err == ['kvlab: logger.wandb.mode=offline: wandb is not installed; pip install -e ".[wandb]" (the wandb '
+                   'extra); no wandb run is written (logger=quiet turns it off)']
+    assert not WandbSink.create(_with(mode="auto"), tmp_path, 0).active  # the default: not asked, so no word
+    assert capsys.readouterr().err == ""
     monkeypatch.delitem(sys.modules, "wandb")
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -99,6 +99,7 @@ def hydra_main(cfg: DictConfig) -> None:
     else:
         try:  # multirun skips the CLI's checks of each job's config; Hydra would print a traceback
             setup = build(cfg)
+            setup.check_installed()
             devices.check_placement(setup)
             announce(setup)
             budget.check_host(setup)

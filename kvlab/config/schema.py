@@ -304,6 +304,12 @@ class Setup:
     def world_rank(self, side: str, rank: int) -> int:
         return rank if side == "ctx" else self.ctx.size + rank
 
+    def check_installed(self) -> None:
+        """ConfigError naming the extra to install when the transport's package is missing (or cannot serve this
+        setup as installed). Only where bytes move (kvlab run, kvlab link, a rank): planning, simulating and
+        ``--help`` need no transport package."""
+        self.transport.cls().installed(self)
+
     @property
     def needs_preflight(self) -> bool:
         """Whether kvlab.sizing.preflight.preflight can fail for this setup (it plans every request: skipped when

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvlab.core.errors import ConfigError, positive, require
+from kvlab.core.errors import ConfigError, install_hint, positive, require
 
 CHECKS = ("bytes", "decode")
 FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "gemma3")
@@ -147,7 +147,7 @@ class CheckSpec:
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:
-            raise ConfigError("check", "decode", "needs transformers; pip install -e '.[decode]'")
+            raise ConfigError("check", "decode", install_hint("decode", "transformers, which the decode check needs,"))
 
 
 def check_line(rows) -> str | None:

@@ -8,8 +8,9 @@ SLOs (``search.json``) and reports the fleet at that rate.
 
 ``kvlab sim calibrate RUN... [--name NAME] [--base cpu|h200] [--out PATH]`` fits the terms
 (kvlab.sim.calibrate), prints each run's measured and predicted figures and writes the profile
-``conf/cost/NAME.yaml`` (or PATH), which ``cost=NAME`` then gives kvlab sim, kvlab plan and kvlab run's
-``predicted_s``.
+``cost/NAME.yaml`` in the user's config directory (``$XDG_CONFIG_HOME/kvlab``, ``~/.config/kvlab``; never the
+package's conf/), or PATH (a ``.yaml`` file, or a directory such as a run directory: its ``cost/NAME.yaml``), which
+``cost=NAME`` then gives kvlab sim, kvlab plan and kvlab run's ``predicted_s``.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from omegaconf import DictConfig
 
 from kvlab.config.schema import CONF_DIR
 from kvlab.core.errors import ConfigError
+from kvlab.core.paths import user_conf_dir
 from kvlab.sim import report
 from kvlab.sim.run import build_sim, compose_sim, max_rate, run
 
@@ -92,9 +94,11 @@ def calibrate_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="kvlab sim calibrate", description="fit kvlab sim's transfer and prefill terms "
                                 "to runs' records and write a cost profile")
     p.add_argument("runs", nargs="+", help="run directories, or results .json files (FILE.json#name,name)")
-    p.add_argument("--name", default="fitted", help="profile name: conf/cost/NAME.yaml, used as cost=NAME")
+    p.add_argument("--name", default="fitted", help="profile name, used as cost=NAME")
     p.add_argument("--base", default="cpu", choices=("cpu", "h200"), help="base rates for what has no fitted terms")
-    p.add_argument("--out", default=None, help="where to write the profile (default conf/cost/NAME.yaml)")
+    p.add_argument("--out", default=None, help="where to write the profile (default: the user's config directory, "
+                   "$XDG_CONFIG_HOME/kvlab/cost/NAME.yaml, ~/.config/kvlab/cost/NAME.yaml without it; "
+                   "a run directory keeps it beside its runs: cost=NAME finds it with hydra.searchpath=[file://DIR])")
     p.add_argument("--report", default=None, help="also write each run's figures and errors to this JSON file")
     a = p.parse_args(argv)
     try:
@@ -110,11 +114,18 @@ def calibrate_main(argv: list[str]) -> None:
               f"prefill_slowdown {t.prefill_slowdown:.3g}")
     pre = fitted.prefill
     print(f"prefill: scale {pre.scale:.4g}, byte_ns {pre.byte_ns:.4g}, fixed_ms {pre.fixed_ms:.4g}")
-    out = Path(a.out) if a.out else CONF_DIR / "cost" / f"{a.name}.yaml"
+    out = Path(a.out) if a.out else user_conf_dir() / "cost" / f"{a.name}.yaml"
+    if a.out and out.suffix != ".yaml":  # a directory: the profile goes into its cost/, as a group's file
+        out = out / "cost" / f"{a.name}.yaml"
+    if out.resolve().is_relative_to(CONF_DIR.resolve()) and not a.out:
+        raise SystemExit("kvlab: error: the user config directory is inside the package's conf/; set XDG_CONFIG_HOME")
+    out.parent.mkdir(parents=True, exist_ok=True)
     calibrate.write_profile(out, fitted, a.base, rep)
     if a.report:
         Path(a.report).write_text(json.dumps(rep, indent=1))
-    print(f"profile written to {out} (cost={out.stem})")
+    found = out.parent.parent
+    how = "" if found.resolve() == user_conf_dir().resolve() else f" hydra.searchpath=[file://{found.resolve()}]"
+    print(f"profile written to {out} (cost={out.stem}{how})")
 
 
 def main(argv: list[str]) -> None:

@@ -18,7 +18,10 @@ the transport moves bytes. Every strategy works with every transport.
 Protocol. Every rank of both sides makes these calls, in this order:
 
 1. ``cls.check(setup)`` (classmethod, in ``kvlab.config.schema.build``): ``ConfigError`` for
-   options or setups the transport cannot serve, before anything is allocated.
+   options or setups the transport cannot serve, before anything is allocated. It needs no package of the
+   transport's: ``kvlab plan``, ``kvlab sim`` and ``--help`` build setups of every transport. Then, only where
+   bytes move (``kvlab run``, ``kvlab link``, each rank: ``Setup.check_installed``), ``cls.installed(setup)``:
+   ``ConfigError`` naming the extra to install (kvlab.core.errors ``install_hint``) when its package is missing.
 2. ``Transport(setup, side, rank, world_rank, device, **options)``: no allocation yet.
 3. ``pool_storage(pool, nbytes)``: the zeroed uint8 tensor that holds one pool of this
    rank's cache (``kvlab.memory.cache.PagedCache`` asks for each pool once, at start). A pull
@@ -218,6 +221,11 @@ class Transport(ABC):
     @classmethod  # noqa: B027 -- an optional step of the protocol
     def check(cls, setup: Setup) -> None:
         """ConfigError for what this transport cannot serve; called before anything is allocated."""
+
+    @classmethod  # noqa: B027 -- an optional step of the protocol
+    def installed(cls, setup: Setup) -> None:
+        """ConfigError naming the extra to install when this transport's package is missing; only where bytes
+        move (kvlab.config.schema ``Setup.check_installed``)."""
 
     @property
     def sending(self) -> bool:
