@@ -87,6 +87,15 @@ def test_the_terminal_shows_the_serving_report():
     assert "p50" in text and "p99" in text and "std" in text and "233.3" in text  # the mean of TTFT, in ms
 
 
+def test_the_prediction_beside_the_measured_span_says_when_it_drifted():
+    near = Summary(predicted_s=0.3, makespan_s=0.2)
+    assert metrics.prediction_line(near) == ("cost model: predicted 300.0 ms against the measured 200.0 ms makespan "
+                                             "(predicted/measured 1.50)")
+    far = metrics.prediction_line(Summary(predicted_s=0.05, makespan_s=0.2))
+    assert far.startswith("cost model: predicted 50.0 ms") and "(predicted/measured 0.25); more than 2x apart" in far
+    assert metrics.prediction_line(Summary(predicted_s=None, makespan_s=0.2)) is None
+
+
 @pytest.mark.parametrize("override, words", [
     ("serving.slo.tpot_ms=20", "serving.slo.tpot_ms=20.0: kvlab runs no decode step"),
     ("serving.slo.ttft_ms=0", "serving.slo.ttft_ms=0.0: must be a time > 0 in ms"),

@@ -272,6 +272,37 @@ def test_calibrate_writes_into_the_user_config_directory_that_cost_name_reads(tm
     assert wrong.returncode == 2 and "mine" in wrong.stderr and "cpu_fit" in wrong.stderr, wrong.stderr
 
 
+def test_the_rate_search_brackets_and_says_its_limits():
+    """Bracketed (an answer with the rate above it that misses), at least the highest rate tried (a burst the fleet
+    serves: a higher rate brings the same burst), or none, with why (the prefill alone over the TTFT SLO)."""
+    from kvlab.sim.cmd import search_line
+    from kvlab.sim.run import max_rate, vary
+
+    poisson = ("workload.arrival=poisson", "workload.trace=null", "workload.osl=32")
+    s = vary(sim_setup(*poisson), sim_search_lo=1.0, sim_search_hi=2.0, sim_search_steps=3)
+    found = max_rate(s)
+    lo, hi = found["bracket"]
+    assert found["bound"] == "=" and found["max_rate"] == lo and hi > lo
+    att = {t["rate"]: t["slo_attainment"] for t in found["tried"]}
+    assert att[lo] >= s.sim.target > att[hi]
+    assert max(att) > 2.0  # the high end moved up until it missed
+    assert f"{lo:.4g} req/s ({hi:.4g} req/s misses them;" in search_line(s, found)
+
+    loose = vary(sim_setup("sim.slo.ttft_ms=100000", "sim.slo.tpot_ms=100000"), sim_search_lo=1.0, sim_search_hi=4.0)
+    found = max_rate(loose)
+    assert found["bound"] == ">=" and found["max_rate"] == max(t["rate"] for t in found["tried"])
+    assert "arrive almost at once" in found["why"]
+    assert search_line(loose, found).startswith(f"highest rate with 90% of requests within the SLOs: >= "
+                                                f"{found['max_rate']:.4g} req/s: ")
+
+    tight = sim_setup("sim.slo.ttft_ms=1")
+    found = max_rate(tight)
+    assert found["max_rate"] is None and found["bound"] is None and len(found["tried"]) == 1  # no lower rate helps
+    assert found["why"].startswith("the p90 prefill alone (") and "exceeds the TTFT SLO (0.001 s)" in found["why"]
+    assert search_line(tight, found).startswith("highest rate with 90% of requests within the SLOs: none: the p90 "
+                                                "prefill alone")
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -295,6 +326,8 @@ def test_kvlab_sim_sweeps_and_searches(tmp_path):
     assert r.returncode == 0, r.stderr
     found = json.loads((tmp_path / "search" / "search.json").read_text())
     assert len(found["tried"]) >= 2 and "highest rate" in r.stdout
+    # the table says which rate it describes
+    assert f"at {found['max_rate']:.3g} req/s: the highest rate" in r.stdout, r.stdout
 
 
 @pytest.mark.slow

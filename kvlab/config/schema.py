@@ -25,7 +25,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from kvlab.core import paths, traces
 from kvlab.core.checks import check_config
 from kvlab.core.decode_spec import CheckSpec
-from kvlab.core.errors import ConfigError, positive, require
+from kvlab.core.errors import ConfigError, positive, quiet_user_searchpath, require
 from kvlab.core.link_spec import LinkSpec
 from kvlab.core.rates import CostSpec
 from kvlab.core.serving import ServingSpec
@@ -481,6 +481,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "con
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    quiet_user_searchpath()
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
         cfg = hcompose(config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)

@@ -39,5 +39,12 @@ def one_line_warnings() -> None:
     import warnings
 
     warnings.formatwarning = _warning_line
-    # the user's cost profiles (conf/config.yaml's hydra.searchpath) are optional: no directory, nothing to find
+    quiet_user_searchpath()
+
+
+def quiet_user_searchpath() -> None:
+    """The user's config directory (conf/config.yaml's hydra.searchpath: cost profiles) is optional: without it
+    there is nothing to find there, and no warning to give."""
+    import warnings
+
     warnings.filterwarnings("ignore", message=r"provider=hydra.searchpath in main, path=.*kvlab is not available")

@@ -247,6 +247,23 @@ def _bytes_violations(rows: list[RequestRow], parts: list[RankPart], plan) -> li
     return out
 
 
+DRIFT = 2.0  # predicted/measured beyond this factor either way: the cost profile no longer describes the code
+
+
+def prediction_line(summary: Summary) -> str | None:
+    """The cost model's predicted run time against the measured makespan, in one line, so that a profile that no
+    longer matches the code (or the machine) shows in every run; None without both."""
+    p, m = summary.predicted_s, summary.makespan_s
+    if not p or not m:
+        return None
+    span = figures.BY_NAME["makespan_s"]
+    ratio = p / m
+    far = (f"; more than {DRIFT:g}x apart: the cost profile (cost=) no longer describes this code or machine, "
+           "kvlab sim calibrate fits one") if not 1 / DRIFT <= ratio <= DRIFT else ""
+    return (f"cost model: predicted {span.show(p)} ms against the measured {span.show(m)} ms makespan "
+            f"(predicted/measured {ratio:.2f}){far}")
+
+
 def print_table(rows: list[RequestRow], summary: Summary, console: Console | None = None, limit: int = 12) -> None:
     if console is None:
         console = Console()
@@ -274,6 +291,9 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
     if summary.busy_s:
         console.print(f"delivered {summary.gbps or 0:,.2f} GB/s over {busy.show(summary.busy_s)} ms with chunks in "
                       f"flight, of the run's {span.show(summary.makespan_s)} ms")
+    drift = prediction_line(summary)
+    if drift:
+        console.print(drift, markup=False, highlight=False)
     link = summary.link
     if summary.link_gbps:
         # requests share the link with each other: only the run as a whole has a ratio

@@ -30,12 +30,15 @@ from kvlab.sim import report
 from kvlab.sim.run import build_sim, compose_sim, max_rate, run
 
 
-def _print_result(s, r) -> None:
+def _print_result(s, r, which: str = "") -> None:
+    """The fleet's table; ``which`` says which rate of a search it describes."""
     c = s.cluster
+    w = s.setup.workload
+    rate = (f" at {s.sim.rate:.3g} req/s" if s.sim.rate else
+            f" at the trace's own rate ({w.trace})" if w.arrival == "trace" else f" ({w.arrival} arrivals)")
     print(f"kvlab sim: {s.setup.model.name}, {s.setup.transfer.strategy.name} over {s.setup.transport.name} "
           f"(terms: {s.terms_name}), {c.ctx_instances} ctx x {s.setup.ctx.size} GPUs -> {c.gen_instances} gen x "
-          f"{s.setup.gen.size} GPUs, {r.summary['requests']} requests"
-          + (f" at {s.sim.rate:g} req/s" if s.sim.rate else ""))
+          f"{s.setup.gen.size} GPUs, {r.summary['requests']} requests{rate}{which}")
     for line in report.lines(r.summary, s.sim.percentiles):
         print(line)
     print(f"plan table {r.table_s:.2f} s; event loop {r.outcome.wall_s:.2f} s, {r.outcome.events:,} events, "
@@ -49,24 +52,38 @@ def hydra_main(cfg: DictConfig) -> None:
     s = build_sim(cfg)
     out = Path(HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    which = ""
     if s.sim.search:
         found = max_rate(s)
         (out / "search.json").write_text(json.dumps(found, indent=2))
-        print(f"highest rate with {s.sim.target:.0%} of requests within the SLOs: "
-              + (f"{found['max_rate']:.3g} req/s" if found["max_rate"] else "none in the searched range")
-              + f" ({len(found['tried'])} rates tried)")
-        if found["max_rate"]:
-            s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, rate=found["max_rate"]))
+        print(search_line(s, found))
+        shown = found["max_rate"] or min(t["rate"] for t in found["tried"])
+        which = (": the highest rate found" if found["bound"] == "=" else ": the highest rate tried"
+                 if found["bound"] == ">=" else ": the lowest rate tried, where the SLOs were still missed")
+        s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, rate=shown))
     r = run(s)
     if s.sim.search:
-        r.summary["max_rate"] = s.sim.rate
-    _print_result(s, r)
+        r.summary.update(max_rate=found["max_rate"], max_rate_bound=found["bound"])
+    _print_result(s, r, which)
     (out / "summary.json").write_text(json.dumps(r.summary, indent=1))
     if s.sim.write_requests:
         with open(out / "requests.jsonl", "w") as f:
             for row in report.rows(r.outcome, s.sim.slo):
                 f.write(json.dumps(row) + "\n")
     print(f"results in {out}")
+
+
+def search_line(s, found: dict) -> str:
+    """The search's answer in one line, with its limits: ">=" where the highest rate tried still met the SLOs, why
+    where none did, and the bracket it narrowed to."""
+    head = f"highest rate with {s.sim.target:.0%} of requests within the SLOs: "
+    n = f"{len(found['tried'])} rates tried"
+    if found["bound"] == "=":
+        lo, hi = found["bracket"]
+        return head + f"{found['max_rate']:.4g} req/s ({hi:.4g} req/s misses them; {n})"
+    if found["bound"] == ">=":
+        return head + f">= {found['max_rate']:.4g} req/s: {found['why']} ({n})"
+    return head + f"none: {found['why']} ({n}, down to {min(t['rate'] for t in found['tried']):.3g} req/s)"
 
 
 def _check(overrides: list[str], multirun: bool) -> str | None:
