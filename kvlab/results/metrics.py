@@ -264,11 +264,17 @@ def prediction_line(summary: Summary) -> str | None:
             f"(predicted/measured {ratio:.2f}){far}")
 
 
+def console_for() -> Console:
+    """The terminal's console: its own width on a terminal; on a log file or a pipe 132 columns at least (rich's
+    80 would cut the tables' columns)."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 132))
+    return console
+
+
 def print_table(rows: list[RequestRow], summary: Summary, console: Console | None = None, limit: int = 12) -> None:
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # a log file or a pipe: rich's 80 columns would cut the table's columns
-            console = Console(width=max(console.width, 132))
+    console = console or console_for()
     c, g = summary.ctx, summary.gen
     t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx tp{c['tp']} pp{c['pp']} dp{c['dp']} -> "
                     f"gen tp{g['tp']} pp{g['pp']} dp{g['dp']}, {summary.device}")
