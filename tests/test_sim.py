@@ -328,6 +328,8 @@ def test_kvlab_sim_sweeps_and_searches(tmp_path):
     assert len(found["tried"]) >= 2 and "highest rate" in r.stdout
     # the table says which rate it describes
     assert f"at {found['max_rate']:.3g} req/s: the highest rate" in r.stdout, r.stdout
+    fleet = next(line for line in r.stdout.splitlines() if line.startswith("requests "))
+    assert "; duration " in fleet and " ms;" in fleet and "duration_s" not in fleet  # shown in ms, named so
 
 
 @pytest.mark.slow

@@ -174,4 +174,7 @@ def check_line(rows) -> str | None:
     hidden = [r.request for r in bad if not r.byte_check_failures]
     if hidden:
         out += f" (requests {hidden}: every byte sent verified, and decoding still diverged)"
+    first = next((r.error for r in bad if getattr(r, "error", None)), None)
+    if first:  # the diagnosis (step, layers, components) is in results.jsonl for every request; the first here
+        out += f"\ncheck=decode, first diagnosis: {first}"
     return out
