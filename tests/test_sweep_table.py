@@ -70,3 +70,22 @@ def test_a_sweep_ends_with_its_table_and_warns_once(tmp_path, kvlab_cli):
     assert "kvlab sweep: 2 jobs" in out and f"sweep table in {sweep / 'sweep.csv'}" in out
     assert out.count("MiB in 2 requests: ") == 2  # each job one line, not its tables
     assert "serving figures" not in out
+
+
+@pytest.mark.slow
+def test_a_sweep_through_submitits_launcher(tmp_path, kvlab_cli):
+    """hydra/launcher=submitit_local: each job one kvlab run in a process submitit starts (on a cluster,
+    submitit_slurm: one per allocation), the sweep's table once they all ended."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the cluster extra is not installed")
+    sweep = tmp_path / "sweep"
+    p = kvlab_cli("run", "-m", "hydra/launcher=submitit_local", "transfer=chunked,layerwise", "workload.requests=2",
+                  "logger=quiet", f"hydra.sweep.dir={sweep}", timeout=500)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Submitit 'local' sweep output dir" in p.stdout + p.stderr
+    logs = sorted((sweep / ".submitit").rglob("*_log.out"))
+    assert len(logs) == 2  # one submitit job per sweep job, each with its own output
+    assert all("MiB in 2 requests: " in log.read_text() for log in logs)
+    rows = list(csv.DictReader((sweep / "sweep.csv").open()))
+    assert sorted((r["transfer"], r["verified"], r["status"]) for r in rows) == [("chunked", "True", "ok"),
+                                                                                ("layerwise", "True", "ok")]
+    assert "kvlab sweep: 2 jobs" in p.stdout

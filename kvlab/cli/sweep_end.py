@@ -20,6 +20,9 @@ class SweepTable(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.job.name != RUN_JOB:
             return
+        from kvlab.cli import run_cmd
         from kvlab.results import sweep_table
 
-        sweep_table.close(Path(config.hydra.sweep.dir))
+        rows = sweep_table.close(Path(config.hydra.sweep.dir)) or []
+        if any(r["status"] != "ok" for r in rows):  # jobs run elsewhere (submitit) leave only their records here
+            run_cmd.note_exit(1)

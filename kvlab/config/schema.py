@@ -425,6 +425,9 @@ def schema(spec: type) -> type:
     name = spec.__name__.replace("Spec", "Cfg") if spec is not Setup else "Config"
     cls = dataclasses.make_dataclass(name, out, namespace={"__doc__": f"Hydra schema of {spec.__name__}",
                                                            "__module__": __name__})
+    # a module attribute, so that pickle names it rather than copying it: a launcher that sends the ConfigStore to
+    # its jobs (Hydra's submitit launcher) would otherwise give them a copy whose MISSING is no longer MISSING
+    globals().setdefault(name, cls)
     _SCHEMAS[spec] = cls
     return cls
 

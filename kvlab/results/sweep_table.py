@@ -130,8 +130,9 @@ def render(varied: list[str], rows: list[dict], title: str):
     return t
 
 
-def close(sweep_dir: Path, console=None) -> Path | None:
-    """Print the sweep's table and write ``sweep.csv``; None (and nothing printed) for a directory without jobs."""
+def close(sweep_dir: Path, console=None) -> list[dict] | None:
+    """Print the sweep's table and write ``sweep.csv``; returns the rows (their ``status``: ``ok`` or what went
+    wrong); None, and nothing printed, for a directory without jobs."""
     from kvlab.results.metrics import console_for
 
     sweep_dir = Path(sweep_dir)
@@ -144,7 +145,7 @@ def close(sweep_dir: Path, console=None) -> Path | None:
     console = console or console_for()
     console.print(render(varied, rows, f"kvlab sweep: {len(rows)} jobs"))
     console.print(f"sweep table in {path}", markup=False, highlight=False)
-    return path
+    return rows
 
 
 def job_line(summary: records.Summary) -> str:
