@@ -125,3 +125,20 @@ def test_a_sweeps_offline_runs_form_one_group(tmp_path, kvlab_cli):
     assert df["serving.ttft_s.p90"].notna().all() and df["goodput"].notna().all()
     fig = analysis.plot_wandb_panels(df)  # the standard panels straight from the files, no filtering by hand
     assert len(fig.axes) == 3 and all(ax.containers for ax in fig.axes)
+
+
+@pytest.mark.slow
+def test_the_first_run_without_the_wandb_extra_warns_about_nothing(tmp_path, kvlab_cli):
+    """The default logger (logger.wandb.mode=auto) on an install that did not bring wandb: not a word of it."""
+    import os
+    from pathlib import Path
+
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "wandb.py").write_text("raise ImportError('not installed')\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {"PYTHONPATH": os.pathsep.join([str(blocked), str(root), os.environ.get("PYTHONPATH", "")])}
+    p = kvlab_cli("run", f"hydra.run.dir={tmp_path / 'run'}", "workload.requests=1", env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == "" and "wandb" not in p.stdout, p.stderr
+    assert not (tmp_path / "run" / "wandb").exists()
