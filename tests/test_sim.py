@@ -270,6 +270,12 @@ def test_calibrate_writes_into_the_user_config_directory_that_cost_name_reads(tm
     wrong = subprocess.run([sys.executable, "-m", "kvlab", "plan", "cost=theirs"], capture_output=True, text=True,
                            timeout=300, env=env, cwd=tmp_path)
     assert wrong.returncode == 2 and "mine" in wrong.stderr and "cpu_fit" in wrong.stderr, wrong.stderr
+    # beside the runs instead: DIR/cost/NAME.yaml, found with DIR on the searchpath, as the line says
+    beside = tmp_path / "runs"
+    r = subprocess.run([sys.executable, "-m", "kvlab", "sim", "calibrate", str(CPU_RUNS / "p2p_pois_chunked"),
+                        "--name", "here", "--out", str(beside)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0 and (beside / "cost" / "here.yaml").is_file(), r.stderr
+    assert f"(cost=here hydra.searchpath=[file://{beside.resolve()}])" in r.stdout, r.stdout
 
 
 def test_the_rate_search_brackets_and_says_its_limits():

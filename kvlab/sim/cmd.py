@@ -134,13 +134,14 @@ def calibrate_main(argv: list[str]) -> None:
     out = Path(a.out) if a.out else user_conf_dir() / "cost" / f"{a.name}.yaml"
     if a.out and out.suffix != ".yaml":  # a directory: the profile goes into its cost/, as a group's file
         out = out / "cost" / f"{a.name}.yaml"
-    if out.resolve().is_relative_to(CONF_DIR.resolve()) and not a.out:
-        raise SystemExit("kvlab: error: the user config directory is inside the package's conf/; set XDG_CONFIG_HOME")
     out.parent.mkdir(parents=True, exist_ok=True)
     calibrate.write_profile(out, fitted, a.base, rep)
     if a.report:
         Path(a.report).write_text(json.dumps(rep, indent=1))
     found = out.parent.parent
+    if out.parent.name != "cost":  # a file of its own: a config group's file lies in a cost/ directory
+        print(f"profile written to {out} (as cost=NAME from a DIR/cost/NAME.yaml with hydra.searchpath=[file://DIR])")
+        return
     how = "" if found.resolve() == user_conf_dir().resolve() else f" hydra.searchpath=[file://{found.resolve()}]"
     print(f"profile written to {out} (cost={out.stem}{how})")
 
