@@ -270,6 +270,12 @@ def test_calibrate_writes_into_the_user_config_directory_that_cost_name_reads(tm
     wrong = subprocess.run([sys.executable, "-m", "kvlab", "plan", "cost=theirs"], capture_output=True, text=True,
                            timeout=300, env=env, cwd=tmp_path)
     assert wrong.returncode == 2 and "mine" in wrong.stderr and "cpu_fit" in wrong.stderr, wrong.stderr
+    # a shipped profile's name would be shadowed by the shipped one: refused, before any fitting
+    taken = subprocess.run([sys.executable, "-m", "kvlab", "sim", "calibrate", str(CPU_RUNS / "p2p_pois_chunked"),
+                            "--name", "cpu_fit"], capture_output=True, text=True, timeout=300, env=env)
+    assert taken.returncode == 2 and taken.stderr.startswith("kvlab: error: --name=cpu_fit: cost=cpu_fit is a profile "
+                                                             "kvlab ships"), taken.stderr
+    assert not (tmp_path / "xdg" / "kvlab" / "cost" / "cpu_fit.yaml").exists()
     # beside the runs instead: DIR/cost/NAME.yaml, found with DIR on the searchpath, as the line says
     beside = tmp_path / "runs"
     r = subprocess.run([sys.executable, "-m", "kvlab", "sim", "calibrate", str(CPU_RUNS / "p2p_pois_chunked"),

@@ -118,6 +118,12 @@ def calibrate_main(argv: list[str]) -> None:
                    "a run directory keeps it beside its runs: cost=NAME finds it with hydra.searchpath=[file://DIR])")
     p.add_argument("--report", default=None, help="also write each run's figures and errors to this JSON file")
     a = p.parse_args(argv)
+    shipped = CONF_DIR / "cost" / f"{a.name}.yaml"
+    if shipped.exists() and not a.out:  # the package's conf/ comes first on the searchpath: yours would be unread
+        print(f"kvlab: error: --name={a.name}: cost={a.name} is a profile kvlab ships, which cost={a.name} keeps "
+              f"reading; name yours otherwise (--name {a.name}_mine), or replace the shipped one in a checkout with "
+              f"--out {shipped}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         fitted, rep = calibrate.calibrate(a.runs)
     except ConfigError as e:
