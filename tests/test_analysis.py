@@ -3,6 +3,7 @@ import json
 import re
 
 import matplotlib
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -275,3 +276,28 @@ def test_plot_load_scales_each_figure_by_its_unit(tmp_path):
     assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([100, 200]) and "(ms)" in ax.get_ylabel()
     ax = analysis.plot_load(df, "serving.prefill_slowdown").axes[0]
     assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([1.1, 1.4]) and "(x)" in ax.get_ylabel()
+    held = analysis.plot_load(df.assign(**{"slo.ttft_ms": [150.0, 150.0]})).axes[0]  # the SLO on its figure
+    assert "TTFT SLO (150 ms)" in [t.get_text() for t in held.get_legend().get_texts()]
+    assert held.get_xlabel() == "arrival rate (req/s)"
+
+
+def test_plots_label_their_axes_with_units_and_mark_link_ratios_above_one(sweep):
+    """Paper-ready: labels from the figure table with their units, never a raw field name; a link_ratio above 1
+    (the reference was no ceiling) marked and said in the legend; no legend entry for a line with nothing to draw."""
+    from kvlab.analysis.labels import label
+
+    assert label("gbps") == "delivered (GB/s)" and label("serving.ttft_s.p90") == "TTFT p90 (ms)"
+    assert label("workload.rate") == "arrival rate (req/s)" and label("ctx.tp") == "ctx TP"
+    df = analysis.load_sweep(sweep)
+    ax = analysis.plot_bandwidth(df).axes[0]
+    assert ax.get_ylabel() == "delivered (GB/s)" and ax.get_xlabel() == "prompt length (tokens)" and ax.get_title()
+    df = df.assign(link_ratio=[0.5, 1.2, 0.8, 0.9][: len(df)])
+    ax = analysis.plot_link_ratio(df).axes[0]
+    marked = [c for c in ax.collections if "above the raw link" in str(c.get_label())]
+    assert len(marked) == 1 and len(marked[0].get_offsets()) == 1 and marked[0].get_offsets()[0][1] == 1.2
+    assert any("above the raw link (1 runs" in t.get_text() for t in ax.get_legend().get_texts())
+    df["link_gbps"] = np.nan  # no run measured its link: no dashed line, no legend entry for it
+    ax = analysis.plot_bandwidth(df).axes[0]
+    assert not any("its runs' link" in t.get_text() for t in ax.get_legend().get_texts())
+    ax = analysis.plot_prediction(analysis.load_sweep(sweep)).axes[0]
+    assert ax.get_xlabel() == "measured run span (ms)" and ax.get_ylabel() == "predicted run span (ms)"

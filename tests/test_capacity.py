@@ -64,6 +64,10 @@ def test_the_highest_rate_within_the_slo_with_spread_over_repeats(rate_sweep, ca
     assert (c["max_rate"], c["max_rate_min"], c["max_rate_max"], c["repeats"]) == (20.0, 10.0, 20.0, 3)
     assert lw["per_repeat"] == [40.0, 10.0, 40.0]  # repeat 1 misses at 20: its 40 does not count
     assert "chunked: 20 req/s (median of 3 repeats, range 10-20) within TTFT <= 100 ms for 90% of requests" in out
+    # 40 is the highest rate swept and layerwise meets it: its capacity is only known to be at least that
+    assert not c["at_least"] and lw["at_least"] and lw["highest_rate"] == 40.0
+    assert ("layerwise: >= 40 req/s (median of 3 repeats, range 10-40) within TTFT <= 100 ms for 90% of requests; "
+            "40 req/s is the highest rate swept and meets it: sweep higher to find the limit") in out
 
 
 def test_another_slo_and_target_from_the_same_rows(rate_sweep):
@@ -74,7 +78,10 @@ def test_another_slo_and_target_from_the_same_rows(rate_sweep):
     assert lax.loc["chunked", "per_repeat"] == [20.0, 20.0, 20.0]
     tight = analysis.max_rate_under_slo(rate_sweep, ttft_ms=30, show=False)
     assert np.isnan(tight.loc["chunked", "max_rate"]) and all(np.isnan(tight.loc["chunked", "per_repeat"]))
-    assert "no rate swept meets" in capacity.describe(tight)
+    said = capacity.describe(tight)
+    # by how much the lowest rate missed: its attainment and TTFT p90 (chunked at 10 req/s: 0.05 s every request)
+    assert ("chunked: no rate swept meets TTFT <= 30 ms for 90% of requests (at the lowest, 10 req/s: 0% met, "
+            "TTFT p90 50 ms; sweep lower rates)") in said, said
 
 
 def test_runs_without_an_slo_need_one_named(tmp_path):

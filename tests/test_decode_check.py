@@ -265,6 +265,9 @@ def test_a_window_trimmed_by_one_token_verifies_and_fails_the_decode_check(kvlab
         assert "layer 0 (kv_w64 K, V: 1 token(s) from token 37)" in r["error"], r["error"]
         assert "byte check passed on every gen rank" in r["error"]
     assert "every byte sent verified, and decoding still diverged" in res.stdout
+    # the first diagnosis on the terminal, not only in results.jsonl
+    first = next(r["error"] for r in rows if r["error"])
+    assert f"check=decode, first diagnosis: {first}" in " ".join(res.stdout.split()), res.stdout
 
 
 @pytest.mark.slow

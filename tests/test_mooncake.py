@@ -196,15 +196,18 @@ def _shadowed(tmp_path: Path, error: str) -> dict:
 @pytest.mark.parametrize(("error", "want"), [
     ("No module named 'mooncake.engine'",
      'transport=mooncake: the Mooncake Transfer Engine is not installed; pip install -e ".[mooncake]" '
-     "(and apt-get install libibverbs1 libnl-3-200 libnl-route-3-200)"),
+     "(the mooncake extra) and apt-get install libibverbs1 libnl-3-200 libnl-route-3-200"),
     ("libibverbs.so.1: cannot open shared object file: No such file or directory",
      "transport=mooncake: the Mooncake Transfer Engine cannot load its system libraries (libibverbs.so.1); "
      "apt-get install libibverbs1 libnl-3-200 libnl-route-3-200")])
 def test_without_the_extra_or_its_libraries_transport_mooncake_is_one_line(error, want, tmp_path, kvlab_cli):
-    p = kvlab_cli("run", f"hydra.run.dir={tmp_path / 'run'}", *MOONCAKE, env=_shadowed(tmp_path, error))
+    env = _shadowed(tmp_path, error)
+    p = kvlab_cli("run", f"hydra.run.dir={tmp_path / 'run'}", *MOONCAKE, env=env)
     assert p.returncode == 2
     assert p.stderr.strip() == f"kvlab: error: {want}", p.stderr
     assert not (tmp_path / "run").exists()  # stopped before anything was allocated
+    plan = kvlab_cli("plan", f"hydra.run.dir={tmp_path / 'plan'}", *MOONCAKE, env=env)
+    assert plan.returncode == 0 and "Mooncake" not in plan.stderr, plan.stderr  # planning moves no bytes
 
 
 @needs_engine

@@ -283,8 +283,13 @@ def test_without_the_extra_transport_nixl_is_one_line_naming_it(tmp_path, kvlab_
     p = kvlab_cli("run", f"hydra.run.dir={tmp_path / 'run'}", *NIXL, env=env)
     assert p.returncode == 2
     assert p.stderr.strip() == ('kvlab: error: transport=nixl: the NIXL package is not installed; '
-                                'pip install -e ".[nixl]"'), p.stderr
+                                'pip install -e ".[nixl]" (the nixl extra)'), p.stderr
     assert not (tmp_path / "run").exists()
+    # what moves no bytes needs no transport package (kvlab.config.schema Setup.check_installed)
+    for args in (["plan", f"hydra.run.dir={tmp_path / 'plan'}", "cost=cpu_fit"], ["run", "--help"],
+                 ["run", "--cfg", "job"], ["sim", f"hydra.run.dir={tmp_path / 'sim'}", "workload.requests=8"]):
+        p = kvlab_cli(*args, *NIXL, env=env)
+        assert p.returncode == 0 and "not installed" not in p.stdout + p.stderr, (args, p.stderr)
 
 
 def test_a_ucx_setting_the_backend_cannot_start_with_is_one_line_before_any_rank(tmp_path, kvlab_cli):

@@ -273,6 +273,10 @@ def test_mooncake_sample_with_a_prefix_cache(tmp_path, kvlab_cli):
     assert p.returncode == 0, p.stderr[-3000:]
     rows, summary = check_reuse(run_dir)
     assert summary.skipped_bytes > 0 and 0 < summary.prefix_hit_rate < 1
+    # the terminal says what the feature is for: its hit rate and the bytes it did not move
+    said = (f"prefix reuse: hit rate {summary.prefix_hit_rate:.3f} ({summary.prefix_hit_blocks} of "
+            f"{summary.prefix_blocks} full blocks found); skipped {summary.skipped_bytes / 2**20:,.2f} MiB")
+    assert said in " ".join(p.stdout.split()), p.stdout
 
 
 @pytest.mark.slow

@@ -116,6 +116,9 @@ def test_kvlab_run_default(tmp_path, kvlab_cli):
     for key in ("total_bytes", "verified", "gbps", "peak_staging_bytes", "peak_extra_device_bytes", "requests"):
         assert key in summary
     assert summary["verified"] and summary["requests"] == 4
+    # the cost model's prediction beside the measured span, in every run (the ratio is for the eye, not asserted)
+    said = f"predicted/measured {summary['predicted_s'] / summary['makespan_s']:.2f}"
+    assert out.stdout.count("cost model: predicted ") == 1 and said in out.stdout, out.stdout
     check_figures(tmp_path)
 
 

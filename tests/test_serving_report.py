@@ -87,6 +87,42 @@ def test_the_terminal_shows_the_serving_report():
     assert "p50" in text and "p99" in text and "std" in text and "233.3" in text  # the mean of TTFT, in ms
 
 
+def _table(rows, summary, width: int) -> list[str]:
+    out = io.StringIO()
+    metrics.print_table(rows, summary, Console(file=out, width=width))
+    return out.getvalue().splitlines()
+
+
+def test_the_table_leaves_out_empty_columns_fits_the_terminal_and_names_a_known_device():
+    from kvlab.results.records import RequestRow
+
+    rows = [RequestRow(request=i, isl=64, verified=True, bytes=2**20, busy_s=0.01, gbps=0.1, ttft_s=0.2,
+                       decode_tokens=4, decode_tokens_equal=4, decode_max_logit_diff=0.0, byte_check_failures=0)
+            for i in range(2)]
+    s = Summary(requests=2, completed=2, verified=True, total_bytes=2**21, device=None,
+                ctx={"tp": 1, "pp": 1, "dp": 1}, gen={"tp": 1, "pp": 1, "dp": 1}, model="m", strategy="chunked")
+    wide = _table(rows, s, 200)
+    head = next(line for line in wide if "request" in line)
+    assert "SLO" not in head  # no request has slo_met: no SLO was set
+    assert "TTFT" in head and "decoded" in head
+    assert not any(line.rstrip().endswith(", None") for line in wide)  # a device nobody recorded is left out
+    narrow = _table(rows, s, 90)  # the decode check's columns on a narrow terminal: folded, not cut
+    assert max(len(line) for line in narrow) <= 90
+    assert "…" not in "".join(narrow)
+    assert any("verified" in line for line in narrow)  # a header's words kept whole
+    assert any("the checks, per request" in line for line in narrow)  # the checks' columns in a table of their own
+    assert not any("the checks, per request" in line for line in wide)
+
+
+def test_the_prediction_beside_the_measured_span_says_when_it_drifted():
+    near = Summary(predicted_s=0.3, makespan_s=0.2)
+    assert metrics.prediction_line(near) == ("cost model: predicted 300.0 ms against the measured 200.0 ms makespan "
+                                             "(predicted/measured 1.50)")
+    far = metrics.prediction_line(Summary(predicted_s=0.05, makespan_s=0.2))
+    assert far.startswith("cost model: predicted 50.0 ms") and "(predicted/measured 0.25); more than 2x apart" in far
+    assert metrics.prediction_line(Summary(predicted_s=None, makespan_s=0.2)) is None
+
+
 @pytest.mark.parametrize("override, words", [
     ("serving.slo.tpot_ms=20", "serving.slo.tpot_ms=20.0: kvlab runs no decode step"),
     ("serving.slo.ttft_ms=0", "serving.slo.ttft_ms=0.0: must be a time > 0 in ms"),

@@ -250,6 +250,71 @@ def test_calibrate_writes_a_profile_kvlab_sim_and_plan_read(tmp_path):
     assert json.loads((tmp_path / "plan" / "plan.json").read_text())["predicted"]["profile"] == "cpu (fitted, nixl)"
 
 
+def test_calibrate_writes_into_the_user_config_directory_that_cost_name_reads(tmp_path):
+    """Never into the package's conf/ (in a wheel: site-packages): $XDG_CONFIG_HOME/kvlab/cost/NAME.yaml, which
+    cost=NAME finds beside the shipped profiles, in kvlab plan and kvlab sim."""
+    from kvlab.core.paths import CONF_DIR
+
+    before = sorted(p.name for p in (CONF_DIR / "cost").iterdir())
+    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "xdg"))
+    r = subprocess.run([sys.executable, "-m", "kvlab", "sim", "calibrate", str(CPU_RUNS / "p2p_pois_chunked"),
+                        "--name", "mine"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    profile = tmp_path / "xdg" / "kvlab" / "cost" / "mine.yaml"
+    assert profile.is_file() and f"profile written to {profile} (cost=mine)" in r.stdout, r.stdout
+    assert sorted(p.name for p in (CONF_DIR / "cost").iterdir()) == before
+    r = subprocess.run([sys.executable, "-m", "kvlab", "plan", "cost=mine", "transport=p2p",
+                        f"hydra.run.dir={tmp_path / 'plan'}"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["predicted"]["profile"] == "cpu (fitted, p2p)"
+    wrong = subprocess.run([sys.executable, "-m", "kvlab", "plan", "cost=theirs"], capture_output=True, text=True,
+                           timeout=300, env=env, cwd=tmp_path)
+    assert wrong.returncode == 2 and "mine" in wrong.stderr and "cpu_fit" in wrong.stderr, wrong.stderr
+    # a shipped profile's name would be shadowed by the shipped one: refused, before any fitting
+    taken = subprocess.run([sys.executable, "-m", "kvlab", "sim", "calibrate", str(CPU_RUNS / "p2p_pois_chunked"),
+                            "--name", "cpu_fit"], capture_output=True, text=True, timeout=300, env=env)
+    assert taken.returncode == 2 and taken.stderr.startswith("kvlab: error: --name=cpu_fit: cost=cpu_fit is a profile "
+                                                             "kvlab ships"), taken.stderr
+    assert not (tmp_path / "xdg" / "kvlab" / "cost" / "cpu_fit.yaml").exists()
+    # beside the runs instead: DIR/cost/NAME.yaml, found with DIR on the searchpath, as the line says
+    beside = tmp_path / "runs"
+    r = subprocess.run([sys.executable, "-m", "kvlab", "sim", "calibrate", str(CPU_RUNS / "p2p_pois_chunked"),
+                        "--name", "here", "--out", str(beside)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0 and (beside / "cost" / "here.yaml").is_file(), r.stderr
+    assert f"(cost=here hydra.searchpath=[file://{beside.resolve()}])" in r.stdout, r.stdout
+
+
+def test_the_rate_search_brackets_and_says_its_limits():
+    """Bracketed (an answer with the rate above it that misses), at least the highest rate tried (a burst the fleet
+    serves: a higher rate brings the same burst), or none, with why (the prefill alone over the TTFT SLO)."""
+    from kvlab.sim.cmd import search_line
+    from kvlab.sim.run import max_rate, vary
+
+    poisson = ("workload.arrival=poisson", "workload.trace=null", "workload.osl=32")
+    s = vary(sim_setup(*poisson), sim_search_lo=1.0, sim_search_hi=2.0, sim_search_steps=3)
+    found = max_rate(s)
+    lo, hi = found["bracket"]
+    assert found["bound"] == "=" and found["max_rate"] == lo and hi > lo
+    att = {t["rate"]: t["slo_attainment"] for t in found["tried"]}
+    assert att[lo] >= s.sim.target > att[hi]
+    assert max(att) > 2.0  # the high end moved up until it missed
+    assert f"{lo:.4g} req/s ({hi:.4g} req/s misses them;" in search_line(s, found)
+
+    loose = vary(sim_setup("sim.slo.ttft_ms=100000", "sim.slo.tpot_ms=100000"), sim_search_lo=1.0, sim_search_hi=4.0)
+    found = max_rate(loose)
+    assert found["bound"] == ">=" and found["max_rate"] == max(t["rate"] for t in found["tried"])
+    assert "arrive almost at once" in found["why"]
+    assert search_line(loose, found).startswith(f"highest rate with 90% of requests within the SLOs: >= "
+                                                f"{found['max_rate']:.4g} req/s: ")
+
+    tight = sim_setup("sim.slo.ttft_ms=1")
+    found = max_rate(tight)
+    assert found["max_rate"] is None and found["bound"] is None and len(found["tried"]) == 1  # no lower rate helps
+    assert found["why"].startswith("the p90 prefill alone (") and "exceeds the TTFT SLO (0.001 s)" in found["why"]
+    assert search_line(tight, found).startswith("highest rate with 90% of requests within the SLOs: none: the p90 "
+                                                "prefill alone")
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -273,6 +338,10 @@ def test_kvlab_sim_sweeps_and_searches(tmp_path):
     assert r.returncode == 0, r.stderr
     found = json.loads((tmp_path / "search" / "search.json").read_text())
     assert len(found["tried"]) >= 2 and "highest rate" in r.stdout
+    # the table says which rate it describes
+    assert f"at {found['max_rate']:.3g} req/s: the highest rate" in r.stdout, r.stdout
+    fleet = next(line for line in r.stdout.splitlines() if line.startswith("requests "))
+    assert "; duration " in fleet and " ms;" in fleet and "duration_s" not in fleet  # shown in ms, named so
 
 
 @pytest.mark.slow

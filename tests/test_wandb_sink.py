@@ -94,7 +94,10 @@ def test_without_wandb_or_a_key_one_kvlab_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError (wandb is an extra)
     assert not WandbSink.create(_setup(), tmp_path, 0).active
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("kvlab: logger.wandb.mode=offline: wandb is not installed")
+    assert err == ['kvlab: logger.wandb.mode=offline: wandb is not installed; pip install -e ".[wandb]" (the wandb '
+                   'extra); no wandb run is written (logger=quiet turns it off)']
+    assert not WandbSink.create(_with(mode="auto"), tmp_path, 0).active  # the default: not asked, so no word
+    assert capsys.readouterr().err == ""
     monkeypatch.delitem(sys.modules, "wandb")
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -122,3 +125,20 @@ def test_a_sweeps_offline_runs_form_one_group(tmp_path, kvlab_cli):
     assert df["serving.ttft_s.p90"].notna().all() and df["goodput"].notna().all()
     fig = analysis.plot_wandb_panels(df)  # the standard panels straight from the files, no filtering by hand
     assert len(fig.axes) == 3 and all(ax.containers for ax in fig.axes)
+
+
+@pytest.mark.slow
+def test_the_first_run_without_the_wandb_extra_warns_about_nothing(tmp_path, kvlab_cli):
+    """The default logger (logger.wandb.mode=auto) on an install that did not bring wandb: not a word of it."""
+    import os
+    from pathlib import Path
+
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "wandb.py").write_text("raise ImportError('not installed')\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {"PYTHONPATH": os.pathsep.join([str(blocked), str(root), os.environ.get("PYTHONPATH", "")])}
+    p = kvlab_cli("run", f"hydra.run.dir={tmp_path / 'run'}", "workload.requests=1", env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == "" and "wandb" not in p.stdout, p.stderr
+    assert not (tmp_path / "run" / "wandb").exists()

@@ -8,6 +8,10 @@ within it, as DistServe and vLLM's goodput count it). Its capacity in one repeat
 swept at which it meets the SLO and meets it at every lower rate swept too (a lucky point beyond a
 failing one does not count); NaN when even the lowest rate misses. Over the repeats: the median and
 range of the repeats that met it somewhere, and each repeat's value (NaN shown as "none").
+
+An answer says its limits: where the highest rate swept still meets the SLO, the capacity is only known to
+be at least that (``at_least``, printed ">= 32 req/s"); where no rate does, the lowest rate's attainment and
+TTFT p90 say by how much it missed (``lowest_rate``, ``lowest_attainment``, ``lowest_ttft_p90_ms``).
 """
 from __future__ import annotations
 
@@ -62,6 +66,11 @@ def capacity(rates: list[float], attained: list[float], target: float) -> float:
     return best
 
 
+def _ttft_p90_ms(results: pd.DataFrame) -> float:
+    t = results["ttft_s"].dropna() if not results.empty else pd.Series(dtype=float)
+    return float(t.quantile(0.9) * 1e3) if len(t) else np.nan
+
+
 def max_rate(runs: pd.DataFrame, results: pd.DataFrame, ttft_ms: float | None = None, target: float = 0.9,
              x: str = RATE, by: list[str] | None = None, repeats=REPEAT_AXES) -> pd.DataFrame:
     """One row per setup (``by``: by default ``strategy`` and every other swept column but ``x``, the
@@ -76,16 +85,24 @@ def max_rate(runs: pd.DataFrame, results: pd.DataFrame, ttft_ms: float | None = 
         by = ["strategy", *point_columns(runs, exclude=(x, "transfer"), repeats=repeats)]
     d = per_run(runs, results, ttft_ms)
     reps = [c for c in repeats if c in d]
+    by_dir = dict(tuple(results.groupby("run_dir"))) if not results.empty else {}
     rows = []
     for key, g in d.groupby(by, dropna=False, sort=True):
         per = [capacity(list(h[x].astype(float)), list(h["attainment"]), target)
                for _, h in (g.groupby(reps) if reps else [(None, g)])]
         v = pd.Series(per, dtype=float).dropna()
+        top, low = float(g[x].astype(float).max()), float(g[x].astype(float).min())
+        lowest = g[g[x].astype(float) == low]
+        low_rows = [by_dir[r] for r in lowest["run_dir"] if r in by_dir]
         rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,))),
                      "max_rate": float(v.median()) if len(v) else np.nan,
                      "max_rate_min": float(v.min()) if len(v) else np.nan,
                      "max_rate_max": float(v.max()) if len(v) else np.nan,
                      "per_repeat": per, "repeats": len(per),
+                     # the median repeat met the SLO at the highest rate swept: the capacity lies at or above it
+                     "at_least": bool(len(v)) and float(v.median()) >= top, "highest_rate": top,
+                     "lowest_rate": low, "lowest_attainment": float(lowest["attainment"].mean()),
+                     "lowest_ttft_p90_ms": _ttft_p90_ms(pd.concat(low_rows)) if low_rows else np.nan,
                      "slo_ttft_ms": sorted(set(g["slo_ttft_ms"])), "target": target})
     return pd.DataFrame(rows).set_index(by)
 
@@ -99,10 +116,15 @@ def describe(table: pd.DataFrame, x: str = RATE) -> str:
         slo = "/".join(f"{v:g}" for v in r["slo_ttft_ms"])
         per = ", ".join("none" if np.isnan(v) else f"{v:g}" for v in r["per_repeat"])
         if np.isnan(r["max_rate"]):
-            head = f"{name}: no rate swept meets TTFT <= {slo} ms for {r['target']:.0%} of requests"
+            p90 = r.get("lowest_ttft_p90_ms", np.nan)
+            why = f", TTFT p90 {p90:,.0f} ms" if not np.isnan(p90) else ""
+            head = (f"{name}: no rate swept meets TTFT <= {slo} ms for {r['target']:.0%} of requests (at the lowest, "
+                    f"{r['lowest_rate']:g} {unit}: {r['lowest_attainment']:.0%} met{why}; sweep lower rates)")
         else:
-            head = (f"{name}: {r['max_rate']:g} {unit} (median of {r['repeats']} repeats, range "
+            bound = ">= " if r.get("at_least") else ""
+            head = (f"{name}: {bound}{r['max_rate']:g} {unit} (median of {r['repeats']} repeats, range "
                     f"{r['max_rate_min']:g}-{r['max_rate_max']:g}) within TTFT <= {slo} ms for {r['target']:.0%} "
-                    "of requests")
+                    "of requests" + (f"; {r['highest_rate']:g} {unit} is the highest rate swept and meets it: "
+                                     "sweep higher to find the limit" if r.get("at_least") else ""))
         lines.append(f"{head}; per repeat: {per}")
     return "\n".join(lines)

@@ -47,6 +47,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from kvlab.analysis import capacity
+from kvlab.analysis.labels import label as axis_label
+from kvlab.analysis.labels import scaled
 from kvlab.analysis.spread import errorbars, over_repeats, point_columns
 from kvlab.core import figures as _figures
 from kvlab.results import records
@@ -363,7 +365,9 @@ def _bytes_per_request(df: pd.DataFrame) -> pd.Series:
 def _repeats_line(ax, d: pd.DataFrame, x: str, y: str, scale: float = 1.0, **style):
     """A median line over the runs of each x with their range as error bars (kvlab.analysis.spread)."""
     m = over_repeats(d, y, [x]).sort_values(x)
-    m = m[m["n"] > 0]
+    m = m[(m["n"] > 0) & m[y].notna()]
+    if m.empty:  # nothing to draw: no line, and no legend entry for one
+        return None
     spread = (m["n"] > 1).any()
     return ax.errorbar(m[x], m[y] * scale, yerr=errorbars(m, y, scale) if spread else None, capsize=3 if spread else 0,
                        **style)
@@ -384,7 +388,7 @@ def plot_bandwidth(df: pd.DataFrame, x: str | None = None, ax=None) -> Figure:
             _repeats_line(ax, d, x, "link_gbps", label=f"{s}: its runs' link", color=style.get("color"), ls="--",
                           lw=1, marker=None)
     _token_axis(ax)
-    ax.set_ylabel("GB/s")
+    ax.set_ylabel(axis_label("gbps"))
     ax.set_title("delivered bandwidth by strategy, and the link each run measured")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -401,9 +405,13 @@ def plot_link_ratio(df: pd.DataFrame, x: str | None = None, ax=None) -> Figure:
     for s in _strategies(df):
         _repeats_line(ax, df[df["strategy"] == s], x, "link_ratio", label=s, **STRATEGY_STYLE.get(s, {}))
     ax.axhline(1.0, color="k", ls="--", lw=1, label="raw link, same messages")
+    above = df[df["link_ratio"] > 1.0]
+    if not above.empty:  # the reference was no ceiling for these runs' bytes: a share of the link says less there
+        ax.scatter(above[x], above["link_ratio"], marker="x", color="red", s=60, zorder=5,
+                   label=f"above the raw link ({len(above)} runs: the reference was no ceiling)")
     _token_axis(ax)
     ax.set_ylim(0, max(1.05, float(df["link_ratio"].max()) * 1.05))
-    ax.set_ylabel("delivered / raw link")
+    ax.set_ylabel(axis_label("link_ratio"))
     ax.set_title("share of the link each strategy delivers")
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -503,16 +511,16 @@ def plot_parallel_heatmap(df: pd.DataFrame, value: str = "gbps", rows: str = "ct
     im = ax.imshow(grid.to_numpy(dtype=float), cmap="viridis", origin="upper")
     ax.set_xticks(range(len(grid.columns)), [str(c) for c in grid.columns])
     ax.set_yticks(range(len(grid.index)), [str(i) for i in grid.index])
-    ax.set_xlabel(cols)
-    ax.set_ylabel(rows)
+    ax.set_xlabel(axis_label(cols))
+    ax.set_ylabel(axis_label(rows))
     vals = grid.to_numpy(dtype=float)
     finite = vals[np.isfinite(vals)]
     mid = (finite.min() + finite.max()) / 2 if finite.size else 0
     for (i, j), v in np.ndenumerate(vals):
         if np.isfinite(v):
             ax.text(j, i, f"{v:.3g}", ha="center", va="center", color="k" if v > mid else "w")
-    fig.colorbar(im, ax=ax, label=value)
-    ax.set_title(title or f"{value} by {rows} x {cols}")
+    fig.colorbar(im, ax=ax, label=axis_label(value))
+    ax.set_title(title or f"{axis_label(value)} by {axis_label(rows)} x {axis_label(cols)}")
     return fig
 
 
@@ -572,6 +580,8 @@ def plot_prediction(df: pd.DataFrame, measured: str = "makespan_s", predicted: s
     if predicted not in df or df[predicted].isna().any():
         df = add_predictions(df)
     fig, ax = _fig_ax(ax, figsize=(5, 5))
+    said, scale = scaled(measured)  # both in the measured figure's unit
+    df = df.assign(**{measured: df[measured] * scale, predicted: df[predicted] * scale})
     for s in _strategies(df):
         d = df[df["strategy"] == s]
         ax.scatter(d[measured], d[predicted], label=s, **STRATEGY_STYLE.get(s, {}))
@@ -585,8 +595,8 @@ def plot_prediction(df: pd.DataFrame, measured: str = "makespan_s", predicted: s
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_xlabel(f"measured ({measured})")
-    ax.set_ylabel(f"predicted ({predicted})")
+    ax.set_xlabel(f"measured {said}")
+    ax.set_ylabel(f"predicted {said}")
     ratio = (df[predicted] / df[measured]).astype(float)
     ax.set_title(f"cost model vs measurement (median ratio {ratio.median():.2f})")
     ax.grid(True, alpha=0.3, which="both")
@@ -622,7 +632,11 @@ def plot_load(df: pd.DataFrame, y: str = "serving.ttft_s", x: str = "workload.ra
                 (f" (median of {runs.min()}-{runs.max()} runs)" if runs.min() != runs.max()
                  else f" (median of {runs.max()} runs)" if runs.max() > 1 else "")
             _repeats_line(ax, d, x, col, scale, label=label, **style)
-    ax.set_xlabel("arrival rate (requests/s)" if x == "workload.rate" else x)
+    slo = "slo.ttft_ms"
+    if shown.name == "ttft_s" and unit == "ms" and slo in df and df[slo].notna().any():
+        for v in sorted(df[slo].dropna().unique()):  # the SLO the runs were held to, on the figure it bounds
+            ax.axhline(float(v), color="k", ls="--", lw=1, label=f"TTFT SLO ({float(v):g} ms)")
+    ax.set_xlabel(axis_label(x))
     ax.set_ylabel(f"{name} {q} ({unit})")
     ax.set_title(f"{name} {q} against load")
     ax.grid(True, alpha=0.3)

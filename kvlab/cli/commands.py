@@ -109,17 +109,22 @@ def _plain_message(flat: str, overrides: list[str]) -> str | None:
 
 
 def group_options(group: str, search: list[str] = ()) -> list[str]:
-    """The options of a config group: its YAML files in conf/ and in the ``hydra.searchpath`` DIRs."""
+    """The options of a config group: its YAML files in conf/, in the user's (kvlab.core.paths.user_conf_dir)
+    and in the ``hydra.searchpath`` DIRs, which replace the user's as they do in Hydra."""
     from kvlab.config.schema import CONF_DIR
+    from kvlab.core.paths import user_conf_dir
 
-    dirs = [CONF_DIR] + [Path(d) for s in search for d in re.findall(r"file://([^,\]\s'\"]+)", s)]
+    given = [Path(d) for s in search for d in re.findall(r"file://([^,\]\s'\"]+)", s)]
+    dirs = [CONF_DIR, *(given if search else [user_conf_dir()])]
     return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
 
 
-def check_overrides(overrides: list[str], search: list[str] = (), memory: bool = False) -> str | None:
+def check_overrides(overrides: list[str], search: list[str] = (), memory: bool = False,
+                    moves: bool = False) -> str | None:
     """None if the overrides compose into a valid setup (that fits this host's memory, with ``memory``:
-    kvlab.sizing.budget), else one line saying what is wrong. ``search``: ``hydra.searchpath=[file://DIR,...]``
-    overrides, whose DIRs hold a user's own group files."""
+    kvlab.sizing.budget; whose transport's package is installed, with ``moves``: bytes will move), else one line
+    saying what is wrong. ``search``: ``hydra.searchpath=[file://DIR,...]`` overrides, whose DIRs hold a user's
+    own group files."""
     from kvlab.config.schema import build, compose
     from kvlab.core.checks import check_overrides_shape
     from kvlab.sizing import budget
@@ -135,6 +140,8 @@ def check_overrides(overrides: list[str], search: list[str] = (), memory: bool =
         check_overrides_shape(overrides)
         cfg = compose([*search, *overrides])
         setup = build(cfg)
+        if moves:
+            setup.check_installed()
         if memory:  # before the plan: a huge workload.requests is refused, not built
             budget.check_host(setup)
         if setup.needs_preflight:  # fault positions and capacities that only the plan can check
@@ -164,7 +171,7 @@ def sweep_points(overrides: list[str], search: list[str] = ()) -> list[list[str]
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def _check_sweep(overrides: list[str], search: list[str], memory: bool) -> str | None:
+def _check_sweep(overrides: list[str], search: list[str], memory: bool, moves: bool) -> str | None:
     try:
         jobs = sweep_points(overrides, search)
     except ConfigError as e:
@@ -172,7 +179,7 @@ def _check_sweep(overrides: list[str], search: list[str], memory: bool) -> str |
     except Exception as e:  # a sweep Hydra cannot parse: its words, on one line
         return _hydra_message(e, overrides)
     for job in jobs:
-        problem = check_overrides(job, search, memory)
+        problem = check_overrides(job, search, memory, moves)
         if problem:
             return problem + (f" (in the sweep job {' '.join(job)})" if len(jobs) > 1 else "")
     return None
@@ -353,8 +360,9 @@ def main(argv: list[str] | None = None) -> None:
         search = [a for a in args.overrides if a.startswith("hydra.searchpath=")]
         running = not looks_only(args)  # nothing will start, so no memory to check and no directory to hold
         memory = command == "run" and running
-        problem = (_check_sweep(overrides, search, memory) if multirun
-                   else check_overrides(overrides, search, memory))
+        moves = command in ("run", "link") and running  # plan and the looks (--help, --cfg) move no bytes
+        problem = (_check_sweep(overrides, search, memory, moves) if multirun
+                   else check_overrides(overrides, search, memory, moves))
         if problem:
             _fail(problem)
         given = list(args.overrides)

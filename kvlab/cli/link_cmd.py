@@ -43,6 +43,7 @@ def hydra_main(cfg: DictConfig) -> None:
     try:
         cfg = for_link(cfg)
         setup = build(cfg)
+        setup.check_installed()
         devices.check_placement(setup)
         announce(setup)
         text = prepare(cfg, run_dir, setup)

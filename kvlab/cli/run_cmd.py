@@ -84,6 +84,10 @@ def worst_exit() -> int:
     return _worst[0]
 
 
+def note_exit(rc: int) -> None:
+    _worst[0] = max(_worst[0], rc)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -99,6 +103,7 @@ def hydra_main(cfg: DictConfig) -> None:
     else:
         try:  # multirun skips the CLI's checks of each job's config; Hydra would print a traceback
             setup = build(cfg)
+            setup.check_installed()
             devices.check_placement(setup)
             announce(setup)
             budget.check_host(setup)

@@ -25,7 +25,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from kvlab.core import paths, traces
 from kvlab.core.checks import check_config
 from kvlab.core.decode_spec import CheckSpec
-from kvlab.core.errors import ConfigError, positive, require
+from kvlab.core.errors import ConfigError, positive, quiet_user_searchpath, require
 from kvlab.core.link_spec import LinkSpec
 from kvlab.core.rates import CostSpec
 from kvlab.core.serving import ServingSpec
@@ -304,6 +304,12 @@ class Setup:
     def world_rank(self, side: str, rank: int) -> int:
         return rank if side == "ctx" else self.ctx.size + rank
 
+    def check_installed(self) -> None:
+        """ConfigError naming the extra to install when the transport's package is missing (or cannot serve this
+        setup as installed). Only where bytes move (kvlab run, kvlab link, a rank): planning, simulating and
+        ``--help`` need no transport package."""
+        self.transport.cls().installed(self)
+
     @property
     def needs_preflight(self) -> bool:
         """Whether kvlab.sizing.preflight.preflight can fail for this setup (it plans every request: skipped when
@@ -419,6 +425,9 @@ def schema(spec: type) -> type:
     name = spec.__name__.replace("Spec", "Cfg") if spec is not Setup else "Config"
     cls = dataclasses.make_dataclass(name, out, namespace={"__doc__": f"Hydra schema of {spec.__name__}",
                                                            "__module__": __name__})
+    # a module attribute, so that pickle names it rather than copying it: a launcher that sends the ConfigStore to
+    # its jobs (Hydra's submitit launcher) would otherwise give them a copy whose MISSING is no longer MISSING
+    globals().setdefault(name, cls)
     _SCHEMAS[spec] = cls
     return cls
 
@@ -475,6 +484,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "con
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    quiet_user_searchpath()
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
         cfg = hcompose(config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)

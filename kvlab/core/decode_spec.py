@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvlab.core.errors import ConfigError, positive, require
+from kvlab.core.errors import ConfigError, install_hint, positive, require
 
 CHECKS = ("bytes", "decode")
 FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "gemma3", "qwen3_next", "nemotron_h")
@@ -170,7 +170,7 @@ class CheckSpec:
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:
-            raise ConfigError("check", "decode", "needs transformers; pip install -e '.[decode]'")
+            raise ConfigError("check", "decode", install_hint("decode", "transformers, which the decode check needs,"))
 
 
 def check_line(rows) -> str | None:
@@ -197,4 +197,7 @@ def check_line(rows) -> str | None:
     hidden = [r.request for r in bad if not r.byte_check_failures]
     if hidden:
         out += f" (requests {hidden}: every byte sent verified, and decoding still diverged)"
+    first = next((r.error for r in bad if getattr(r, "error", None)), None)
+    if first:  # the diagnosis (step, layers, components) is in results.jsonl for every request; the first here
+        out += f"\ncheck=decode, first diagnosis: {first}"
     return out

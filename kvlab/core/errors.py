@@ -23,6 +23,12 @@ def positive(field: str, value) -> None:
             field, value, "must be a positive integer")
 
 
+def install_hint(extra: str, what: str) -> str:
+    """The one wording of a missing optional package: what is missing and the extra that brings it
+    (pyproject.toml's ``[project.optional-dependencies]``), as the install commands of the docs write it."""
+    return f"{what} is not installed; pip install -e \".[{extra}]\" (the {extra} extra)"
+
+
 def _warning_line(message, category, filename, lineno, line=None) -> str:
     return f"kvlab: warning: {message} ({category.__name__})\n"
 
@@ -33,3 +39,12 @@ def one_line_warnings() -> None:
     import warnings
 
     warnings.formatwarning = _warning_line
+    quiet_user_searchpath()
+
+
+def quiet_user_searchpath() -> None:
+    """The user's config directory (conf/config.yaml's hydra.searchpath: cost profiles) is optional: without it
+    there is nothing to find there, and no warning to give."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"provider=hydra.searchpath in main, path=.*kvlab is not available")

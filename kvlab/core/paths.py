@@ -17,6 +17,17 @@ def shipped(name: str) -> Path:
 
 
 CONF_DIR = shipped("conf")
+# a user's own group files (cost profiles ``kvlab sim calibrate`` fits: cost/NAME.yaml), found by conf/config.yaml's
+# and conf/sim.yaml's hydra.searchpath; never the package's conf/, which a wheel keeps in site-packages
+USER_CONF_ENV = "XDG_CONFIG_HOME"
+
+
+def user_conf_dir() -> Path:
+    """``$XDG_CONFIG_HOME/kvlab`` (``~/.config/kvlab`` without it), as the configs' ``hydra.searchpath`` names it."""
+    import os
+
+    base = os.environ.get(USER_CONF_ENV) or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "kvlab"
 KERNELS_DIR = shipped("kernels")
 TRACES_DIR = shipped("traces")
 

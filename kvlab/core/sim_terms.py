@@ -1,7 +1,8 @@
 """Calibrated terms: what ``kvlab sim calibrate`` fits from runs' records, kept in a cost profile.
 
-A calibrated profile (``conf/cost/<name>.yaml``) holds under ``fitted`` one set of terms per transport
-and one for the prefill. A request's transfer, per (ctx GPU -> gen GPU) pair of its plan, costs
+A calibrated profile (``cost/<name>.yaml``, in conf/ or the user's config directory) holds under ``fitted`` one
+set of terms per transport and one for the prefill. A request's transfer, per (ctx GPU -> gen GPU) pair of its
+plan, costs
 
     pair_s = pieces * piece_us + bytes * max(byte_ns, link) + staged_bytes * staged_byte_ns
 

@@ -474,17 +474,18 @@ class FaultSpec:
         return max(self.ranks.values()) >= 0
 
 
-WANDB_MODES = ("online", "offline", "shared", "disabled")
+WANDB_MODES = ("auto", "online", "offline", "shared", "disabled")
 
 
 @dataclass(frozen=True)
 class WandbSpec:
-    mode: str = "offline"  # online | offline | shared | disabled
+    mode: str = "auto"  # auto (offline where wandb is installed, else off) | online | offline | shared | disabled
     project: str = "kvlab"  # wandb's project
     group: str | None = None  # wandb's group; null: the experiment's name, or the sweep's
 
     def __post_init__(self):
-        require(self.mode in WANDB_MODES, "logger.wandb.mode", self.mode, "use online, offline, shared or disabled")
+        require(self.mode in WANDB_MODES, "logger.wandb.mode", self.mode,
+                "use auto, online, offline, shared or disabled")
 
 
 @dataclass(frozen=True)

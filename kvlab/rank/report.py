@@ -31,8 +31,9 @@ from pathlib import Path
 
 from kvlab.config.workload import RunPlan
 from kvlab.core import figures
+from kvlab.core.decode_spec import check_line
 from kvlab.model.schedule import Ready
-from kvlab.results import metrics
+from kvlab.results import metrics, rundir, sweep_table
 from kvlab.results.records import Env, PartFile, marked_dead, read_part, write_run
 from kvlab.transports.deadline import call_within
 
@@ -219,7 +220,13 @@ def finalize(setup, run_dir: Path, plan: RunPlan, gathered: dict[int, PartFile],
     summary.interrupted = interrupted
     summary.completed_requests = [r.request for r in rows if r.verified]
     write_run(run_dir, rows, timeline, summary)
-    metrics.print_table(rows, summary)
+    if rundir.sweep_dir(run_dir) is None:
+        metrics.print_table(rows, summary)
+    else:  # a sweep's job: one line; the sweep's closing table has them all (kvlab.cli.sweep_end)
+        print(sweep_table.job_line(summary), flush=True)
+        check = check_line(rows)
+        if check:
+            print(check, flush=True)
     broken = metrics.violations(rows, summary, all_parts, order)
     if broken:  # a measuring or merging bug, not the transfer's: the figures above are suspect
         more = f" (and {len(broken) - 3} more)" if len(broken) > 3 else ""

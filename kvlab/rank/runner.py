@@ -116,6 +116,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     try:
         try:
             setup = stop.setup = build(cfg)
+            setup.check_installed()
             world_rank, device = transport.init(setup, setup.transfer.timeout_s)
         except ConfigError as e:
             if world_rank == 0:

@@ -17,10 +17,12 @@ figures and percentiles (``serving.ttft_s.p90``, ...) as summary values, each re
 absolute wall-clock stamps (figures of unit ``epoch s``) as metrics. Histograms only from 20 requests
 up. ``kvlab.analysis.wandb_read`` reads the offline files back into the table ``kvlab.analysis.sweeps`` draws.
 
-``logger.wandb.mode`` is ``offline`` by default: runs are written under ``<run_dir>/wandb``
-with no network and no key, to be uploaded later with ``wandb sync``; ``online`` without an API key
-logs offline instead, and says so. ``disabled`` (tests, ``logger=quiet``), a machine without wandb,
-or any failure inside wandb give a sink that does nothing, after one ``kvlab:`` line saying why:
+``logger.wandb.mode`` is ``auto`` by default: ``offline`` where wandb is installed (the ``wandb`` extra), else
+off without a word (an install that did not ask for wandb is not warned about it). ``offline`` writes runs under
+``<run_dir>/wandb`` with no network and no key, to be uploaded later with ``wandb sync``; ``online`` without an
+API key logs offline instead, and says so. ``disabled`` (tests, ``logger=quiet``), a machine without wandb where
+a mode was named, or any failure inside wandb give a sink that does nothing, after one ``kvlab:`` line saying
+why (once per sweep: kvlab.results.rundir.say_once):
 metrics always reach ``results.jsonl`` and ``summary.json``, and a logger is never the reason a
 transfer run fails.
 """
@@ -36,10 +38,12 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from kvlab.core import figures
+from kvlab.core.errors import install_hint
 from kvlab.model.parallel import label
 from kvlab.model.spec import WandbSpec
 from kvlab.results.metrics import flatten
 from kvlab.results.records import RequestRow, Summary, read_rows, to_dict
+from kvlab.results.rundir import say_once
 
 if TYPE_CHECKING:
     from kvlab.config.schema import Setup
@@ -153,17 +157,21 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            say(f"logger.wandb.mode={mode}: wandb is not installed, so no wandb run is written; "
-                "pip install 'kvlab[wandb]', or logger=quiet")
+            if mode != "auto":  # asked for by name: say why nothing is written (auto asks only where it is there)
+                say_once(run_dir, "wandb-missing", f"logger.wandb.mode={mode}: {install_hint('wandb', 'wandb')}; "
+                         "no wandb run is written (logger=quiet turns it off)")
             return cls()
+        mode = "offline" if mode == "auto" else mode
         if mode == "online" and not has_key():
-            say(f"logger.wandb.mode=online: no wandb API key (WANDB_API_KEY or `wandb login`), so the run is logged "
-                f"offline under {Path(run_dir) / 'wandb'}; `wandb sync` uploads it later")
+            say_once(run_dir, "wandb-key", "logger.wandb.mode=online: no wandb API key (WANDB_API_KEY or "
+                     f"`wandb login`), so the run is logged offline under {Path(run_dir) / 'wandb'}; "
+                     "`wandb sync` uploads it later")
             mode = "offline"
         try:
             return _LiveSink(wandb, setup, Path(run_dir), mode)
         except Exception as e:  # a broken wandb install or service must not stop the transfer
-            say(f"wandb disabled: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            say_once(run_dir, "wandb-broken", f"wandb disabled: {type(e).__name__}: {why}")
             return cls()
 
     def log_summary(self, summary: Summary) -> None:

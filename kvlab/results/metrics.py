@@ -249,18 +249,51 @@ def _bytes_violations(rows: list[RequestRow], parts: list[RankPart], plan) -> li
     return out
 
 
-def print_table(rows: list[RequestRow], summary: Summary, console: Console | None = None, limit: int = 12) -> None:
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # a log file or a pipe: rich's 80 columns would cut the table's columns
-            console = Console(width=max(console.width, 132))
-    c, g = summary.ctx, summary.gen
-    t = Table(title=f"kvlab run: {summary.model}, {summary.strategy}, ctx {label(c)} -> "
-                    f"gen {label(g)}, {summary.device}")
-    cols = [f for f in figures.columns()
-            if f.name not in figures.OPTIONAL_COLUMNS or any(getattr(r, f.name) is not None for r in rows)]
+def prefix_line(summary: Summary) -> str | None:
+    """What prefix reuse (gen.prefix_cache_tokens) did for the run: its hit rate over the prompts' full blocks and
+    the bytes its gen ranks already held, so did not move; None with reuse off."""
+    if summary.prefix_blocks is None:
+        return None
+    skipped, moved = summary.skipped_bytes or 0, summary.total_bytes or 0
+    share = f" ({skipped / (skipped + moved):.1%} of the {(skipped + moved) / 2**20:,.2f} MiB without reuse)" \
+        if skipped + moved else ""
+    hits = summary.prefix_hit_blocks or 0
+    rate = hits / summary.prefix_blocks if summary.prefix_blocks else 0.0
+    return (f"prefix reuse: hit rate {rate:.3f} ({hits} of "
+            f"{summary.prefix_blocks} full blocks found); skipped {skipped / 2**20:,.2f} MiB{share}, moved "
+            f"{moved / 2**20:,.2f} MiB")
+
+
+DRIFT = 2.0  # predicted/measured beyond this factor either way: the cost profile no longer describes the code
+
+
+def prediction_line(summary: Summary) -> str | None:
+    """The cost model's predicted run time against the measured makespan, in one line, so that a profile that no
+    longer matches the code (or the machine) shows in every run; None without both."""
+    p, m = summary.predicted_s, summary.makespan_s
+    if not p or not m:
+        return None
+    span = figures.BY_NAME["makespan_s"]
+    ratio = p / m
+    far = (f"; more than {DRIFT:g}x apart: the cost profile (cost=) no longer describes this code or machine, "
+           "kvlab sim calibrate fits one") if not 1 / DRIFT <= ratio <= DRIFT else ""
+    return (f"cost model: predicted {span.show(p)} ms against the measured {span.show(m)} ms makespan "
+            f"(predicted/measured {ratio:.2f}){far}")
+
+
+def console_for() -> Console:
+    """The terminal's console: its own width on a terminal; on a log file or a pipe 132 columns at least (rich's
+    80 would cut the tables' columns)."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 132))
+    return console
+
+
+def _request_table(title: str, cols: list, rows: list[RequestRow], summary: Summary, limit: int) -> Table:
+    t = Table(title=title)
     for col in ("request", "tokens", *(f.column for f in cols), "verified"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", overflow="fold")
     shown = rows if len(rows) <= limit else rows[: limit - 1]
     for r in shown:
         t.add_row(str(r.request), str(r.isl), *(f.show(getattr(r, f.name)) for f in cols),
@@ -271,11 +304,41 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
     # the run's own value of a column (a total, a union, a rate), not one request's (the largest)
     t.add_row("all", "", *(f.show(getattr(summary, f.summary_name)) if f.run not in (None, "max") else ""
                            for f in cols), "yes" if summary.verified else "[red]NO[/red]")
-    console.print(t)
+    return t
+
+
+def _width(cols: list, rows: list[RequestRow]) -> int:
+    """The columns a table of ``cols`` needs with no cell folded and every header word whole."""
+    need = 0
+    for head, cells in (("request", [str(r.request) for r in rows] + ["all"]), ("tokens", [str(r.isl) for r in rows]),
+                        *((f.column, [f.show(getattr(r, f.name)) for r in rows]) for f in cols),
+                        ("verified", ["yes"])):
+        need += max(map(len, [*head.split(), *cells])) + 3  # a space each side and the rule
+    return need + 1
+
+
+def print_table(rows: list[RequestRow], summary: Summary, console: Console | None = None, limit: int = 12) -> None:
+    console = console or console_for()
+    c, g = summary.ctx, summary.gen
+    device = f", {summary.device}" if summary.device else ""  # an interrupted run's merge may not know it
+    title = f"kvlab run: {summary.model}, {summary.strategy}, ctx {label(c)} -> gen {label(g)}{device}"
+    # a column no request has a value in (an SLO not set, a check not run) says nothing: left out
+    cols = [f for f in figures.columns() if any(getattr(r, f.name) is not None for r in rows)
+            or (not rows and f.name not in figures.OPTIONAL_COLUMNS)]
+    checks = [f for f in cols if f.name in figures.OPTIONAL_COLUMNS]
+    if checks and _width(cols, rows) > console.width:  # the checks' columns in a table of their own
+        main = [f for f in cols if f not in checks]
+        console.print(_request_table(title, main, rows, summary, limit))
+        console.print(_request_table("the checks, per request", checks, rows, summary, limit))
+    else:
+        console.print(_request_table(title, cols, rows, summary, limit))
     busy, span = figures.BY_NAME["busy_s"], figures.BY_NAME["makespan_s"]
     if summary.busy_s:
         console.print(f"delivered {summary.gbps or 0:,.2f} GB/s over {busy.show(summary.busy_s)} ms with chunks in "
                       f"flight, of the run's {span.show(summary.makespan_s)} ms")
+    drift = prediction_line(summary)
+    if drift:
+        console.print(drift, markup=False, highlight=False)
     link = summary.link
     if summary.link_gbps:
         # requests share the link with each other: only the run as a whole has a ratio
@@ -294,5 +357,8 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
     check = check_line(rows)
     if check:
         console.print(check, markup=False, highlight=False)
+    reuse = prefix_line(summary)
+    if reuse:
+        console.print(reuse, markup=False, highlight=False)
     console.print(f"peak staging {summary.peak_staging_bytes / 2**20:,.2f} MiB per rank, "
                   f"peak extra device memory {summary.peak_extra_device_bytes / 2**20:,.2f} MiB")

@@ -111,3 +111,28 @@ def hold(run_dir: Path, field: str = "hydra.run.dir"):
     finally:
         if mine:
             release(run_dir)
+
+
+def sweep_dir(run_dir: Path) -> Path | None:
+    """The sweep directory a job's run directory lies in (Hydra writes its ``multirun.yaml`` there before the
+    first job), or None for a run of its own."""
+    parent = Path(run_dir).resolve().parent
+    return parent if (parent / "multirun.yaml").exists() else None
+
+
+def say_once(run_dir: Path, key: str, line: str) -> bool:
+    """Print ``kvlab: line`` on stderr, once per sweep (every job of a sweep would say the same: the first one
+    that gets here does, marked by a file under the sweep directory), always for a run of its own. Returns
+    whether it printed."""
+    sweep = sweep_dir(run_dir)
+    if sweep is not None:
+        marks = sweep / ".said"
+        try:
+            marks.mkdir(exist_ok=True)
+            os.close(os.open(marks / key, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        except OSError:  # a sweep directory that takes no marks: say it, as a run of its own would
+            pass
+    print(f"kvlab: {line}", file=sys.stderr, flush=True)
+    return True

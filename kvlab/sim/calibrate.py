@@ -20,7 +20,8 @@ transfer may wait for the requests whose chunks come first in it (``order_wait``
 
 The report gives each run's four figures measured and predicted, and their errors: exposed transfer from
 the replay on the run's measured prefills (the transfer's own error), TTFT with every part modelled; the profile
-(``conf/cost/<name>.yaml``) keeps the base rates (``profile``) for anything without fitted terms.
+(``cost/<name>.yaml``: the shipped ones in conf/, a user's in ``$XDG_CONFIG_HOME/kvlab``, where kvlab sim calibrate
+writes them) keeps the base rates (``profile``) for anything without fitted terms.
 """
 from __future__ import annotations
 

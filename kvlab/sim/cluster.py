@@ -208,10 +208,10 @@ class SimSpec:
     rate: float | None = None  # req/s: Poisson at this rate, or the trace rescaled to it; null: as the workload
     slo: SloSpec = field(default_factory=SloSpec)
     target: float = 0.9  # share of requests that must meet the SLOs for a rate to count as served
-    search: bool = False  # search the highest rate meeting the SLOs (bisection over sim.rate)
-    search_lo: float = 0.1
-    search_hi: float = 1000.0
-    search_steps: int = 12
+    search: bool = False  # search the highest rate meeting the SLOs (bracket, then bisection over sim.rate)
+    search_lo: float = 0.1  # req/s: the first bracket; the search moves it down (x1/4) while it misses
+    search_hi: float = 1000.0  # req/s: moved up (x4) while it still meets them
+    search_steps: int = 8  # bisection steps once the rate is bracketed
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     decode: bool = True  # false: no decode (a kvlab run's replay, where the gen ranks verify instead)
     write_requests: bool = True  # requests.jsonl in the output directory

@@ -8,8 +8,9 @@ SLOs (``search.json``) and reports the fleet at that rate.
 
 ``kvlab sim calibrate RUN... [--name NAME] [--base cpu|h200] [--out PATH]`` fits the terms
 (kvlab.sim.calibrate), prints each run's measured and predicted figures and writes the profile
-``conf/cost/NAME.yaml`` (or PATH), which ``cost=NAME`` then gives kvlab sim, kvlab plan and kvlab run's
-``predicted_s``.
+``cost/NAME.yaml`` in the user's config directory (``$XDG_CONFIG_HOME/kvlab``, ``~/.config/kvlab``; never the
+package's conf/), or PATH (a ``.yaml`` file, or a directory such as a run directory: its ``cost/NAME.yaml``), which
+``cost=NAME`` then gives kvlab sim, kvlab plan and kvlab run's ``predicted_s``.
 """
 from __future__ import annotations
 
@@ -24,16 +25,20 @@ from omegaconf import DictConfig
 
 from kvlab.config.schema import CONF_DIR
 from kvlab.core.errors import ConfigError
+from kvlab.core.paths import user_conf_dir
 from kvlab.sim import report
 from kvlab.sim.run import build_sim, compose_sim, max_rate, run
 
 
-def _print_result(s, r) -> None:
+def _print_result(s, r, which: str = "") -> None:
+    """The fleet's table; ``which`` says which rate of a search it describes."""
     c = s.cluster
+    w = s.setup.workload
+    rate = (f" at {s.sim.rate:.3g} req/s" if s.sim.rate else
+            f" at the trace's own rate ({w.trace})" if w.arrival == "trace" else f" ({w.arrival} arrivals)")
     print(f"kvlab sim: {s.setup.model.name}, {s.setup.transfer.strategy.name} over {s.setup.transport.name} "
           f"(terms: {s.terms_name}), {c.ctx_instances} ctx x {s.setup.ctx.size} GPUs -> {c.gen_instances} gen x "
-          f"{s.setup.gen.size} GPUs, {r.summary['requests']} requests"
-          + (f" at {s.sim.rate:g} req/s" if s.sim.rate else ""))
+          f"{s.setup.gen.size} GPUs, {r.summary['requests']} requests{rate}{which}")
     for line in report.lines(r.summary, s.sim.percentiles):
         print(line)
     print(f"plan table {r.table_s:.2f} s; event loop {r.outcome.wall_s:.2f} s, {r.outcome.events:,} events, "
@@ -47,24 +52,38 @@ def hydra_main(cfg: DictConfig) -> None:
     s = build_sim(cfg)
     out = Path(HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    which = ""
     if s.sim.search:
         found = max_rate(s)
         (out / "search.json").write_text(json.dumps(found, indent=2))
-        print(f"highest rate with {s.sim.target:.0%} of requests within the SLOs: "
-              + (f"{found['max_rate']:.3g} req/s" if found["max_rate"] else "none in the searched range")
-              + f" ({len(found['tried'])} rates tried)")
-        if found["max_rate"]:
-            s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, rate=found["max_rate"]))
+        print(search_line(s, found))
+        shown = found["max_rate"] or min(t["rate"] for t in found["tried"])
+        which = (": the highest rate found" if found["bound"] == "=" else ": the highest rate tried"
+                 if found["bound"] == ">=" else ": the lowest rate tried, where the SLOs were still missed")
+        s = dataclasses.replace(s, sim=dataclasses.replace(s.sim, rate=shown))
     r = run(s)
     if s.sim.search:
-        r.summary["max_rate"] = s.sim.rate
-    _print_result(s, r)
+        r.summary.update(max_rate=found["max_rate"], max_rate_bound=found["bound"])
+    _print_result(s, r, which)
     (out / "summary.json").write_text(json.dumps(r.summary, indent=1))
     if s.sim.write_requests:
         with open(out / "requests.jsonl", "w") as f:
             for row in report.rows(r.outcome, s.sim.slo):
                 f.write(json.dumps(row) + "\n")
     print(f"results in {out}")
+
+
+def search_line(s, found: dict) -> str:
+    """The search's answer in one line, with its limits: ">=" where the highest rate tried still met the SLOs, why
+    where none did, and the bracket it narrowed to."""
+    head = f"highest rate with {s.sim.target:.0%} of requests within the SLOs: "
+    n = f"{len(found['tried'])} rates tried"
+    if found["bound"] == "=":
+        lo, hi = found["bracket"]
+        return head + f"{found['max_rate']:.4g} req/s ({hi:.4g} req/s misses them; {n})"
+    if found["bound"] == ">=":
+        return head + f">= {found['max_rate']:.4g} req/s: {found['why']} ({n})"
+    return head + f"none: {found['why']} ({n}, down to {min(t['rate'] for t in found['tried']):.3g} req/s)"
 
 
 def _check(overrides: list[str], multirun: bool) -> str | None:
@@ -92,11 +111,19 @@ def calibrate_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="kvlab sim calibrate", description="fit kvlab sim's transfer and prefill terms "
                                 "to runs' records and write a cost profile")
     p.add_argument("runs", nargs="+", help="run directories, or results .json files (FILE.json#name,name)")
-    p.add_argument("--name", default="fitted", help="profile name: conf/cost/NAME.yaml, used as cost=NAME")
+    p.add_argument("--name", default="fitted", help="profile name, used as cost=NAME")
     p.add_argument("--base", default="cpu", choices=("cpu", "h200"), help="base rates for what has no fitted terms")
-    p.add_argument("--out", default=None, help="where to write the profile (default conf/cost/NAME.yaml)")
+    p.add_argument("--out", default=None, help="where to write the profile (default: the user's config directory, "
+                   "$XDG_CONFIG_HOME/kvlab/cost/NAME.yaml, ~/.config/kvlab/cost/NAME.yaml without it; "
+                   "a run directory keeps it beside its runs: cost=NAME finds it with hydra.searchpath=[file://DIR])")
     p.add_argument("--report", default=None, help="also write each run's figures and errors to this JSON file")
     a = p.parse_args(argv)
+    shipped = CONF_DIR / "cost" / f"{a.name}.yaml"
+    if shipped.exists() and not a.out:  # the package's conf/ comes first on the searchpath: yours would be unread
+        print(f"kvlab: error: --name={a.name}: cost={a.name} is a profile kvlab ships, which cost={a.name} keeps "
+              f"reading; name yours otherwise (--name {a.name}_mine), or replace the shipped one in a checkout with "
+              f"--out {shipped}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         fitted, rep = calibrate.calibrate(a.runs)
     except ConfigError as e:
@@ -110,11 +137,19 @@ def calibrate_main(argv: list[str]) -> None:
               f"prefill_slowdown {t.prefill_slowdown:.3g}")
     pre = fitted.prefill
     print(f"prefill: scale {pre.scale:.4g}, byte_ns {pre.byte_ns:.4g}, fixed_ms {pre.fixed_ms:.4g}")
-    out = Path(a.out) if a.out else CONF_DIR / "cost" / f"{a.name}.yaml"
+    out = Path(a.out) if a.out else user_conf_dir() / "cost" / f"{a.name}.yaml"
+    if a.out and out.suffix != ".yaml":  # a directory: the profile goes into its cost/, as a group's file
+        out = out / "cost" / f"{a.name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
     calibrate.write_profile(out, fitted, a.base, rep)
     if a.report:
         Path(a.report).write_text(json.dumps(rep, indent=1))
-    print(f"profile written to {out} (cost={out.stem})")
+    found = out.parent.parent
+    if out.parent.name != "cost":  # a file of its own: a config group's file lies in a cost/ directory
+        print(f"profile written to {out} (as cost=NAME from a DIR/cost/NAME.yaml with hydra.searchpath=[file://DIR])")
+        return
+    how = "" if found.resolve() == user_conf_dir().resolve() else f" hydra.searchpath=[file://{found.resolve()}]"
+    print(f"profile written to {out} (cost={out.stem}{how})")
 
 
 def main(argv: list[str]) -> None:

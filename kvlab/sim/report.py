@@ -127,6 +127,8 @@ def lines(summary: dict, qs) -> list[str]:
     for f in TABLE:
         if f.request is None and summary.get(f.name) is not None:
             unit = DISPLAY[f.unit][2]
-            fleet.append(f"{f.name} {f.show(summary[f.name])}" + (f" {unit}" if unit and unit != "x" else ""))
+            # a figure in seconds shows in ms: its name loses the _s that would say otherwise (duration 7.7 ms)
+            name = f.name.removesuffix("_s") if unit == "ms" else f.name
+            fleet.append(f"{name} {f.show(summary[f.name])}" + (f" {unit}" if unit and unit != "x" else ""))
     out.append("; ".join(fleet))
     return out

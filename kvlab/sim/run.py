@@ -168,30 +168,103 @@ def vary(s: SimSetup, **changes) -> SimSetup:
     return out
 
 
+SEARCH_FACTOR = 4.0  # how far a bracket's end moves per step while the rate is not bracketed
+SEARCH_MOVES = 6  # moves per end at most: 4**6, four thousand times the rate first tried
+
+
+def _quantile_ms(values, q: float) -> float:
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    return float(np.quantile(v, q) * 1e3) if len(v) else float("nan")
+
+
+def why_missed(s: SimSetup, summary: dict, outcome: Outcome) -> tuple[str, bool]:
+    """Why ``s`` at its rate misses the SLOs, in one clause, and whether any lower rate could help: the prefill
+    alone exceeding the TTFT SLO at the target's quantile (no rate meets it), else the quantiles of TTFT's parts."""
+    q, slo = s.sim.target, s.sim.slo
+    pq = f"p{q * 100:g}"
+    met = summary.get("slo_attainment") or 0.0
+    head = f"at {s.sim.rate:.3g} req/s {met:.0%} of requests met the SLOs (sim.target={q:g})"
+    if slo.ttft_ms is not None:
+        prefill = _quantile_ms(outcome.prefill, q)
+        if prefill > slo.ttft_ms:
+            return (f"the {pq} prefill alone ({prefill / 1e3:,.3g} s) exceeds the TTFT SLO ({slo.ttft_ms / 1e3:g} s) "
+                    "at any rate; a faster prefill (ctx.tp, cluster) or a looser sim.slo.ttft_ms", False)
+        parts = {name: _quantile_ms(getattr(outcome, name), q) for name in ("queue", "prefill", "exposed")}
+        ttft = _quantile_ms(outcome.ttft, q)
+        if ttft > slo.ttft_ms:
+            said = ", ".join(f"{n} {v:,.0f} ms" for n, v in parts.items())
+            return f"{head}: TTFT {pq} {ttft:,.0f} ms > {slo.ttft_ms:g} ms ({pq}s: {said})", True
+    if slo.tpot_ms is not None:
+        tpot = _quantile_ms(outcome.tpot, q)
+        if tpot > slo.tpot_ms:
+            return f"{head}: TPOT {pq} {tpot:,.1f} ms > {slo.tpot_ms:g} ms", True
+    return head, True
+
+
 def max_rate(s: SimSetup) -> dict:
-    """The highest ``sim.rate`` at which ``sim.target`` of the requests meet the SLOs: bisection in log rate between
-    ``sim.search_lo`` and ``sim.search_hi`` (attainment is taken to fall with the rate). The plan table is built once
-    (prompts do not change with the rate)."""
+    """The highest ``sim.rate`` at which ``sim.target`` of the requests meet the SLOs (attainment is taken to fall
+    with the rate). The search brackets the rate first: from [``sim.search_lo``, ``sim.search_hi``], the low end
+    moves down (x1/4) while it misses and the high end up (x4) while it still meets them, each at most
+    ``SEARCH_MOVES`` times; then ``sim.search_steps`` bisections in log rate. The plan table is built once (prompts
+    do not change with the rate).
+
+    Returns ``max_rate`` (None when no rate met them), ``bound``: ``"="`` (bracketed: the rate found meets them and
+    one above it does not), ``">="`` (the highest rate tried still meets them: the fleet's limit is beyond it) or
+    None; ``why``: a line on what the answer cannot say (``why_missed`` at the lowest rate, when nothing met them);
+    ``bracket`` (the last rate that met them and the first that did not) and ``tried`` (every rate with its
+    attainment, in the order tried)."""
     at = lambda r: dataclasses.replace(s, sim=dataclasses.replace(s.sim, rate=r))  # noqa: E731
     a, i, o = requests(at(s.sim.search_lo))
     table = plans.build(s.setup, i)
     tried = []
 
-    def ok(rate: float) -> bool:
+    def probe(rate: float) -> tuple[bool, Result]:
         arr, isl, osl = requests(at(rate))
-        att = run(at(rate), arr, isl, osl, table).summary["slo_attainment"]
+        r = run(at(rate), arr, isl, osl, table)
+        att = r.summary["slo_attainment"]
         tried.append({"rate": rate, "slo_attainment": att})
-        return att is not None and att >= s.sim.target
+        return att is not None and att >= s.sim.target, r
+
+    def answer(rate, bound, bracket, why=None) -> dict:
+        return {"max_rate": rate, "bound": bound, "why": why, "bracket": bracket, "tried": tried}
 
     lo, hi = s.sim.search_lo, s.sim.search_hi
-    if not ok(lo):
-        return {"max_rate": None, "tried": tried}
-    if ok(hi):
-        return {"max_rate": hi, "tried": tried}
+    ok, r = probe(lo)
+    moves, before = 0, None
+    while not ok:  # the low end misses: move it down until one meets them, or say why none does
+        why, lower_helps = why_missed(at(lo), r.summary, r.outcome)
+        att = r.summary["slo_attainment"]
+        if before is not None and att is not None and att <= before:
+            # a quarter of the rate served no more requests: what misses does not shrink with the rate (requests
+            # of a trace that arrive at one instant queue for the prefill at any rate)
+            return answer(None, None, [None, lo], f"{why}; a quarter of the rate meets them no better (requests that "
+                          "arrive together wait for each other at any rate)")
+        if not lower_helps or moves == SEARCH_MOVES:  # a part that no rate shrinks, or nothing lower left
+            return answer(None, None, [None, lo], why)
+        before = att
+        try:
+            ok, r = probe(lo / SEARCH_FACTOR)
+        except ConfigError as e:  # a trace stretched past what it can be (kvlab.config.workload's limits)
+            return answer(None, None, [None, lo], f"{why}; a lower rate cannot be tried ({e.hint.split(';')[0]})")
+        hi, lo, moves = lo, lo / SEARCH_FACTOR, moves + 1
+    if moves == 0:  # the low end meets them: move the high end up until it misses
+        up, r_hi = probe(hi)
+        while up:
+            n = len(r_hi.outcome.ttft)
+            arrivals = r_hi.outcome.arrival
+            burst = len(arrivals) < 2 or np.ptp(arrivals) < np.nanmedian(r_hi.outcome.prefill)
+            if burst or moves == SEARCH_MOVES:  # a higher rate would bring the same burst of requests
+                why = (f"the {n} requests arrive almost at once there (within a median prefill) and still meet them: "
+                       "the fleet serves this burst; more requests (workload.requests) load it for longer"
+                       if burst else "raise sim.search_hi")
+                return answer(hi, ">=", [hi, None], f"{hi:.4g} req/s, the highest rate tried, meets the SLOs; {why}")
+            lo, hi, moves = hi, hi * SEARCH_FACTOR, moves + 1
+            up, r_hi = probe(hi)
     for _ in range(s.sim.search_steps):
         mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return {"max_rate": lo, "tried": tried}
+        lo, hi = (mid, hi) if probe(mid)[0] else (lo, mid)
+    return answer(lo, "=", [lo, hi])
 
 
 __all__ = ["CONF_DIR", "SimConfig", "SimSetup", "build_sim", "compose_sim", "requests", "run", "max_rate"]

@@ -4,8 +4,10 @@ A transport is chosen by the Hydra group ``transport=`` (``conf/transport/<name>
 the file's ``_target_`` names the class, its other keys are the constructor's options.
 ``p2p`` (kvlab.transports.p2p) pushes each chunk over torch.distributed, staged through
 slots or in place; ``ipc`` (kvlab.transports.ipc) lets the gen rank map the ctx rank's
-pools and pull each chunk's runs straight into its own pool; ``nixl`` (kvlab.transports.nixl)
-WRITEs each chunk through NIXL's agents, staged or pool to pool; ``auto`` (the default) is
+pools and pull each chunk's runs straight into its own pool; ``nixl`` (kvlab.transports.nixl,
+the ``nixl`` extra) WRITEs each chunk through NIXL's agents, staged or pool to pool; ``mooncake``
+(kvlab.transports.mooncake, the ``mooncake`` extra) writes each chunk through the Mooncake Transfer
+Engine, staged or pool to pool; ``auto`` (the default) is
 ``p2p``, or ``ipc`` where p2p's pair groups cannot be placed on the GPUs (kvlab.config.schema
 ``auto_transport``). A new transport is one module with a subclass of ``Transport`` and one
 YAML file naming it.
@@ -18,24 +20,27 @@ the transport moves bytes. Every strategy works with every transport.
 Protocol. Every rank of both sides makes these calls, in this order:
 
 1. ``cls.check(setup)`` (classmethod, in ``kvlab.config.schema.build``): ``ConfigError`` for
-   options or setups the transport cannot serve, before anything is allocated.
+   options or setups the transport cannot serve, before anything is allocated. It needs no package of the
+   transport's: ``kvlab plan``, ``kvlab sim`` and ``--help`` build setups of every transport. Then, only where
+   bytes move (``kvlab run``, ``kvlab link``, each rank: ``Setup.check_installed``), ``cls.installed(setup)``:
+   ``ConfigError`` naming the extra to install (kvlab.core.errors ``install_hint``) when its package is missing.
 2. ``Transport(setup, side, rank, world_rank, device, **options)``: no allocation yet.
 3. ``pool_storage(pool, nbytes)``: the zeroed uint8 tensor that holds one pool of this
    rank's cache (``kvlab.memory.cache.PagedCache`` asks for each pool once, at start). A pull
    transport puts the ctx pools where the gen ranks can map them.
-4. ``connect(executor)``: once, after the cache exists and after the device-memory
+4. ``connect(ctx)``: once, after the cache exists and after the device-memory
    baseline (what it allocates counts as the transfer's), before the barrier that starts
    the clock. Every rank calls it, so it may use the default group's store and
-   collectives. It may read the executor's ``setup``, ``side``, ``rank``, ``device``,
-   ``cache``, ``ops``, ``stream`` and ``faults``; ``executor.clock`` is set only after it,
-   and ``executor.chunks`` (this rank's chunks in the order ``start`` sees them) before
-   the first ``start``.
+   collectives. ``ctx`` is the rank's ``RankContext`` (below; the base keeps it as ``self.ctx``):
+   ``ctx.setup``, ``ctx.side``, ``ctx.rank``, ``ctx.device``, ``ctx.cache``, ``ctx.ops``,
+   ``ctx.stream`` and ``ctx.faults``; ``ctx.clock`` is set only after it, and ``ctx.chunks``
+   (this rank's chunks in the order ``start`` sees them) before the first ``start``.
 5. ``opened(request)`` on a ctx rank: the request's blocks are allocated (the prefill
    writes them layer by layer later, kvlab.model.prefill); its block tables are
-   ``executor.cache.tables[request.id]``.
+   ``ctx.cache.tables[request.id]``.
 6. ``start(i, chunk, rec) -> handle``: chunk ``i`` of this rank's chunks. On a ctx rank
    the chunk's layers are written (the strategy's readiness was waited for; on GPUs the
-   writes are queued on, or waited for by, ``executor.stream``: work queued there after
+   writes are queued on, or waited for by, ``ctx.stream``: work queued there after
    them sees them, another process must wait for the stream) and the chunk
    ``i - slots`` of this rank has finished. On a gen rank chunk ``i`` may be posted ahead
    of its data: nothing is assumed about the ctx side yet. ``rec`` is the request's
@@ -47,7 +52,7 @@ Protocol. Every rank of both sides makes these calls, in this order:
    when it returns the chunk's bytes are in the gen pool (the executor verifies the
    request after its last chunk). Returns whether the chunk moved without a copy into a
    staging buffer on this side. Appends ``(posted, done)`` to ``rec.wire``. Byte flips of
-   fault injection (``executor.faults.flip(i, buf)``, ``buf`` the chunk's bytes in wire
+   fault injection (``ctx.faults.flip(i, buf)``, ``buf`` the chunk's bytes in wire
    order) happen in here, on the bytes in flight. A peer that is gone or silent for
    ``transfer.timeout_s`` raises ``ChunkFailed`` within that deadline; the host never
    waits longer than that anywhere in this protocol.
@@ -219,6 +224,11 @@ class Transport(ABC):
     def check(cls, setup: Setup) -> None:
         """ConfigError for what this transport cannot serve; called before anything is allocated."""
 
+    @classmethod  # noqa: B027 -- an optional step of the protocol
+    def installed(cls, setup: Setup) -> None:
+        """ConfigError naming the extra to install when this transport's package is missing; only where bytes
+        move (kvlab.config.schema ``Setup.check_installed``)."""
+
     @property
     def sending(self) -> bool:
         return self.side == "ctx"
@@ -240,11 +250,11 @@ class Transport(ABC):
         """Protocol step 4: pair groups, staging, registrations, mappings (they count as the transfer's memory)."""
         self.ctx = ctx
 
-    def opened(self, req: Request) -> None:  # noqa: B027 -- an optional step of the protocol
+    def opened(self, request: Request) -> None:  # noqa: B027 -- an optional step of the protocol
         """Protocol step 5 (ctx): the request's blocks are allocated; its tables are ``ctx.cache.tables``."""
 
     @abstractmethod
-    def start(self, i: int, c: Chunk, rec: RequestRecord) -> object:
+    def start(self, i: int, chunk: Chunk, rec: RequestRecord) -> object:
         """Protocol step 6: post chunk ``i``; returns the handle ``finish``, ``poll`` and ``abandon`` get."""
 
     @abstractmethod

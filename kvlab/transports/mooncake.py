@@ -163,14 +163,16 @@ class Mooncake(Transport):
         ctas = o.get("pack_ctas")
         if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1):
             raise ConfigError("transport.pack_ctas", ctas, "use a positive number of CTAs, or null for one per SM")
+        if proto == "nvlink_intra" and setup.device == "cpu":
+            raise ConfigError("transport.protocol", proto, "NVLink moves GPU memory; use transport.protocol=tcp "
+                              "(or auto) with device=cpu")
+
+    @classmethod
+    def installed(cls, setup) -> None:
         mc = mooncake.api()
-        if proto == "nvlink_intra":
-            if setup.device == "cpu":
-                raise ConfigError("transport.protocol", proto, "NVLink moves GPU memory; use transport.protocol=tcp "
-                                  "(or auto) with device=cpu")
-            if not mc.SUPPORT_INTRA_NVLINK:
-                raise ConfigError("transport.protocol", proto, "the installed Mooncake wheel has no intra-node "
-                                  "NVLink transport (the CUDA wheel has); use transport.protocol=tcp or auto")
+        if setup.transport.options.get("protocol", "auto") == "nvlink_intra" and not mc.SUPPORT_INTRA_NVLINK:
+            raise ConfigError("transport.protocol", "nvlink_intra", "the installed Mooncake wheel has no intra-node "
+                              "NVLink transport (the CUDA wheel has); use transport.protocol=tcp or auto")
 
     @property
     def peak_staging_bytes(self) -> int:

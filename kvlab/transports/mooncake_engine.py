@@ -22,9 +22,8 @@ import socket
 import sys
 import tempfile
 
-from kvlab.core.errors import ConfigError
+from kvlab.core.errors import ConfigError, install_hint
 
-EXTRA = 'pip install -e ".[mooncake]"'
 LIBS = "libibverbs1 libnl-3-200 libnl-route-3-200"
 PROTOCOLS = ("auto", "tcp", "nvlink_intra")
 
@@ -41,8 +40,8 @@ def api():
         if "libibverbs" in missing or "libnl" in missing or "cannot open shared object" in missing:
             raise ConfigError("transport", "mooncake", f"the Mooncake Transfer Engine cannot load its system "
                               f"libraries ({missing.split(':')[0]}); apt-get install {LIBS}") from None
-        raise ConfigError("transport", "mooncake", f"the Mooncake Transfer Engine is not installed; {EXTRA} "
-                          f"(and apt-get install {LIBS})") from None
+        raise ConfigError("transport", "mooncake", install_hint("mooncake", "the Mooncake Transfer Engine")
+                          + f" and apt-get install {LIBS}") from None
     return engine
 
 

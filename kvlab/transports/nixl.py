@@ -155,6 +155,9 @@ class Nixl(Transport):
         if not isinstance(thread, bool):
             raise ConfigError("transport.progress_thread", thread, "use true (NIXL's own thread progresses WRITEs "
                               "and notifications) or false (the rank polls them)")
+
+    @classmethod
+    def installed(cls, setup) -> None:
         nixl.api()
         nixl.probe_ucx()
 

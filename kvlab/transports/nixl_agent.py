@@ -18,9 +18,7 @@ from functools import cache
 
 import torch
 
-from kvlab.core.errors import ConfigError
-
-EXTRA = 'pip install -e ".[nixl]"'
+from kvlab.core.errors import ConfigError, install_hint
 
 
 def api():
@@ -32,7 +30,7 @@ def api():
         try:  # the CUDA-13 build alone, without the meta package that picks it
             from nixl_cu13 import _api
         except ImportError:
-            raise ConfigError("transport", "nixl", f"the NIXL package is not installed; {EXTRA}") from None
+            raise ConfigError("transport", "nixl", install_hint("nixl", "the NIXL package")) from None
     return _api
 
 

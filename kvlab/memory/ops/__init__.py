@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from kvlab.core.errors import install_hint
 from kvlab.memory.ops import cpu, reference
 
 
@@ -46,7 +47,8 @@ def get_ops(kernels: str = "auto", device: str = "cpu"):
         cuda_ops.ensure_compiled()
     except Exception as e:
         if kernels == "cuda":
-            raise RuntimeError(f"kernels=cuda: the CUDA kernels are unavailable here ({e}); use kernels=torch") from e
+            why = install_hint("gpu", "NVRTC (cuda-core)") if isinstance(e, ImportError) else str(e)
+            raise RuntimeError(f"kernels=cuda: the CUDA kernels are unavailable here ({why}); use kernels=torch") from e
         return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
                                copy_rect=reference.copy_rect)
     return SimpleNamespace(name="cuda", pack=cuda_ops.pack, unpack=cuda_ops.unpack, copy_rect=cuda_ops.copy_rect)
