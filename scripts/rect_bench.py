@@ -86,7 +86,8 @@ def time_pair(kernel, copy, iters: int, repeats: int) -> list[tuple[float, float
     return out
 
 
-def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: int, repeats: int) -> dict:
+def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: int, repeats: int,
+         path: str | None = None) -> dict:
     g = torch.Generator().manual_seed(0)
     sp, dp = pool(model, ctx), pool(model, gen_layout, "fp8" if fp8 else "")
     src, dst = Side(sp, tokens, g, True), Side(dp, tokens, g, False)
@@ -95,7 +96,8 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
     nbytes = rect.nbytes(sp.rows)
 
     def kernel(r=rect):
-        cuda_ops.copy_rect(src.bytes, sp, src.num_blocks, src.ids, 0, dst.bytes, dp, dst.num_blocks, dst.ids, 0, r)
+        cuda_ops.copy_rect(src.bytes, sp, src.num_blocks, src.ids, 0, dst.bytes, dp, dst.num_blocks, dst.ids, 0, r,
+                           **({"path": path} if path else {}))
 
     # the check: the first 96 tokens against the torch reference
     small = Rect(sp.name, 0, len(sp.layers), 0, len(sp.heads), 0, min(96, tokens), tile)
@@ -114,7 +116,8 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
     if fp8:
         kind, _, _, elems = MODELS[model]
         shape = cuda_ops.convert_shape(kind.value, elems[0], "bf16", "bf16", "fp8")
-    r = {"model": model, "tokens": tokens, "ctx": ctx, "gen": gen_layout, "gen_fp8": fp8, "tile": tile,
+    path = "convert" if fp8 else path or cuda_ops.copy_path(sp, dp)[0]
+    r = {"model": model, "tokens": tokens, "ctx": ctx, "gen": gen_layout, "gen_fp8": fp8, "tile": tile, "path": path,
          "ctx_tpb": sp.tokens_per_block, "gen_tpb": dp.tokens_per_block, "source_bytes": nbytes,
          "delivered_bytes": rect.nbytes(dp.rows), "verified": ok, "one_pass": fp8 and shape is not None,
          "kernel_ms": kms[len(kms) // 2], "copy_ms": cms[len(cms) // 2],
@@ -140,6 +143,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--paths", nargs="+", default=["span", "runs"], help="the same-format kernels to time")
     ap.add_argument("--fp8-pairs", type=int, default=3, help="the first N pairs again with gen fp8")
     a = ap.parse_args()
     env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -148,24 +152,24 @@ def main() -> None:
     print(json.dumps(env), flush=True)
     for model in a.models:
         pairs = pairs_for(model, a.pairs)
-        todo = [(p, False) for p in pairs] + [(p, True) for p in pairs[:a.fp8_pairs]]
-        for (ctx, gen), fp8 in todo:
+        todo = [(p, False, path) for p in pairs for path in a.paths] + [(p, True, None) for p in pairs[:a.fp8_pairs]]
+        for (ctx, gen), fp8, path in todo:
             try:
-                r = case(model, ctx, gen, fp8, a.tokens, a.iters, a.repeats)
+                r = case(model, ctx, gen, fp8, a.tokens, a.iters, a.repeats, path)
             except Exception as e:  # one case's failure is a row of the table, not the end of the bench
                 r = {"model": model, "ctx": ctx, "gen": gen, "gen_fp8": fp8, "error": f"{type(e).__name__}: {e}"}
             torch.cuda.empty_cache()
             out["runs"].append(r)
             a.out.write_text(json.dumps(out, indent=1))
             print(json.dumps({k: v for k, v in r.items() if k != "repeats"}), flush=True)
-    print("| model | ctx -> gen | tile | gen fp8 | GB/s of source bytes | copy_ GB/s | ratio (median) | range "
+    print("| model | ctx -> gen | tile | path | gen fp8 | GB/s of source bytes | copy_ GB/s | ratio (median) | range "
           "| verified |")
-    print("| --- | --- | ---: | --- | ---: | ---: | ---: | --- | --- |")
+    print("| --- | --- | ---: | --- | --- | ---: | ---: | ---: | --- | --- |")
     for r in out["runs"]:
         if "error" in r:
             print(f"| {r['model']} | {r['ctx']} -> {r['gen']} | | {r['gen_fp8']} | failed: {r['error'][:120]} |")
             continue
-        print(f"| {r['model']} | {r['ctx']} -> {r['gen']} | {r['tile']} | {'yes' if r['gen_fp8'] else ''} | "
+        print(f"| {r['model']} | {r['ctx']} -> {r['gen']} | {r['tile']} | {r['path']} | {'yes' if r['gen_fp8'] else ''} | "
               f"{r['gbps']:,.0f} | {r['copy_gbps']:,.0f} | {r['ratio']:.3f} | {r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
               f" | {'yes' if r['verified'] else 'NO'} |")
 

@@ -365,8 +365,26 @@ def _side(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, 
             *_comp_params(pool, num_blocks), i32(rect.l0 - pool.layers.start), i32(rect.h0 - pool.heads.start))
 
 
+def copy_path(src_pool: RankPool, dst_pool: RankPool) -> tuple[str, str]:
+    """Which kernel moves a rectangle between these two pools of one format, and why: ``span``
+    (``kv_copy_span``: 16-byte vectors over spans of gcd(tokens_per_block) tokens by every head, addresses
+    affine within a span on both sides) wherever rows and strides are 16-byte aligned; else ``runs``
+    (``kv_copy_rect``: a warp or a lane group per run of the wire order, any alignment)."""
+    for name, p in (("ctx", src_pool), ("gen", dst_pool)):
+        for c, s in enumerate(p.comp_strides(1)):
+            if s.row % 16:
+                return "runs", f"{name} rows of component {c} are {s.row} bytes, not a multiple of 16"
+            if math.gcd(s.offset, s.block, s.layer, s.head, s.token) % 16:
+                return "runs", f"{name} strides of component {c} are not 16-byte aligned"
+    g = math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block)
+    how = ("whole runs" if src_pool.token_runs and dst_pool.token_runs else
+           "rows of one token on one side (a transpose of " + f"{src_pool.rows[0]}-byte rows)")
+    return "span", f"spans of {g} tokens x every head, 16-byte vectors; {how}"
+
+
 def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool, dst_num_blocks, dst_ids,
-              dst_base, rect, *, ctas: int | None = None, tuning: Tuning = RECT_TUNING) -> None:
+              dst_base, rect, *, ctas: int | None = None, tuning: Tuning = RECT_TUNING,
+              path: str | None = None) -> None:
     """``kernels/run_copy.cu`` on the current stream: every run of ``rect`` from the source pool into the
     destination pool in one launch, both sides' addresses computed on the device from their block tables
     (no index tensors, no host sync). ``src_bytes`` may be another process's pool opened through CUDA IPC."""
@@ -399,6 +417,10 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     # the kernel indexes tokens with int too (_check_cuda bounds the runs and their lengths)
     if rect.t1 > _INT_MAX:
         raise ValueError(f"rect {rect} exceeds the rectangle copy's limits (2^31 tokens)")
+    path = path or copy_path(src_pool, dst_pool)[0]
+    if path == "span" and _copy_spans(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool,
+                                      dst_num_blocks, dst_ids, dst_base, rect, ctas, tuning):
+        return
     from cuda.core import Device, LaunchConfig, Stream, launch
 
     Device(dev.index).set_current()
@@ -412,6 +434,54 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
            *_side(dst_pool, dst_num_blocks, rect, dst_ids, dst_base),
            i32(T), i64(rect.t0), i64(rect.t1), i32(rect.n_layers), i32(rect.n_heads), i32(len(rows)), i32(rows[0]),
            i32(rows[1] if len(rows) > 1 else 0), i32(S), i64(nruns))
+
+
+def _span_side(pool: RankPool, num_blocks: int, rect: Rect, ids: torch.Tensor, base: int, c: int) -> tuple:
+    """One side's ``SPAN_SIDE`` parameters for component ``c`` (kernels/run_copy.cu)."""
+    i32, i64 = np.int32, np.int64
+    s = pool.comp_strides(num_blocks)[c]
+    return (ids.data_ptr(), i32(ids.dtype == torch.int64), i32(pool.tokens_per_block), i64(base), i64(s.offset),
+            i64(s.block), i64(s.layer), i64(s.head), i64(s.token), i32(rect.l0 - pool.layers.start),
+            i32(rect.h0 - pool.heads.start))
+
+
+def _copy_spans(src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_pool, dst_nb, dst_ids, dst_base, rect,
+                ctas, tuning) -> bool:
+    """``kv_copy_span`` once per component, or False (nothing launched) where a pool's storage is not 16-byte
+    aligned or the rectangle has more vectors than the kernel's int indexes."""
+    if (src_bytes.data_ptr() | dst_bytes.data_ptr()) % 16:
+        return False
+    for s in src_pool.comp_strides(src_nb) + dst_pool.comp_strides(dst_nb):
+        if math.gcd(s.offset, s.block, s.layer, s.head, s.token, s.row) % 16:
+            return False
+    g = math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block)
+    spans = (rect.t1 - 1) // g - rect.t0 // g + 1
+    nvecs = [spans * rect.n_layers * rect.n_heads * g * (row // 16) for row in src_pool.rows]
+    if max(nvecs) > _INT_MAX - (1 << 26):  # the index runs past the end by a grid's step, at most 2^26
+        return False
+    from cuda.core import Device, LaunchConfig, Stream, launch
+
+    dev = dst_bytes.device
+    Device(dev.index).set_current()
+    kernel, resident = _span_kernel(dev.index, tuning)
+    stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
+    i32, i64 = np.int32, np.int64
+    per_cta = tuning.threads * min(tuning.unroll, 5)
+    for c, row in enumerate(src_pool.rows):
+        grid = max(1, min(ctas or resident, -(-nvecs[c] // per_cta)))
+        launch(stream, LaunchConfig(grid=grid, block=tuning.threads), kernel, src_bytes.data_ptr(),
+               dst_bytes.data_ptr(), *_span_side(src_pool, src_nb, rect, src_ids, src_base, c),
+               *_span_side(dst_pool, dst_nb, rect, dst_ids, dst_base, c), i32(g), i32(rect.t0), i32(rect.t1),
+               i32(rect.n_layers), i32(rect.n_heads), i32(row // 16), i64(nvecs[c]))
+    return True
+
+
+@lru_cache(maxsize=8)
+def _span_kernel(index: int, tuning: Tuning):
+    kernel, _, obj = _rect_kernel(index, tuning)
+    span = obj.get_kernel("kv_copy_span")
+    per_sm = span.occupancy.max_active_blocks_per_multiprocessor(tuning.threads, 0)
+    return span, max(1, per_sm) * _sm_count(index)
 
 
 @cache
