@@ -169,7 +169,8 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['model']} | {r['ctx']} -> {r['gen']} | | {r['gen_fp8']} | failed: {r['error'][:120]} |")
             continue
-        print(f"| {r['model']} | {r['ctx']} -> {r['gen']} | {r['tile']} | {r['path']} | {'yes' if r['gen_fp8'] else ''} | "
+        print(f"| {r['model']} | {r['ctx']} -> {r['gen']} | {r['tile']} | {r['path']} | "
+              f"{'yes' if r['gen_fp8'] else ''} | "
               f"{r['gbps']:,.0f} | {r['copy_gbps']:,.0f} | {r['ratio']:.3f} | {r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
               f" | {'yes' if r['verified'] else 'NO'} |")
 
