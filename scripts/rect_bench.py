@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvlab.memory.ops import cuda as cuda_ops  # noqa: E402
-from kvlab.memory.ops import reference  # noqa: E402
+from kvlab.memory.ops import paths, reference  # noqa: E402
 from kvlab.model.engine_layouts import LAYOUTS, EngineLayout, Layout  # noqa: E402
 from kvlab.model.layout import Rect  # noqa: E402
 from kvlab.model.spec import Kind, PoolSpec  # noqa: E402
@@ -115,8 +115,8 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
     shape = None
     if fp8:
         kind, _, _, elems = MODELS[model]
-        shape = cuda_ops.convert_shape(kind.value, elems[0], "bf16", "bf16", "fp8")
-    path = "convert" if fp8 else path or cuda_ops.copy_path(sp, dp)[0]
+        shape = paths.convert_shape(kind.value, elems[0], "bf16", "bf16", "fp8")
+    path = "convert" if fp8 else path or paths.copy_path(sp, dp)[0]
     r = {"model": model, "tokens": tokens, "ctx": ctx, "gen": gen_layout, "gen_fp8": fp8, "tile": tile, "path": path,
          "ctx_tpb": sp.tokens_per_block, "gen_tpb": dp.tokens_per_block, "source_bytes": nbytes,
          "delivered_bytes": rect.nbytes(dp.rows), "verified": ok, "one_pass": fp8 and shape is not None,

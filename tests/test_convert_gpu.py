@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab.memory.ops import reference
+from kvlab.memory.ops import paths, reference
 from kvlab.model import kv_dtype
 from kvlab.model.engine_layouts import LAYOUTS, EngineLayout, Layout
 from kvlab.model.layout import Rect
@@ -117,7 +117,7 @@ def test_conversion_in_the_copy_is_the_reference(cuda_ops, c):
     both_runs = src_pool.token_runs and dst_pool.token_runs
     tile = math.gcd(*c["tpbs"]) if both_runs else 1
     rect = Rect("p", **c["rect"], tile=tile)
-    shape = cuda_ops.convert_shape(kind, elems, base, *fmts)
+    shape = paths.convert_shape(kind, elems, base, *fmts)
     one_pass = shape is not None and c["off"] == 0
     staged = mock.patch.object(cuda_ops.convert, c["op"], side_effect=AssertionError("the staged form ran"))
     if c["op"] == "copy_rect":
@@ -154,11 +154,3 @@ def test_conversion_in_the_copy_is_the_reference(cuda_ops, c):
     torch.cuda.synchronize()
     assert torch.equal(got_w.cpu(), want_w.cpu())
 
-
-def test_shapes_the_kernel_takes(cuda_ops):
-    """The one-pass kernel takes the engines' rows (K/V of 64-256 values, DeepSeek's 576-value MLA row) in both
-    directions; casts between bf16 and fp16 stay with the staged form."""
-    assert cuda_ops.convert_shape("kv", 128, "bf16", "bf16", "fp8").lanes == 16
-    assert cuda_ops.convert_shape("mla", 576, "bf16", "fp8", "bf16").group == 128
-    assert cuda_ops.convert_shape("kv", 128, "bf16", "bf16", "fp16") is None
-    assert cuda_ops.convert_shape("kv", 12, "bf16", "bf16", "fp8") is None

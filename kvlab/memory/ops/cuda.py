@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from kvlab.core.paths import KERNELS_DIR
-from kvlab.memory.ops import convert
+from kvlab.memory.ops import convert, paths
+from kvlab.memory.ops.paths import ConvertShape
 from kvlab.memory.ops.reference import check_buffers, check_rect_pair
 from kvlab.model import kv_dtype
 from kvlab.model.layout import Rect, as_stored, converts
@@ -365,23 +366,6 @@ def _side(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, 
             *_comp_params(pool, num_blocks), i32(rect.l0 - pool.layers.start), i32(rect.h0 - pool.heads.start))
 
 
-def copy_path(src_pool: RankPool, dst_pool: RankPool) -> tuple[str, str]:
-    """Which kernel moves a rectangle between these two pools of one format, and why: ``span``
-    (``kv_copy_span``: 16-byte vectors over spans of gcd(tokens_per_block) tokens by every head, addresses
-    affine within a span on both sides) wherever rows and strides are 16-byte aligned; else ``runs``
-    (``kv_copy_rect``: a warp or a lane group per run of the wire order, any alignment)."""
-    for name, p in (("ctx", src_pool), ("gen", dst_pool)):
-        for c, s in enumerate(p.comp_strides(1)):
-            if s.row % 16:
-                return "runs", f"{name} rows of component {c} are {s.row} bytes, not a multiple of 16"
-            if math.gcd(s.offset, s.block, s.layer, s.head, s.token) % 16:
-                return "runs", f"{name} strides of component {c} are not 16-byte aligned"
-    g = math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block)
-    how = ("whole runs" if src_pool.token_runs and dst_pool.token_runs else
-           "rows of one token on one side (a transpose of " + f"{src_pool.rows[0]}-byte rows)")
-    return "span", f"spans of {g} tokens x every head, 16-byte vectors; {how}"
-
-
 def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool, dst_num_blocks, dst_ids,
               dst_base, rect, *, ctas: int | None = None, tuning: Tuning = RECT_TUNING,
               path: str | None = None) -> None:
@@ -417,7 +401,7 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     # the kernel indexes tokens with int too (_check_cuda bounds the runs and their lengths)
     if rect.t1 > _INT_MAX:
         raise ValueError(f"rect {rect} exceeds the rectangle copy's limits (2^31 tokens)")
-    path = path or copy_path(src_pool, dst_pool)[0]
+    path = path or paths.copy_path(src_pool, dst_pool)[0]
     if path == "span" and _copy_spans(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool,
                                       dst_num_blocks, dst_ids, dst_base, rect, ctas, tuning):
         return
@@ -528,35 +512,6 @@ def convert_rows(rows: torch.Tensor, kind: str, elems: int, base: str, src: str,
 
 # ---- the KV dtype converted inside the copy (kv_convert_rect in kernels/fp8_rows.cu) ----
 
-@dataclass(frozen=True)
-class ConvertShape:
-    """One component's conversion as ``kv_convert_rect`` does it: ``q`` values quantized in groups of ``group``,
-    a team of ``lanes`` lanes per row, ``to_fp8`` the direction."""
-
-    kind: str
-    elems: int
-    base: str
-    q: int
-    group: int
-    lanes: int
-    to_fp8: bool
-
-
-def convert_shape(kind: str, elems: int, base: str, src: str, dst: str) -> ConvertShape | None:
-    """The one-pass kernel's shape for rows of ``kind`` from format ``src`` to ``dst``, or None where it does not
-    take them (a cast between bf16 and fp16, groups not of whole 8-value pieces or above 256 values): those
-    rows go the staged way (kvlab.memory.ops.convert)."""
-    if base not in kv_dtype.BASES or not kv_dtype.converts(kind, base) or {src, dst} != {base, "fp8"}:
-        return None
-    q, group = kv_dtype.groups(kind, elems)
-    if q <= 0 or q % 8 or group % 8 or group > 256:
-        return None
-    lanes = 1
-    while lanes * 8 < group:
-        lanes *= 2
-    return ConvertShape(kind, elems, base, q, group, lanes, dst == "fp8")
-
-
 def _pool_cside(pool: RankPool, num_blocks: int, rect: Rect, ids: torch.Tensor, base: int, c: int):
     """(kernel parameters ``CSIDE`` of one pool's component ``c``, the alignment every row start keeps)."""
     i32, i64 = np.int32, np.int64
@@ -593,11 +548,10 @@ CONVERT_THREADS = 256  # the kernel's launch bound
 
 
 def _convert_sides(spec_src, spec_dst, rect: Rect) -> list[ConvertShape] | None:
-    """Every component's shape from ``spec_src``'s format to ``spec_dst``'s, or None where one is not the kernel's."""
-    kind = str(getattr(spec_src.kind, "value", spec_src.kind))
-    sf, df = pool_format(spec_src), pool_format(spec_dst)
-    shapes = [convert_shape(kind, n, d, sf, df) for n, d in zip(spec_src.comp_elems, spec_src.comp_dtypes)]
-    if rect.n_tokens <= 0 or any(x is None for x in shapes):
+    """Every component's shape from ``spec_src``'s format to ``spec_dst``'s (kvlab.memory.ops.paths), or None where
+    one is not the kernel's or the rectangle is beyond its int indexes."""
+    shapes = paths.convert_shapes(spec_src, spec_dst)
+    if shapes is None or rect.n_tokens <= 0:
         return None
     if rect.n_tokens * rect.n_layers * rect.n_heads > _INT_MAX or rect.t1 > _INT_MAX:
         return None
