@@ -57,7 +57,7 @@ if [ $serving = 1 ]; then
   fi
 fi
 true
-[ $engines = 1 ] && timeout 400 python3 scripts/ipc_bench.py --engines --no-handoff --out "$out/engines_h200.json" \
+[ $engines = 1 ] && timeout 500 python3 scripts/ipc_bench.py --engines --no-handoff --requests 6 --repeats 3 --out "$out/engines_h200.json" \
   2>&1 | tee "$out/engines.log" | tail -12
 true
 [ $mooncake = 1 ] && timeout 400 python3 scripts/mooncake_bench.py --gpu --out "$out/mooncake_h200.json" 2>&1 \
