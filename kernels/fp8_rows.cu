@@ -109,6 +109,13 @@ __device__ __forceinline__ unsigned e4m3x2(float a, float b) {
 #endif
 }
 
+// x / s clamped to [-448, 448] as the rule says: the conversion's satfinite clamps by itself on sm_89+
+#if __CUDA_ARCH__ >= 890
+#define CLAMP448(y) (y)
+#else
+#define CLAMP448(y) fminf(fmaxf((y), -448.0f), 448.0f)
+#endif
+
 __device__ __forceinline__ float e4m3_value(unsigned c) {
   const unsigned e = (c >> 3) & 15u, m = c & 7u;
   const float a = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
@@ -121,115 +128,134 @@ __device__ __forceinline__ float e4m3_value(unsigned c) {
   const void *P##ids, int P##ids64, int P##tpb, i64 P##base, i64 P##off, i64 P##bs, i64 P##ls, i64 P##hs, \
       i64 P##ns, int P##loff, int P##hoff, int P##wire, i64 P##wbpl, i64 P##wcomp, i64 P##wrow
 
-#define CROW_AT(P, t, l, h)                                                                             \
-  (P##wire ? ((i64)(ts_ - t0) * nl * P##wbpl + (i64)(te_ - ts_) * ((i64)(l) * P##wbpl + P##wcomp +        \
-                                                                   (i64)(h) * P##wrow) +              \
-              (i64)((t) - ts_) * P##wrow)                                                             \
-           : (P##ids64 ? ((const i64*)P##ids)[(t) / P##tpb - P##base]                                 \
-                       : (i64)((const int*)P##ids)[(t) / P##tpb - P##base]) * P##bs +                 \
-                 (i64)((l) + P##loff) * P##ls + P##off + (i64)((h) + P##hoff) * P##hs +               \
-                 (i64)((t) % P##tpb) * P##ns)
+// Where the item's rows lie on one side: row (h, k) at B + h * HS + k * NS, for the span of g tokens from ss of
+// layer l. A wire's span is one wire tile (g = the rectangle's tile): [tile][layer][component][head][token rows],
+// the first and last tiles cut to [t0, t1).
+#define CSIDE_ITEM(P, ss, l, B, HS, NS)                                                                 \
+  if (P##wire) {                                                                                        \
+    const int a_ = (ss) > t0 ? (ss) : t0, e_ = (ss) + g < t1 ? (ss) + g : t1;                          \
+    NS = P##wrow;                                                                                       \
+    HS = (i64)(e_ - a_) * P##wrow;                                                                      \
+    B = (i64)(a_ - t0) * nl * P##wbpl + (i64)(e_ - a_) * ((i64)(l) * P##wbpl + P##wcomp) -              \
+        (i64)(a_ - (ss)) * P##wrow;                                                                     \
+  } else {                                                                                              \
+    NS = P##ns;                                                                                         \
+    HS = P##hs;                                                                                         \
+    B = (P##ids64 ? ((const i64*)P##ids)[(ss) / P##tpb - P##base]                                       \
+                  : (i64)((const int*)P##ids)[(ss) / P##tpb - P##base]) * P##bs +                       \
+        (i64)((l) + P##loff) * P##ls + P##off + (i64)P##hoff * P##hs + (i64)((ss) % P##tpb) * P##ns;   \
+  }
 
+#define FDIV(n, M, l) ((int)((__umulhi((unsigned)(n), (M)) + (unsigned)(n)) >> (l)))
+
+// Items: a span of g tokens (one block on each pool side, one wire tile on a wire side) by every head of one
+// layer; a warp takes an item, reads the block tables and computes both sides' bases once, and its teams walk
+// the item's rows (head, token) with multiplications by precomputed reciprocals (FDIV), not divisions.
 extern "C" __global__ void __launch_bounds__(256)
 kv_convert_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, CSIDE(s_), CSIDE(d_),
-                int tile, int t0, int t1, int nl, int nh, int elems, int q, int group, int L, int to_fp8, int fp16) {
+                int g, int t0, int t1, int nl, int nh, int elems, int q, int group, int L, int to_fp8, int fp16,
+                unsigned gM, int gL, unsigned nlM, int nlL, int items) {
   const int lane = threadIdx.x & 31, team = lane / L, j = lane % L, teams = 32 / L;
-  const int ntok = t1 - t0, ngroups = (q + group - 1) / group;
+  const int ngroups = (q + group - 1) / group;
   const int rope = elems - q;  // values after the quantized part, kept as they are (MLA's RoPE part)
-  const i64 nrows = (i64)ntok * nl * nh;
-  const i64 step = (i64)((gridDim.x * blockDim.x) >> 5) * teams * KV_ROWS;
-  // row i: token t0 + i % ntok, head (i / ntok) % nh, layer i / (ntok * nh): a team's rows follow each other
+  const int rows = nh * g, s0 = t0 / g;
+  const int nwarps = (gridDim.x * blockDim.x) >> 5;
 #pragma unroll 1
-  for (i64 r0 = (i64)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * teams * KV_ROWS; r0 < nrows; r0 += step) {
-    const unsigned char* sp[KV_ROWS];
-    unsigned char* dp[KV_ROWS];
+  for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < items; item += nwarps) {
+    const int qq = FDIV(item, nlM, nlL);
+    const int l = item - qq * nl, ss = (qq + s0) * g;
+    const int klo = t0 - ss > 0 ? t0 - ss : 0, khi = t1 - ss < g ? t1 - ss : g;
+    i64 sB, sH, sN, dB, dH, dN;
+    CSIDE_ITEM(s_, ss, l, sB, sH, sN);
+    CSIDE_ITEM(d_, ss, l, dB, dH, dN);
+#pragma unroll 1
+    for (int r0 = 0; r0 < rows; r0 += teams * KV_ROWS) {
+      const unsigned char* sp[KV_ROWS];
+      unsigned char* dp[KV_ROWS];
 #pragma unroll
-    for (int r = 0; r < KV_ROWS; ++r) {
-      const i64 i = r0 + (i64)r * teams + team;  // the warp's teams on neighbouring rows at each r
-      sp[r] = 0;
-      dp[r] = 0;
-      if (i < nrows) {
-        const int ii = (int)i;  // rows fit in int (the launcher checks): 32-bit division
-        const int t = t0 + ii % ntok;
-        const int x = ii / ntok, h = x % nh, l = x / nh;
-        const int ts_ = (t / tile) * tile > t0 ? (t / tile) * tile : t0;
-        const int te_ = (t / tile + 1) * tile < t1 ? (t / tile + 1) * tile : t1;
-        sp[r] = src + CROW_AT(s_, t, l, h);
-        dp[r] = dst + CROW_AT(d_, t, l, h);
+      for (int r = 0; r < KV_ROWS; ++r) {
+        const int row = r0 + r * teams + team;  // the warp's teams on neighbouring rows at each r
+        const int h = FDIV(row, gM, gL), k = row - h * g;
+        sp[r] = 0;
+        dp[r] = 0;
+        if (row < rows && k >= klo && k < khi) {
+          sp[r] = src + sB + h * sH + k * sN;
+          dp[r] = dst + dB + h * dH + k * dN;
+        }
       }
-    }
 #pragma unroll 1
-    for (int gi = 0; gi < ngroups; ++gi) {
-      const int g0 = gi * group, n = q - g0 < group ? q - g0 : group;
-      const bool mine = j * 8 < n;  // this lane's 8 values of the group
-      if (to_fp8) {
-        uint4 v[KV_ROWS];
+      for (int gi = 0; gi < ngroups; ++gi) {
+        const int g0 = gi * group, n = q - g0 < group ? q - g0 : group;
+        const bool mine = j * 8 < n;  // this lane's 8 values of the group
+        if (to_fp8) {
+          uint4 v[KV_ROWS];
 #pragma unroll
-        for (int r = 0; r < KV_ROWS; ++r)
-          if (sp[r] && mine) v[r] = *(const uint4*)(sp[r] + 2 * (g0 + 8 * j));
+          for (int r = 0; r < KV_ROWS; ++r)
+            if (sp[r] && mine) v[r] = *(const uint4*)(sp[r] + 2 * (g0 + 8 * j));
 #pragma unroll
-        for (int r = 0; r < KV_ROWS; ++r) {
-          float x[8];
-          const unsigned w[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
-          float amax = 0.0f;
-          if (sp[r] && mine) {
+          for (int r = 0; r < KV_ROWS; ++r) {
+            float x[8];
+            const unsigned w[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+            float amax = 0.0f;
+            if (sp[r] && mine) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              if (fp16) {
-                x[2 * e] = f16_to_f32((unsigned short)(w[e] & 0xFFFFu));
-                x[2 * e + 1] = f16_to_f32((unsigned short)(w[e] >> 16));
-              } else {
-                x[2 * e] = __uint_as_float(w[e] << 16);
-                x[2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
+              for (int e = 0; e < 4; ++e) {
+                if (fp16) {
+                  x[2 * e] = f16_to_f32((unsigned short)(w[e] & 0xFFFFu));
+                  x[2 * e + 1] = f16_to_f32((unsigned short)(w[e] >> 16));
+                } else {
+                  x[2 * e] = __uint_as_float(w[e] << 16);
+                  x[2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
+                }
               }
+#pragma unroll
+              for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(x[e]));
+            }
+            for (int o = L >> 1; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            if (!(sp[r] && mine)) continue;
+            const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+            unsigned c[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              c[e] = e4m3x2(CLAMP448(x[2 * e] / s), CLAMP448(x[2 * e + 1] / s));
+            unsigned* o = (unsigned*)(dp[r] + g0 + 8 * j);
+            o[0] = c[0] | (c[1] << 16);
+            o[1] = c[2] | (c[3] << 16);
+            if (j == 0) *(unsigned*)(dp[r] + q + 4 * gi) = __float_as_uint(s);
+          }
+        } else {
+          uint2 v[KV_ROWS];
+          float s[KV_ROWS];
+#pragma unroll
+          for (int r = 0; r < KV_ROWS; ++r)
+            if (sp[r] && mine) {
+              const unsigned* p = (const unsigned*)(sp[r] + g0 + 8 * j);
+              v[r] = make_uint2(p[0], p[1]);
+              s[r] = *(const float*)(sp[r] + q + 4 * gi);
             }
 #pragma unroll
-            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(x[e]));
+          for (int r = 0; r < KV_ROWS; ++r) {
+            if (!(sp[r] && mine)) continue;
+            unsigned o[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const unsigned w = e < 2 ? v[r].x : v[r].y, sh = (e & 1) * 16;
+              const unsigned lo = f32_to_base(e4m3_value((w >> sh) & 0xFFu) * s[r], fp16);
+              const unsigned hi = f32_to_base(e4m3_value((w >> (sh + 8)) & 0xFFu) * s[r], fp16);
+              o[e] = lo | (hi << 16);
+            }
+            *(uint4*)(dp[r] + 2 * (g0 + 8 * j)) = make_uint4(o[0], o[1], o[2], o[3]);
           }
-          for (int o = L >> 1; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-          if (!(sp[r] && mine)) continue;
-          const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
-          unsigned c[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            c[e] = e4m3x2(fminf(fmaxf(x[2 * e] / s, -448.0f), 448.0f), fminf(fmaxf(x[2 * e + 1] / s, -448.0f), 448.0f));
-          unsigned* o = (unsigned*)(dp[r] + g0 + 8 * j);
-          o[0] = c[0] | (c[1] << 16);
-          o[1] = c[2] | (c[3] << 16);
-          if (j == 0) *(unsigned*)(dp[r] + q + 4 * gi) = __float_as_uint(s);
-        }
-      } else {
-        uint2 v[KV_ROWS];
-        float s[KV_ROWS];
-#pragma unroll
-        for (int r = 0; r < KV_ROWS; ++r)
-          if (sp[r] && mine) {
-            const unsigned* p = (const unsigned*)(sp[r] + g0 + 8 * j);
-            v[r] = make_uint2(p[0], p[1]);
-            s[r] = *(const float*)(sp[r] + q + 4 * gi);
-          }
-#pragma unroll
-        for (int r = 0; r < KV_ROWS; ++r) {
-          if (!(sp[r] && mine)) continue;
-          unsigned o[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const unsigned w = e < 2 ? v[r].x : v[r].y, sh = (e & 1) * 16;
-            const unsigned lo = f32_to_base(e4m3_value((w >> sh) & 0xFFu) * s[r], fp16);
-            const unsigned hi = f32_to_base(e4m3_value((w >> (sh + 8)) & 0xFFu) * s[r], fp16);
-            o[e] = lo | (hi << 16);
-          }
-          *(uint4*)(dp[r] + 2 * (g0 + 8 * j)) = make_uint4(o[0], o[1], o[2], o[3]);
         }
       }
-    }
-    if (rope) {  // the values kept as they are: 2-byte words after the scales (fp8) or the quantized part (base)
-      const int sa = to_fp8 ? 2 * q : q + 4 * ngroups, da = to_fp8 ? q + 4 * ngroups : 2 * q;
+      if (rope) {  // the values kept as they are: 2-byte words after the scales (fp8) or the quantized part (base)
+        const int sa = to_fp8 ? 2 * q : q + 4 * ngroups, da = to_fp8 ? q + 4 * ngroups : 2 * q;
 #pragma unroll
-      for (int r = 0; r < KV_ROWS; ++r)
-        if (sp[r])
-          for (int b = j; b < rope; b += L)
-            ((unsigned short*)(dp[r] + da))[b] = ((const unsigned short*)(sp[r] + sa))[b];
+        for (int r = 0; r < KV_ROWS; ++r)
+          if (sp[r])
+            for (int b = j; b < rope; b += L)
+              ((unsigned short*)(dp[r] + da))[b] = ((const unsigned short*)(sp[r] + sa))[b];
+      }
     }
   }
 }

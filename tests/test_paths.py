@@ -15,8 +15,13 @@ def kv_pool(layout, tpb: int, elems: int = 128, fmt: str = "") -> RankPool:
 def test_a_transpose_of_aligned_rows_takes_the_span_kernel():
     path, why = paths.copy_path(kv_pool(EngineLayout.vllm_lbnhc, 16), kv_pool(EngineLayout.trtllm, 32))
     assert path == "span" and "transpose" in why and "16 tokens" in why
+    path, why = paths.rect_path(kv_pool(Layout.block_major, 16), kv_pool(Layout.layer_major, 64))
+    assert path == "span" and "runs of 16 tokens of one head, 4096 bytes" in why
+
+
+def test_long_runs_take_the_run_kernel():
     path, why = paths.rect_path(kv_pool(Layout.block_major, 32), kv_pool(Layout.layer_major, 64))
-    assert path == "span" and "runs of 32 tokens" in why
+    assert path == "runs" and "a warp per run" in why
 
 
 def test_unaligned_rows_take_the_run_kernel():

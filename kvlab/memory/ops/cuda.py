@@ -439,9 +439,8 @@ def _copy_spans(src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_p
         if math.gcd(s.offset, s.block, s.layer, s.head, s.token, s.row) % 16:
             return False
     g = math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block)
-    spans = (rect.t1 - 1) // g - rect.t0 // g + 1
-    nvecs = [spans * rect.n_layers * rect.n_heads * g * (row // 16) for row in src_pool.rows]
-    if max(nvecs) > _INT_MAX - (1 << 26):  # the index runs past the end by a grid's step, at most 2^26
+    items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * rect.n_layers
+    if items > _INT_MAX or rect.n_heads * g * max(src_pool.rows) // 16 > _INT_MAX - (1 << 16):
         return False
     from cuda.core import Device, LaunchConfig, Stream, launch
 
@@ -449,15 +448,25 @@ def _copy_spans(src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_p
     Device(dev.index).set_current()
     kernel, resident = _span_kernel(dev.index, tuning)
     stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
-    i32, i64 = np.int32, np.int64
-    per_cta = tuning.threads * min(tuning.unroll, 5)
+    i32 = np.int32
+    warps = tuning.threads // 32
+    grid = max(1, min(ctas or resident, -(-items // warps)))
     for c, row in enumerate(src_pool.rows):
-        grid = max(1, min(ctas or resident, -(-nvecs[c] // per_cta)))
+        m = row // 16
         launch(stream, LaunchConfig(grid=grid, block=tuning.threads), kernel, src_bytes.data_ptr(),
                dst_bytes.data_ptr(), *_span_side(src_pool, src_nb, rect, src_ids, src_base, c),
                *_span_side(dst_pool, dst_nb, rect, dst_ids, dst_base, c), i32(g), i32(rect.t0), i32(rect.t1),
-               i32(rect.n_layers), i32(rect.n_heads), i32(row // 16), i64(nvecs[c]))
+               i32(rect.n_layers), i32(rect.n_heads), i32(m), *fast_div(m), *fast_div(g), *fast_div(rect.n_layers),
+               i32(items))
     return True
+
+
+def fast_div(d: int) -> tuple:
+    """(M, l) with n // d == (umulhi(n, M) + n) >> l for 0 <= n < 2^31 (``FDIV`` in kernels/run_copy.cu)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"fast_div: divisor {d} outside [1, 2^31)")
+    l = (d - 1).bit_length()
+    return np.uint32((2**32 * (2**l - d)) // d + 1), np.int32(l)
 
 
 @lru_cache(maxsize=8)
@@ -558,7 +567,8 @@ def _convert_sides(spec_src, spec_dst, rect: Rect) -> list[ConvertShape] | None:
     return shapes
 
 
-def _convert_launch(src_bytes, src_sides, dst_bytes, dst_sides, rect: Rect, shapes, ctas: int | None) -> bool:
+def _convert_launch(src_bytes, src_sides, dst_bytes, dst_sides, rect: Rect, shapes, ctas: int | None,
+                    g: int) -> bool:
     """One ``kv_convert_rect`` per component, or False (nothing launched) where an alignment does not hold."""
     for c, sh in enumerate(shapes):
         (_, sa), (_, da) = src_sides[c], dst_sides[c]
@@ -572,14 +582,16 @@ def _convert_launch(src_bytes, src_sides, dst_bytes, dst_sides, rect: Rect, shap
     kernel, resident, _ = _convert_kernel(dev.index)
     stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
     i32 = np.int32
-    rows = rect.n_tokens * rect.n_layers * rect.n_heads
+    # items: a span of g tokens (one block on a pool side, one wire tile on a wire side) by every head of a layer
+    items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * rect.n_layers
+    if items > _INT_MAX or rect.n_heads * g > _INT_MAX // 2:
+        return False
+    grid = max(1, min(ctas or resident, -(-items // (CONVERT_THREADS // 32))))
     for c, sh in enumerate(shapes):
-        per_cta = CONVERT_THREADS // 32 * (32 // sh.lanes) * 4  # rows a CTA takes per step (KV_ROWS = 4)
-        grid = max(1, min(ctas or resident, -(-rows // per_cta)))
         launch(stream, LaunchConfig(grid=grid, block=CONVERT_THREADS), kernel, src_bytes.data_ptr(),
-               dst_bytes.data_ptr(), *src_sides[c][0], *dst_sides[c][0], i32(rect.tile), i32(rect.t0), i32(rect.t1),
+               dst_bytes.data_ptr(), *src_sides[c][0], *dst_sides[c][0], i32(g), i32(rect.t0), i32(rect.t1),
                i32(rect.n_layers), i32(rect.n_heads), i32(sh.elems), i32(sh.q), i32(sh.group), i32(sh.lanes),
-               i32(sh.to_fp8), i32(sh.base == "fp16"))
+               i32(sh.to_fp8), i32(sh.base == "fp16"), *fast_div(g), *fast_div(rect.n_layers), i32(items))
     return True
 
 
@@ -606,7 +618,7 @@ def _convert_pools(src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, ds
     n = len(shapes)
     return _convert_launch(src_bytes, [_pool_cside(src_pool, src_nb, own, src_ids, src_base, c) for c in range(n)],
                            dst_bytes, [_pool_cside(dst_pool, dst_nb, own, dst_ids, dst_base, c) for c in range(n)],
-                           own, shapes, ctas)
+                           own, shapes, ctas, math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block))
 
 
 def _wire_rows(pool: RankPool, rect: Rect) -> tuple[int, ...]:
@@ -638,7 +650,8 @@ def _convert_pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out
     block_ids = block_ids.contiguous()
     n, rows = len(shapes), wire.comp_row_bytes()
     return _convert_launch(pool_bytes, [_pool_cside(pool, num_blocks, own, block_ids, block_base, c) for c in range(n)],
-                           out, [_wire_cside(rows, own, block_ids, c) for c in range(n)], own, shapes, ctas)
+                           out, [_wire_cside(rows, own, block_ids, c) for c in range(n)], own, shapes, ctas,
+                           own.tile)
 
 
 def _convert_unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, ctas) -> bool:
@@ -652,4 +665,4 @@ def _convert_unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, poo
     n, rows = len(shapes), wire.comp_row_bytes()
     return _convert_launch(wire_buf, [_wire_cside(rows, own, block_ids, c) for c in range(n)], pool_bytes,
                            [_pool_cside(pool, num_blocks, own, block_ids, block_base, c) for c in range(n)], own,
-                           shapes, ctas)
+                           shapes, ctas, own.tile)

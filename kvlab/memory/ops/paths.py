@@ -3,9 +3,10 @@
 address is not aligned).
 
 - Same format, ``span`` (``kv_copy_span`` in kernels/run_copy.cu): 16-byte vectors over spans of
-  gcd(tokens_per_block) tokens by every head, where every row and stride is 16-byte aligned; a pair whose runs
-  are single rows on one side (vLLM's NHD into TensorRT-LLM's HND) or one block of one head (4 KiB) moves as
-  long runs do. Else ``runs`` (``kv_copy_rect``: a warp or a lane group per run, any alignment).
+  gcd(tokens_per_block) tokens by every head, where every row and stride is 16-byte aligned and the runs are
+  short: single rows on one side (vLLM's NHD into TensorRT-LLM's HND) or runs below ``LONG_RUN`` (Gemma-3's
+  4 KiB of one block of one head). Else ``runs`` (``kv_copy_rect``: a warp per long run, lane groups per short
+  one, any alignment).
 - Another KV dtype, ``convert`` (``kv_convert_rect`` in kernels/fp8_rows.cu): read, convert, write in one pass,
   where the rows are bf16/fp16 <-> fp8 in groups of whole 8-value pieces of at most 256 values; else ``staged``
   (kvlab.memory.ops.convert: the rows moved into scratch, converted, moved out).
@@ -19,6 +20,10 @@ from kvlab.model import kv_dtype
 from kvlab.model.spec import PoolSpec
 from kvlab.model.state import RankPool, pool_format
 
+# runs this long keep a warp's lanes busy and amortize their decode: kv_copy_rect moves them at about 0.9 of copy_
+# (docs/results/kernels.md); shorter ones, and single rows, go to kv_copy_span
+LONG_RUN = 8192
+
 
 def copy_path(src_pool: RankPool, dst_pool: RankPool) -> tuple[str, str]:
     """(``span`` or ``runs``, why) for a rectangle between two pools of one format."""
@@ -30,7 +35,10 @@ def copy_path(src_pool: RankPool, dst_pool: RankPool) -> tuple[str, str]:
                 return "runs", f"{name} strides of component {c} are not 16-byte aligned"
     g = math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block)
     if src_pool.token_runs and dst_pool.token_runs:
-        how = f"runs of {g} tokens of one head on both sides"
+        run = g * min(src_pool.rows)
+        if run >= LONG_RUN:
+            return "runs", f"runs of {g} tokens of one head ({run} bytes or more): a warp per run streams them"
+        how = f"runs of {g} tokens of one head, {run} bytes"
     else:
         side = "ctx" if not src_pool.token_runs else "gen"
         how = f"a transpose: the {side} side keeps single {src_pool.rows[0]}-byte token rows"
