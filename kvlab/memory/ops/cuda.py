@@ -1,4 +1,6 @@
-"""CUDA pack/unpack: ``kernels/kv_copy.cu`` compiled with NVRTC, launched on torch's current stream.
+"""CUDA pack/unpack: ``kernels/kv_copy.cu`` compiled with NVRTC, launched on torch's current stream; copy_rect:
+``kernels/run_copy.cu``; another KV dtype converted in the copy: ``kernels/fp8_rows.cu`` (the choice of kernel per
+pair of pools: kvlab.memory.ops.paths).
 
 Same signature as :mod:`kvlab.memory.ops.reference`, plus ``ctas``: the kernels walk work items of
 about one warp step (pieces of long runs, batches of short ones) in a grid-stride loop, so a
