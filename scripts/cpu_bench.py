@@ -10,12 +10,12 @@ alone (pack, unpack and ``copy_`` of its chunks in one process). The machine's l
 is recorded before and after each case: on a shared machine a figure is only worth as much
 as the quiet it was measured in.
 
-How to measure (the README's CPU table comes from the JSON this writes):
+How to measure (the CPU results page, docs/results/cpu.md, comes from the JSON this writes):
   1. nothing else running on the machine: `uptime` shows a load average well under 1;
   2. python scripts/cpu_bench.py --repeat 3 --out results/cpu_bench.json
      (each run is one `kvlab run` of 15-20 s on this 2-core machine at load 3);
   3. python scripts/cpu_bench.py --table results/cpu_bench.json
-     prints the README's table rows (each run with its load average) from that JSON.
+     prints that page's table rows (each run with its load average) from that JSON.
 """
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def busy(shares: dict | None) -> str:
 
 
 def table(path: Path) -> str:
-    """The README's rows for the runs of a JSON this script wrote."""
+    """The results page's rows for the runs of a JSON this script wrote."""
     runs = json.loads(path.read_text())["runs"]
     lines = ["| case | GiB | GB/s | raw gloo GB/s | link_ratio | CPU busy in the transfer (user / system) | wall s "
              "| peak RSS / (cache + staging), worst rank |",
@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu_bench.json", help="the JSON to write")
     ap.add_argument("--repeat", type=int, default=1, help="runs per case; the JSON keeps them all")
     ap.add_argument("--note", default="", help="a line kept in the JSON (where and how it was measured)")
-    ap.add_argument("--table", type=Path, metavar="JSON", help="print the README's table of a JSON and exit")
+    ap.add_argument("--table", type=Path, metavar="JSON", help="print the results page's table of a JSON and exit")
     args = ap.parse_args()
     if args.table is not None:
         print(table(args.table))

@@ -112,7 +112,7 @@ def ucx_choice(log: str) -> list[str]:
 
 
 def markdown(report: dict) -> str:
-    """The README's tables of a report: transfers against their references, then the raw curve."""
+    """The results page's tables of a report: transfers against their references, then the raw curve."""
     load = [r["load_avg"][0] for r in report["transfers"] if r.get("load_avg")]
     cores = f" ({report['cpus']} cores)" if report.get("cpus") else ""
     head = (f"{report['device']}{cores}, NIXL {report['nixl']}, UCX {report.get('ucx')}, torch {report['torch']}, "

@@ -1,4 +1,5 @@
-"""Markdown tables of a bench JSON (scripts/bench.py), for the README: numbers are never copied by hand.
+"""Markdown tables of a bench JSON (scripts/bench.py), for the results pages (docs/results/): numbers are
+never copied by hand.
 
     python scripts/results_table.py results/bench_h200x2.json        # transfers
     python scripts/results_table.py results/kernel_bench_h200.json   # pack/unpack kernels

@@ -16,7 +16,7 @@ from kvlab.config.schema import compose
 from kvlab.core.errors import ConfigError
 
 GPU = torch.cuda.is_available()
-README = Path(__file__).resolve().parent.parent / "README.md"
+RELIABILITY = Path(__file__).resolve().parent.parent / "docs" / "guide" / "reliability.md"
 
 # (id, overrides, fragments the one line must hold: the field=value it names and the fix it offers).
 # The default setup is tiny_gqa (4 layers, 6 kv heads, head_dim 16), ctx tp2 -> gen tp1, 4 x 4096 tokens.
@@ -133,10 +133,10 @@ if not GPU:
     CATALOGUE += WITHOUT_GPU
 
 
-def test_catalogue_backs_the_readme_and_has_no_duplicates():
-    """The README's count of bad inputs is what this file checks, and no case repeats another's
+def test_catalogue_backs_the_reliability_guide_and_has_no_duplicates():
+    """The reliability guide's count of bad inputs is what this file checks, and no case repeats another's
     name or overrides (a repeated one would check nothing new)."""
-    claimed = int(re.search(r"\*\*Bad input\*\*: (\d+) invalid configurations", README.read_text()).group(1))
+    claimed = int(re.search(r"\*\*Bad input\*\*: (\d+) invalid configurations", RELIABILITY.read_text()).group(1))
     every = CATALOGUE + ([] if not GPU else WITHOUT_GPU)
     assert len(every) >= claimed
     assert len({c[0] for c in every}) == len(every)

@@ -1,7 +1,10 @@
 """The engines' own cache layouts (kvlab.model.engine_layouts), checked against views built from the engines' tensor
 shapes as the engines' code writes them, never from kvlab's orders or strides:
 
-    vLLM            per layer K/V [2, blocks, block_size, H, D] (NHD) or [2, blocks, H, block_size, D] (HND);
+    vLLM            KVCacheLayout: one logical [L, B, H, N, C] tensor whose strides follow a stride permutation
+                    (VLLM_STRIDE_ORDERS, as vllm/v1/kv_cache_layout.py writes them; strides as its
+                    compute_layout_strides derives them), C a cell's K then V bytes;
+                    K/V planes per layer [2, blocks, block_size, H, D] (NHD) or [2, blocks, H, block_size, D] (HND);
                     FlashAttention [blocks, H, block_size, 2*D]; MLA [blocks, block_size, 576];
                     DeepSeek-V3.2 indexer [blocks, block_size*132]: every token's 128 value bytes, then the scales
     FlashInfer      per layer [pages, 2, page_size, H, D] (NHD) or [pages, 2, H, page_size, D] (HND)
@@ -40,6 +43,27 @@ SCALE = settings.default.max_examples / 100  # a tenth under `pytest -m "not slo
 SETTINGS = settings(max_examples=int(200 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+# vLLM's KVCacheLayout members: the stride permutation of the logical [L, B, H, N, C] dims (vllm/v1/kv_cache_layout.py)
+VLLM_STRIDE_ORDERS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def vllm_view(t: torch.Tensor, order: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """The logical [L, B, H, N, C bytes] view of a dense buffer, strides as vLLM's compute_layout_strides makes
+    them: walking the permutation from its innermost dim out, each dim's stride is the size of what lies inside."""
+    strides, cur = [0] * 5, 1
+    for dim in reversed(order):
+        strides[dim] = cur
+        cur *= shape[dim]
+    return t.as_strided(shape, strides)
+
+
 def engine_views(t: torch.Tensor, rp: RankPool, nb: int) -> list[torch.Tensor]:
     """One [block, layer, head, token, row bytes] view of pool tensor ``t`` per component, through the engine's
     own shape (the module's docstring)."""
@@ -54,6 +78,18 @@ def engine_views(t: torch.Tensor, rp: RankPool, nb: int) -> list[torch.Tensor]:
         return _split(t.view(nl, nb, -1).transpose(0, 1), rows, nh, n)
     if name == "trtllm":  # {blocks, layers, kvFactor, H*tpb*D}; the indexer pool values then scales per block
         return _split(t.view(nb, nl, -1), rows, nh, n)
+    if name in VLLM_STRIDE_ORDERS:  # [L, B, H, N, C]: C is K then V (one row for MLA)
+        order = VLLM_STRIDE_ORDERS[name]
+        if kind == "indexer":  # one cell per block and head: every token's values, then their scales
+            cell = vllm_view(t, order, (nl, nb, nh, 1, n * sum(rows)))[:, :, :, 0].transpose(0, 1)
+            return [cell[..., :n * rows[0]].unflatten(-1, (n, rows[0])),
+                    cell[..., n * rows[0]:].unflatten(-1, (n, rows[1]))]
+        cells = vllm_view(t, order, (nl, nb, nh, n, sum(rows))).transpose(0, 1)
+        out, off = [], 0
+        for row in rows:
+            out.append(cells[..., off:off + row])
+            off += row
+        return out
     if kind == "indexer":  # vLLM / SGLang: per layer [blocks, block_size*132], values of every token, then scales
         blocks = t.view(nl, nb, n * sum(rows)).transpose(0, 1)
         return [blocks[:, :, None, :n * rows[0]].unflatten(-1, (n, rows[0])),
@@ -226,7 +262,7 @@ def test_a_layout_the_model_cannot_have_is_one_line(overrides, message):
 
 def test_layouts_that_fix_a_block_size_say_so_and_take_it_when_none_is_given():
     dsa, gqa = MODELS["dsa"], MODELS["gqa"]
-    for name in ("vllm_lbnhc", "vllm_lbhnc", "sglang", "trtllm"):
+    for name in ("vllm_lbnhc", "vllm_lbhnc", "sglang", "trtllm", *VLLM_STRIDE_ORDERS):
         assert LAYOUTS[name].fixed_tpb == {"indexer": 64}
         side = SideSpec("gen", layout=name)
         assert side.resolved(dsa).tokens_per_block == 64
@@ -234,6 +270,16 @@ def test_layouts_that_fix_a_block_size_say_so_and_take_it_when_none_is_given():
         assert {p.tokens_per_block for p in CacheState(dsa, side, 0).pools()} == {64}
     assert SideSpec("gen", layout="block_major").tokens_per_block == 32  # kvlab's own: as before
     assert set(EngineLayout) == {EngineLayout(n) for n in NAMES[2:]}
+
+
+def test_every_vllm_kv_cache_layout_is_a_layout_and_its_legacy_names_alias_two():
+    assert {n for n in NAMES if n in VLLM_STRIDE_ORDERS} == set(VLLM_STRIDE_ORDERS)
+    assert SideSpec("gen", layout="NHD").layout is EngineLayout.LBNHC
+    assert SideSpec("ctx", layout="HND").layout is EngineLayout.LBHNC
+    # vLLM's FlashAttention shape [blocks, H, block_size, 2*D] is LBHNC, the identity permutation
+    assert LAYOUTS["vllm_flash"].order("kv") == LAYOUTS["LBHNC"].order("kv")
+    with pytest.raises(ConfigError, match=r"gen.layout=NDH: use one of .*LBHNC.* \(or vLLM's aliases NHD=LBNHC"):
+        SideSpec("gen", layout="NDH")
 
 
 # ---------------------------------------------------------------- every engine preset pair, end to end in one process

@@ -50,15 +50,27 @@ def gen_rank_bytes(setup, rank: int, isl: int) -> int:
         per_token = m.mla_dim * e + (132 if m.indexer else 0)
     total = 0
     for layer in layers:
+        kind = m.layer_pattern[layer % len(m.layer_pattern)] if m.layer_pattern else "*"
+        if kind == "M":  # a recurrent state once: its groups' conv channels of K - 1 inputs, and their state
+            conv = (2 * m.state_groups * m.state_dim + m.state_heads * m.state_head_dim if m.state == "gdn"
+                    else m.state_heads * m.state_head_dim + 2 * m.state_groups * m.state_dim)
+            total += (conv * (m.conv_kernel - 1) * e + m.state_heads * m.state_head_dim * m.state_dim
+                      * ELEM_BYTES[m.state_dtype]) // gen.tp
+            continue
+        if kind == "-":
+            continue
         w = window_of(m, layer)
         first = max(0, isl - w) // tile * tile if w else 0
         total += (isl - first) * per_token
     return total
 
 
-def combos(heads: int, layers: int) -> list[list[str]]:
+def combos(heads: int, layers: int, groups: int = 0) -> list[list[str]]:
+    """``groups``: a hybrid's state groups, which every TP size must divide."""
     small = max(d for d in range(1, 5) if heads % d == 0) if heads > 1 else 4
     dup = 2 * heads if heads > 1 else 3
+    if groups and groups % dup:
+        dup = heads
     return [
         ["parallel=same"],
         [f"ctx.tp={small}", "gen.tp=1", "gen.pp=2", "ctx.tokens_per_block=16", "gen.tokens_per_block=64",
@@ -73,7 +85,7 @@ def combos(heads: int, layers: int) -> list[list[str]]:
 @pytest.mark.parametrize("name", PRESETS)
 def test_plan_summary_for_every_preset(name):
     m = build(compose([f"model={name}", "parallel=same"])).model
-    for combo in combos(m.tp_heads, m.num_layers):
+    for combo in combos(m.tp_heads, m.num_layers, m.state_groups if m.has_state else 0):
         overrides = [f"model={name}", *combo]
         setup = build(compose(overrides))
         s = summarize(setup)

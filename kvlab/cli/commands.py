@@ -266,17 +266,13 @@ def _annotated_config(overrides: list[str]) -> str | None:
     from omegaconf import OmegaConf
 
     from kvlab.config import help as config_help
-    from kvlab.config.schema import CONF_DIR, compose
+    from kvlab.config.schema import compose
 
     try:
         full = compose(overrides, return_hydra_config=True)
     except Exception:  # noqa: BLE001 -- Hydra says what is wrong when it composes the same again
         return None
-    helps = dict(config_help.FALLBACK)
-    for group, option in full.hydra.runtime.choices.items():
-        path = CONF_DIR / group / f"{option}.yaml"
-        if "/" not in group and option and path.is_file() and "@package" not in path.read_text()[:200]:
-            helps.update(config_help.yaml_help(path, f"{group}."))
+    helps = config_help.option_help(full.hydra.runtime.choices)
     helps.update(config_help.field_help())  # the spec's own words come first
     cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
     return config_help.annotate(OmegaConf.to_yaml(cfg).rstrip(), helps)

@@ -40,11 +40,13 @@ def summarize(setup: Setup) -> dict:
                                                               "chunks": 0, "max_chunk_bytes": 0, "in_place_chunks": 0})
     reqs = plan_requests(setup)
     ctx_rows = {p.name: p.comp_row_bytes() for p in side_pools(setup.model, setup.ctx)}
+    per_pool: dict[str, int] = defaultdict(int)
     for req in reqs:
         segs = plan(setup.model, setup.ctx, setup.gen, req)
         chunks = schedule(setup.model, setup.ctx, setup.gen, segs, setup.transfer.strategy, setup.chunk_cap)
         for s in segs:
             p = pairs[(s.src, s.dst)]
+            per_pool[s.rect.pool] += s.nbytes
             p["bytes"] += s.nbytes  # on the wire
             p["source_bytes"] += s.rect.nbytes(ctx_rows[s.rect.pool])  # as the ctx pools hold them
             p["segments"] += 1
@@ -72,6 +74,7 @@ def summarize(setup: Setup) -> dict:
         "kv_dtype": kv_dtypes(setup),
         "kernels": kernels(setup),
         "total_bytes": sum(r["bytes"] for r in rows),
+        "pool_bytes": dict(per_pool),  # on the wire, per pool: how much of a hybrid's transfer is its state
         "total_source_bytes": sum(r["source_bytes"] for r in rows),
         "total_chunks": sum(r["chunks"] for r in rows),
     }
@@ -172,6 +175,10 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
                           markup=False)
     for pool, d in summary.get("kernels", {}).items():
         console.print(f"kernel for {pool}: {d['path']} ({d['why']})", soft_wrap=True, markup=False)
+    if len(summary.get("pool_bytes", {})) > 1:  # e.g. how much of a hybrid's transfer is its recurrent state
+        total = summary["total_bytes"] or 1
+        console.print("bytes per pool: " + ", ".join(f"{name} {_mib(n)} MiB ({100 * n / total:.1f}%)" for name, n
+                                                     in summary["pool_bytes"].items()), soft_wrap=True, markup=False)
     if "transport" in summary:
         console.print(f"transport: {summary['transport']} ({summary.get('transport_why') or 'as named'})",
                       soft_wrap=True, markup=False)  # one line, for whoever greps it

@@ -52,28 +52,31 @@ def comments(cls: type) -> dict[str, str]:
     return out
 
 
+def dataclass_help(cls: type, prefix: str = "") -> dict[str, str]:
+    """Dotted path (under ``prefix``) -> one line of help, for every field of ``cls`` and of the dataclasses it
+    nests that has a comment."""
+    out: dict[str, str] = {}
+    hints = typing.get_type_hints(cls)
+    notes = comments(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        if f.name in notes:
+            out[path] = notes[f.name]
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(dataclass_help(hints[f.name], f"{path}."))
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def field_help() -> dict[str, str]:
     """Dotted config path -> one line of help, for every field of the run's config that has a comment."""
     from kvlab.config.schema import Setup
 
-    out: dict[str, str] = {}
-
-    def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        notes = comments(cls)
-        for f in dataclasses.fields(cls):
-            path = f"{prefix}{f.name}"
-            if f.name in notes:
-                out[path] = notes[f.name]
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], f"{path}.")
-
-    walk(Setup, "")
+    out = dataclass_help(Setup)
     # nodes the config holds as Hydra objects, not as typed fields: the strategy (transfer.strategy)
     from kvlab.model.schedule import Strategy
 
-    walk(Strategy, "transfer.strategy.")
+    out.update(dataclass_help(Strategy, "transfer.strategy."))
     return out
 
 
@@ -102,6 +105,19 @@ def yaml_help(path: Path, prefix: str = "") -> dict[str, str]:
             out[prefix + ".".join(k for _, k in stack)] = text
         above = []
     return out
+
+
+def option_help(choices) -> dict[str, str]:
+    """Dotted path -> help from the option files a composed config chose (``hydra.runtime.choices``: group ->
+    option), their comments, over ``FALLBACK``; a spec's own words (``field_help``) go over these."""
+    from kvlab.config.schema import CONF_DIR
+
+    helps = dict(FALLBACK)
+    for group, option in choices.items():
+        path = CONF_DIR / group / f"{option}.yaml"
+        if "/" not in group and option and path.is_file() and "@package" not in path.read_text()[:200]:
+            helps.update(yaml_help(path, f"{group}."))
+    return helps
 
 
 def annotate(yaml_text: str, helps: dict[str, str], width: int = 120) -> str:

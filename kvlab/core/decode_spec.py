@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from kvlab.core.errors import ConfigError, positive, require
 
 CHECKS = ("bytes", "decode")
-FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "gemma3")
+FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "gemma3", "qwen3_next", "nemotron_h")
+# hybrid families and the recurrent state each keeps (kvlab.model.spec.state_shape)
+STATE_OF = {"qwen3_next": "gdn", "nemotron_h": "mamba2"}
 MLA_FAMILIES = ("deepseek_v3", "deepseek_v32")
 ROPE_DIM = 64  # the RoPE part of the MLA row (kvlab.model.spec.ROPE_DIM): the latent is the rest
 TINY_SUFFIX = "-tiny"
@@ -36,6 +38,11 @@ class DecodeModel:
     kv_heads: int | None = None  # null: the preset's
     head_dim: int | None = None  # null: the preset's
     window: int | None = None  # the sliding window, scaled down with the prompts a CPU can prefill
+    layer_pattern: str | None = None  # hybrids: null for the preset's (kvlab.model.spec LAYER_*)
+    state_heads: int | None = None  # hybrids: the recurrent state's heads, null for the preset's
+    state_groups: int | None = None  # hybrids: its TP groups (at least two, so that TP 2 splits it), or null
+    state_head_dim: int | None = None  # hybrids: values per state head, or null for the preset's
+    state_dim: int | None = None  # hybrids: the state's other dim (GDN key head dim, Mamba-2 d_state), or null
     hidden_size: int = 64  # the decode model's width (what a layer computes, kept small)
     q_heads: int = 4  # a multiple of kv_heads (GQA): the preset's ratio where it fits
     intermediate_size: int = 128  # its dense MLP width
@@ -52,7 +59,8 @@ class DecodeModel:
     def __post_init__(self):
         require(self.family in ("", *FAMILIES), "model.decode.family", self.family,
                 f"use one of {', '.join(FAMILIES)}")
-        for name in ("num_layers", "kv_heads", "head_dim"):
+        for name in ("num_layers", "kv_heads", "head_dim", "state_heads", "state_groups", "state_head_dim",
+                     "state_dim"):
             v = getattr(self, name)
             require(v is None or isinstance(v, int) and v > 0, f"model.decode.{name}", v,
                     "must be a positive integer, or null for the preset's own")
@@ -83,7 +91,13 @@ def tiny(model):
             f"({', '.join(MLA_FAMILIES) if mla else 'llama, qwen3_moe, gpt_oss, gemma3'})")
     require(model.indexer == (d.family == "deepseek_v32"), "model.decode.family", d.family,
             "the DeepSeek-V3.2 indexer cache needs family deepseek_v32, and that family needs model.indexer=true")
-    set_ = {k: getattr(d, k) for k in ("num_layers", "kv_heads", "head_dim", "window") if getattr(d, k) is not None}
+    require(model.has_state == (d.family in STATE_OF) and STATE_OF.get(d.family, "") == model.state,
+            "model.decode.family", d.family,
+            f"model {model.name} " + (f"keeps a {model.state} recurrent state; use "
+                                      f"{', '.join(f for f, s in STATE_OF.items() if s == model.state)}"
+                                      if model.has_state else "has no recurrent state; use a family without one"))
+    set_ = {k: getattr(d, k) for k in ("num_layers", "kv_heads", "head_dim", "window", "layer_pattern", "state_heads",
+                                       "state_groups", "state_head_dim", "state_dim") if getattr(d, k) is not None}
     dims = dataclasses.replace(model.dims, hidden_size=d.hidden_size, q_heads=d.q_heads,
                                intermediate_size=d.intermediate_size,
                                experts_active=d.experts_per_token if d.experts else 0,

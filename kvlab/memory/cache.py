@@ -92,7 +92,7 @@ class BlockTable:
 
 
 def blocks_for(pool: RankPool, isl: int) -> int:
-    return math.ceil(isl / pool.tokens_per_block) - pool.held_start(isl) // pool.tokens_per_block
+    return math.ceil(pool.held_stop(isl) / pool.tokens_per_block) - pool.held_start(isl) // pool.tokens_per_block
 
 
 class PagedCache:
@@ -136,7 +136,7 @@ class PagedCache:
     # -- blocks ---------------------------------------------------------------------------
     def share(self, requests: list[Request]) -> None:
         """A gen rank's prefix reuse: plan which of its blocks each request shares with which earlier one."""
-        pools = [(name, s.pool.tokens_per_block, not s.pool.spec.window) for name, s in self.pools.items()]
+        pools = [(name, s.pool.tokens_per_block, s.pool.spec.shares_prefix) for name, s in self.pools.items()]
         self.sharers = users({r.id: r.prefix for r in requests if r.prefix is not None},
                              {r.id: r.isl for r in requests}, pools)
 
@@ -147,7 +147,7 @@ class PagedCache:
         out = {}
         for name, store in self.pools.items():
             tpb = store.pool.tokens_per_block
-            if not store.pool.spec.window:
+            if store.pool.spec.shares_prefix:
                 out[name] = [(req.prefix.source(n, tpb), n) for n in range(req.prefix.shared_blocks(req.isl, tpb))]
         return out
 
@@ -208,8 +208,8 @@ class PagedCache:
     def held_rect(self, name: str, isl: int) -> Rect:
         """Everything this rank holds of a request in pool ``name``."""
         p = self.pools[name].pool
-        return Rect(name, p.layers.start, p.layers.stop, p.heads.start, p.heads.stop, p.held_start(isl), isl,
-                    p.tokens_per_block)
+        return Rect(name, p.layers.start, p.layers.stop, p.heads.start, p.heads.stop, p.held_start(isl),
+                    p.held_stop(isl), p.tokens_per_block)
 
     def _buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two views of ``nbytes`` into scratch allocated once: fill and verify allocate nothing per piece."""

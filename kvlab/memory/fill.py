@@ -141,6 +141,16 @@ def _row_table(row: int, device: str) -> _RowTable:
     return _RowTable(below.to(device), inside.to(torch.int32).to(device), table.to(device))
 
 
+_MAX_ROW = 4096  # bytes of the longest row _row_table makes: its table is [row + 1, row]
+
+
+def _sub_row(row: int) -> int:
+    """The longest divisor of ``row`` of at most _MAX_ROW bytes (``row`` itself when short)."""
+    if row <= _MAX_ROW:
+        return row
+    return next(d for d in range(_MAX_ROW, 0, -1) if row % d == 0)
+
+
 def expected(request, pool: RankPool, rect: Rect, device="cpu", out: torch.Tensor | None = None) -> torch.Tensor:
     """The bytes of ``rect`` for ``request`` in wire order (uint8, ``rect.nbytes(pool.rows)`` long), written
     into ``out`` when given. Per row one search and a gather of a table row (``_row_table``), a few
@@ -168,12 +178,19 @@ def expected(request, pool: RankPool, rect: Rect, device="cpu", out: torch.Tenso
         step = nl if dev.type == "cuda" else max(1, _PIECE_BYTES // (ntiles * ntok * bpl))
         off = 0
         for c, row in enumerate(rows):
-            rt = _row_table(row, str(dev))
+            # a long row (a recurrent state's, hundreds of KiB) as ``parts`` rows of ``sub`` bytes: byte x of the
+            # row is the top byte of seed + x * _STEP, so part j is a row of seed + j * sub * _STEP
+            sub = _sub_row(row)
+            parts = row // sub
+            rt = _row_table(sub, str(dev))
             s = seeds[c][:, :, ts - rect.t0:ts - rect.t0 + ntiles * ntok].reshape(nl, nh, ntiles, ntok)
             s = s.permute(2, 0, 1, 3).contiguous()  # [tile, l, h, tok], as on the wire
+            if parts > 1:
+                step_j = (torch.arange(parts, device=dev, dtype=torch.int64) * sub * _STEP) & _MASK
+                s = ((s[..., None] + step_j) & _MASK).flatten(-2)
             hi = (s >> 24).to(torch.uint8)
             k = rt.carries((s & 0xFFFFFF).to(torch.int32))
-            dst = group[:, :, off:off + nh * ntok * row].view(ntiles, nl, nh, ntok, row)
+            dst = group[:, :, off:off + nh * ntok * row].view(ntiles, nl, nh, ntok * parts, sub)
             for a in range(0, nl, step):
                 d = dst[:, a:a + step]
                 low = torch.index_select(rt.table, 0, k[:, a:a + step].reshape(-1)).view(d.shape)

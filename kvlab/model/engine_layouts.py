@@ -16,9 +16,16 @@ that both sides cut it alike (``kvlab.model.state.wire_tile``).
 
 The engines' shapes (vLLM 0.33, FlashInfer 0.7, SGLang 0.5, TensorRT-LLM), per layer unless said:
 
-- ``vllm_lbnhc`` (vLLM's default, "NHD"): K/V ``[2, blocks, block_size, H, D]``; MLA ``[blocks, block_size,
-  576]``; DeepSeek-V3.2's indexer keys ``[blocks, block_size * 132]``, a block's 128-byte values of every
-  token first, then their 4-byte scales; blocks of 64 tokens where the indexer exists;
+- ``LBHNC``, ``LBNHC``, ``LHBNC``, ``BLHNC``, ``BLNHC``, ``BHLNC``: vLLM's ``KVCacheLayout``
+  (``vllm/v1/kv_cache_layout.py``), every member of it: one logical ``[L, B, H, N, C]`` tensor per KV cache
+  group, the member naming the memory order of those dims; C is a (head, token) cell's content, K's row then
+  V's row (``AttentionSpec.state_content_size_bytes`` = ``(head_size + head_size_v) * dtype bytes``), the MLA
+  row with H = 1. vLLM's legacy names are aliases, as ``vllm/config/cache.py`` maps them: ``NHD`` is
+  ``LBNHC``, ``HND`` ``LBHNC``. The indexer keys keep their block interior (values, then scales) inside the
+  member's L/B/H nesting;
+- ``vllm_lbnhc`` (vLLM's K/V planes before ``KVCacheLayout``, "NHD"): K/V ``[2, blocks, block_size, H, D]``;
+  MLA ``[blocks, block_size, 576]``; DeepSeek-V3.2's indexer keys ``[blocks, block_size * 132]``, a block's
+  128-byte values of every token first, then their 4-byte scales; blocks of 64 tokens where the indexer exists;
 - ``vllm_lbhnc`` ("HND", what vLLM's NIXL connector asks for): K/V ``[2, blocks, H, block_size, D]``; MLA
   and indexer as above;
 - ``vllm_flash`` (vLLM's FlashAttention backend): ``[blocks, H, block_size, 2 * D]``, a token's K row and
@@ -57,6 +64,21 @@ class EngineLayout(str, Enum):
     flashinfer_hnd = "flashinfer_hnd"
     sglang = "sglang"
     trtllm = "trtllm"
+    # vLLM's KVCacheLayout members, spelled as vLLM spells them (VLLM_KV_CACHE_LAYOUT)
+    LBHNC = "LBHNC"
+    LBNHC = "LBNHC"
+    LHBNC = "LHBNC"
+    BLHNC = "BLHNC"
+    BLNHC = "BLNHC"
+    BHLNC = "BHLNC"
+
+
+# vLLM's stride permutations of [L, B, H, N, C] (vllm/v1/kv_cache_layout.py): its dims in memory order, outermost
+# first. kvlab's C is a cell's components side by side, K's row then V's: vLLM's content dim.
+VLLM_ORDERS = {"LBHNC": "LBHNC", "LBNHC": "LBNHC", "LHBNC": "LHBNC",
+               "BLHNC": "BLHNC", "BLNHC": "BLNHC", "BHLNC": "BHLNC"}
+# vLLM's legacy names for two of them (vllm/config/cache.py)
+ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 
 
 @dataclass(frozen=True)
@@ -116,6 +138,11 @@ class LayoutDef:
         return self.default_tpb, None
 
 
+def _values_then_scales(order: str) -> str:
+    """``order`` with the components outside the token rows: a block's values of every token, then its scales."""
+    return order.replace("C", "").replace("N", "CN")
+
+
 _VLLM_MLA = "LBCNH"  # [blocks, block_size, 576]: one component, one head
 _KV_DSA = {"indexer": 64}  # DeepSeek-V3.2's indexer keys: blocks of 64 tokens in vLLM, SGLang and TensorRT-LLM
 _VLLM_SHAPES = {"mla": "per layer [blocks, block_size, 576]", "indexer": "per layer [blocks, block_size*132]"}
@@ -141,14 +168,22 @@ LAYOUTS: dict[str, LayoutDef] = {d.name: d for d in (
               ("kv", "mla", "indexer"), 32, _KV_DSA, BlockRule("a power of two", "power_of_two"),
               {"mla": "{blocks, layers, 1, tokens_per_block*576}",
                "indexer": "{blocks, layers, 1, tokens_per_block*132}"}),
+    *(LayoutDef(name, "vLLM", {"*": order, "indexer": _values_then_scales(order)},
+                f"one [L, B, H, N, C] tensor in memory order {name} (C: K then V of a cell)",
+                ("kv", "mla", "indexer"), 16, _KV_DSA,
+                kind_shapes={"mla": f"[L, B, 1, N, 576] in memory order {name}",
+                             "indexer": f"[L, B, 1, N*132] in memory order {name}: values, then scales"})
+      for name, order in VLLM_ORDERS.items()),
 )}
 
 NAMES = tuple(LAYOUTS)
 
 
 def layout_of(name) -> Layout | EngineLayout:
-    """The enum member of a layout name (either enum); ValueError for an unknown name."""
+    """The enum member of a layout name (either enum, or an engine's alias: ``ALIASES``); ValueError for an
+    unknown name."""
     value = name.value if isinstance(name, Enum) else name
+    value = ALIASES.get(value, value)
     for enum in (Layout, EngineLayout):
         try:
             return enum(value)

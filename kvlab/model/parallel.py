@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from kvlab.core.errors import ConfigError, positive, require
 from kvlab.model import kv_dtype
-from kvlab.model.engine_layouts import LAYOUTS, NAMES, EngineLayout, Layout, layout_of
+from kvlab.model.engine_layouts import ALIASES, LAYOUTS, NAMES, EngineLayout, Layout, layout_of
 from kvlab.model.prefix import BLOCK_TOKENS
 from kvlab.model.spec import DTYPE_BYTES, ModelSpec
 
@@ -52,7 +52,8 @@ class SideSpec:
         try:
             object.__setattr__(self, "layout", layout_of(self.layout))
         except ValueError:
-            raise ConfigError(f"{self.name}.layout", self.layout, f"use one of {', '.join(NAMES)}") from None
+            raise ConfigError(f"{self.name}.layout", self.layout, f"use one of {', '.join(NAMES)} (or vLLM's aliases "
+                              f"{', '.join(f'{a}={b}' for a, b in ALIASES.items())})") from None
         if self.tokens_per_block is not None:
             positive(f"{self.name}.tokens_per_block", self.tokens_per_block)
         elif not LAYOUTS[self.layout.value].fixed_tpb:  # the layout's default, whatever the model
@@ -134,8 +135,12 @@ class SideSpec:
         if self.layer_split is not None:
             require(sum(self.layer_split) == n, f"{self.name}.layer_split", list(self.layer_split),
                     f"must add up to the {n} layers of {model.name}")
+        if model.has_state:  # the engines split a state by whole groups (kvlab.model.spec.state_shape)
+            require(model.state_groups % self.tp == 0, f"{self.name}.tp", self.tp,
+                    f"{model.name}'s recurrent state splits by its {model.state_groups} groups over TP, as vLLM "
+                    f"and SGLang split it; use a divisor of {model.state_groups}")
         h = model.tp_heads
-        if h > 1:
+        if h > 1 and model.has_attention:
             require(h % self.tp == 0 or self.tp % h == 0, f"{self.name}.tp", self.tp,
                     f"{model.name}'s {h} kv heads cannot be split or duplicated over {self.tp} ranks; "
                     f"use a divisor or a multiple of {h}")

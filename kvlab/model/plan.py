@@ -73,7 +73,7 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
             t0 = window_start(spec, req.isl, tile)
             if window_trim and spec.window:
                 t0 = min(req.isl - 1, max(0, req.isl - spec.window + 1) + window_trim)
-            if req.prefix is not None and not spec.window:  # the gen rank holds these blocks already
+            if req.prefix is not None and spec.shares_prefix:  # the gen rank holds these blocks already
                 t0 = max(t0, req.prefix.shared_tokens(req.isl, gp.tokens_per_block))
             for c_pp in range(ctx.pp):
                 stage = ctx.stage_layers(model, c_pp)
@@ -89,7 +89,7 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
                     holders = ctx.head_holders(spec.heads, heads.start)
                     if c_tp != holders[g.tp % len(holders)]:
                         continue
-                    rect = Rect(spec.name, l0, l1, heads.start, heads.stop, t0, req.isl, tile, wire)
+                    rect = Rect(spec.name, l0, l1, heads.start, heads.stop, t0, spec.held_tokens(req.isl), tile, wire)
                     src = ctx.rank(req.ctx_dp, c_pp, c_tp)
                     segments.append(Segment(req.id, src, dst, rect, rect.nbytes(wire_rows)))
     return segments

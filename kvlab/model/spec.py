@@ -30,6 +30,14 @@ class Kind(str, Enum):
     kv = "kv"
     mla = "mla"
     indexer = "indexer"
+    state = "state"
+
+
+# A hybrid model's layers, one character each (Nemotron-H's ``hybrid_override_pattern`` alphabet), the pattern cycled
+# over ``num_layers``: attention (the model's ``attention``: GQA or MLA, its window), a recurrent state, no cache
+LAYER_ATTENTION, LAYER_STATE, LAYER_NONE = "*", "M", "-"
+# Recurrent-state families: the state's four components per TP group (``state_shape``)
+STATE_FAMILIES = ("gdn", "mamba2")
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -53,6 +61,8 @@ class KindDef:
     # (heads, elements per token per head of each component, their dtypes) of its pools for a model whose cache
     # is stored in a dtype; None where the model has no such cache
     shape: Callable[[ModelSpec, str], tuple[int, tuple[int, ...], tuple[str, ...]] | None]
+    # one state per request and layer, after the prompt's last token (held as token 0, in blocks of one)
+    per_request: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,21 @@ class PoolSpec:
     @property
     def replicated(self) -> bool:
         return KINDS[self.kind].replicated
+
+    @property
+    def per_request(self) -> bool:
+        """A recurrent state: one row per (layer, head) and request, not one per token."""
+        return KINDS[self.kind].per_request
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether a prefix hit's blocks stand for this pool's leading blocks: full attention only (a window keeps
+        only the tail; a recurrent state is the whole prompt's, at its end)."""
+        return not self.window and not self.per_request
+
+    def held_tokens(self, isl: int) -> int:
+        """Token rows a request of ``isl`` tokens has in this pool (the end of what it holds)."""
+        return 1 if self.per_request else isl
 
     def comp_row_bytes(self) -> tuple[int, ...]:
         if self.fmt:
@@ -129,6 +154,16 @@ class ModelSpec:
     indexer: bool = False  # DeepSeek-V3.2's lightning indexer: fp8 keys and fp32 scales beside the latent
     window: int = 0  # sliding window in tokens, 0 for none
     local_per_global: int = 0  # sliding layers per full layer; 0 with window>0: every layer slides
+    # hybrid models (kvlab.model.spec.LAYER_*): per layer '*' attention, 'M' recurrent state, '-' no cache, cycled;
+    # "": every layer attention
+    layer_pattern: str = ""
+    state: str = ""  # the recurrent state's family: gdn (Gated DeltaNet) or mamba2; "" without state layers
+    state_heads: int = 0  # GDN linear_num_value_heads; Mamba-2 mamba_num_heads
+    state_groups: int = 0  # what TP splits: GDN linear_num_key_heads; Mamba-2 n_groups
+    state_head_dim: int = 0  # GDN linear_value_head_dim; Mamba-2 mamba_head_dim
+    state_dim: int = 0  # GDN linear_key_head_dim; Mamba-2 ssm_state_size
+    conv_kernel: int = 4  # the causal conv's taps (linear_conv_kernel_dim, conv_kernel): K - 1 inputs are kept
+    state_dtype: str = "fp32"  # the recurrent state's dtype (the conv state is in the cache's dtype)
     dims: ModelDims = field(default_factory=ModelDims)  # what a layer computes: the prefill's time model needs it
     decode: DecodeModel = field(default_factory=DecodeModel)  # check=decode's model (kvlab.core.decode_spec)
 
@@ -154,6 +189,28 @@ class ModelSpec:
                 "model.local_per_global", self.local_per_global, "must be 0 or a positive count")
         require(self.local_per_global == 0 or self.window > 0, "model.local_per_global",
                 self.local_per_global, "sliding layers need model.window > 0")
+        alphabet = {LAYER_ATTENTION, LAYER_STATE, LAYER_NONE}
+        require(isinstance(self.layer_pattern, str) and set(self.layer_pattern) <= alphabet, "model.layer_pattern",
+                self.layer_pattern, "one character per layer: '*' attention, 'M' recurrent state, '-' no cache")
+        kinds = {self.layer_kind(layer) for layer in range(self.num_layers)}
+        require(LAYER_ATTENTION in kinds or LAYER_STATE in kinds, "model.layer_pattern", self.layer_pattern,
+                "leaves no layer with a cache")
+        if LAYER_STATE in kinds:
+            require(self.state in STATE_FAMILIES, "model.state", self.state,
+                    f"state layers ('M') need one of {', '.join(STATE_FAMILIES)}")
+            for name in ("state_heads", "state_groups", "state_head_dim", "state_dim"):
+                positive(f"model.{name}", getattr(self, name))
+            require(self.state_heads % self.state_groups == 0, "model.state_heads", self.state_heads,
+                    f"must be a multiple of model.state_groups={self.state_groups}")
+            require(self.conv_kernel >= 2, "model.conv_kernel", self.conv_kernel, "must be >= 2 taps")
+            require(self.state_dtype in DTYPE_BYTES, "model.state_dtype", self.state_dtype,
+                    f"use one of {', '.join(DTYPE_BYTES)}")
+
+    def layer_kind(self, layer: int) -> str:
+        """LAYER_ATTENTION, LAYER_STATE or LAYER_NONE: what ``layer`` caches."""
+        if not self.layer_pattern:
+            return LAYER_ATTENTION
+        return self.layer_pattern[layer % len(self.layer_pattern)]
 
     def layer_window(self, layer: int) -> int:
         if self.window == 0:
@@ -168,14 +225,20 @@ class ModelSpec:
         require(dtype in DTYPE_BYTES, "dtype", dtype, f"use one of {', '.join(DTYPE_BYTES)}")
         by_window: dict[int, list[int]] = {}
         for layer in range(self.num_layers):
-            by_window.setdefault(self.layer_window(layer), []).append(layer)
+            if self.layer_kind(layer) == LAYER_ATTENTION:
+                by_window.setdefault(self.layer_window(layer), []).append(layer)
+        state_layers = tuple(layer for layer in range(self.num_layers) if self.layer_kind(layer) == LAYER_STATE)
         pools = []
         for window, layers in sorted(by_window.items()):
             suffix = f"_w{window}" if window else ""
             for kind in KINDS.values():
                 shape = kind.shape(self, dtype)
-                if shape is not None:
+                if shape is not None and not kind.per_request:
                     pools.append(PoolSpec(f"{kind.name}{suffix}", kind.name, tuple(layers), window, *shape))
+        for kind in KINDS.values():
+            shape = kind.shape(self, dtype)
+            if shape is not None and kind.per_request and state_layers:
+                pools.append(PoolSpec(kind.name, kind.name, state_layers, 0, *shape))
         return tuple(pools)
 
     @classmethod
@@ -185,17 +248,27 @@ class ModelSpec:
         return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("name", "dims", "decode"))
 
     @property
+    def has_attention(self) -> bool:
+        return any(self.layer_kind(layer) == LAYER_ATTENTION for layer in range(self.num_layers))
+
+    @property
+    def has_state(self) -> bool:
+        return any(self.layer_kind(layer) == LAYER_STATE for layer in range(self.num_layers))
+
+    @property
     def tp_heads(self) -> int:
         """Heads that tensor parallelism splits or duplicates (1 for MLA: the latent is replicated)."""
         return self.kv_heads if self.attention == Attention.gqa else 1
 
     def bytes_per_token(self, dtype: str = "bf16") -> int:
-        """Cache bytes per token over all layers (windowed layers included, as if uncapped)."""
-        return sum(p.token_bytes() * len(p.layers) for p in self.pools(dtype))
+        """Cache bytes per token over all layers (windowed layers included, as if uncapped; a recurrent state,
+        the same for any prompt, left out)."""
+        return sum(p.token_bytes() * len(p.layers) for p in self.pools(dtype) if not p.per_request)
 
     def request_bytes(self, isl: int, dtype: str = "bf16") -> int:
-        """Bytes of one request's cache over all layers and heads, windowed layers capped at their window."""
-        return sum(p.token_bytes() * len(p.layers) * (min(isl, p.window) if p.window else isl)
+        """Bytes of one request's cache over all layers and heads, windowed layers capped at their window, a
+        recurrent state once."""
+        return sum(p.token_bytes() * len(p.layers) * (min(isl, p.window) if p.window else p.held_tokens(isl))
                    for p in self.pools(dtype))
 
 
@@ -204,12 +277,43 @@ def _indexer_shape(m: ModelSpec, dtype: str):
         if m.indexer else None
 
 
+def state_shape(m: ModelSpec, dtype: str):
+    """A recurrent state as ``state_groups`` planes of one row each, a plane holding what one TP group keeps:
+    the conv state's channels of the group in three parts, ``conv_kernel - 1`` inputs per channel (a channel's
+    inputs back to back, as the engines' ``[conv_dim, K - 1]`` keeps them), then the group's recurrent state.
+
+    - GDN (Qwen3-Next, vLLM ``qwen3_next.py``, SGLang ``qwen3_next.py``): the conv runs over q, k and v; a key
+      head (``state_groups``) serves ``state_heads / state_groups`` value heads; q and k have ``state_dim``
+      channels per key head, v ``state_head_dim`` per value head; the recurrent state is ``[value heads,
+      state_dim, state_head_dim]``. Both engines shard q, k and v by heads and the state by value heads over TP:
+      a TP rank holds whole key heads with their value heads, i.e. whole groups. SGLang's
+      ``_send_mamba_state_slice`` slices dim 3 of ``conv_state [layers, slots, conv_dim / tp, K - 1]`` and of
+      ``temporal_state [layers, slots, heads / tp, ...]``, the GDN conv's q, k and v sub-blocks each on its own:
+      the three conv parts here.
+    - Mamba-2 (Nemotron-H, vLLM ``mamba_mixer2.py``): the conv runs over x (``state_head_dim`` channels per
+      head), B and C (``state_dim`` channels per group each); the recurrent state is ``[heads, state_head_dim,
+      state_dim]``. vLLM shards x and the state by heads and B, C by groups (where ``n_groups`` divides TP):
+      again whole groups per rank.
+    """
+    if not m.state or not m.has_state:
+        return None
+    r, k = m.state_heads // m.state_groups, m.conv_kernel - 1
+    if m.state == "gdn":
+        conv = (m.state_dim, m.state_dim, r * m.state_head_dim)  # q, k, v
+    else:
+        conv = (r * m.state_head_dim, m.state_dim, m.state_dim)  # x, B, C
+    return (m.state_groups, (*(c * k for c in conv), r * m.state_head_dim * m.state_dim),
+            (dtype, dtype, dtype, m.state_dtype))
+
+
 KINDS: dict[str, KindDef] = {  # in the order a model's pools are listed
     "kv": KindDef("kv", False, 1, lambda m, dtype: (m.kv_heads, (m.head_dim, m.head_dim), (dtype, dtype))
-                     if m.attention == Attention.gqa else None),
+                     if m.attention == Attention.gqa and m.has_attention else None),
     "mla": KindDef("mla", True, 2, lambda m, dtype: (1, (m.mla_dim,), (dtype,))
-                      if m.attention == Attention.mla else None),
-    "indexer": KindDef("indexer", True, 3, _indexer_shape),  # fp8 values, then their fp32 scales
+                      if m.attention == Attention.mla and m.has_attention else None),
+    "indexer": KindDef("indexer", True, 3, lambda m, dtype: _indexer_shape(m, dtype)
+                       if m.has_attention else None),  # fp8 values, then their fp32 scales
+    "state": KindDef("state", False, 4, state_shape, per_request=True),  # conv parts, then the recurrent state
 }
 
 

@@ -102,7 +102,7 @@ class RankPool:
 
     def comp_offsets(self) -> tuple[int, ...]:
         """Byte offset of each component inside one (block, layer) of a block-major or layer-major pool:
-        [comp][head][token][row] (any layout: ``comp_strides``)."""
+        ``[comp][head][token][row]`` (any layout: ``comp_strides``)."""
         out, acc = [], 0
         for row in self.rows:
             out.append(acc)
@@ -123,6 +123,10 @@ class RankPool:
     def held_start(self, isl: int) -> int:
         """First token whose block this rank holds for a prompt of ``isl`` tokens (windows keep only their tail)."""
         return window_start(self.spec, isl, self.tokens_per_block)
+
+    def held_stop(self, isl: int) -> int:
+        """The end of what this rank holds of a prompt of ``isl`` tokens: ``isl``, or 1 for a recurrent state."""
+        return self.spec.held_tokens(isl)
 
 
 def window_start(pool: PoolSpec, isl: int, align: int) -> int:
@@ -151,7 +155,7 @@ class CacheState:
             local = [i for i, g in enumerate(p.layers) if g in stage]
             if local:
                 out.append(RankPool(p, range(local[0], local[-1] + 1), self.side.head_range(p.heads, c.tp),
-                                    self.side.block_tokens(self.model), self.side.layout))
+                                    pool_block_tokens(self.model, self.side, p), self.side.layout))
         return tuple(out)
 
     def pool(self, name: str) -> RankPool:
@@ -166,6 +170,12 @@ class CacheState:
         d["side"]["layout"] = self.side.layout.value
         d["model"]["attention"] = self.model.attention.value
         return d
+
+
+def pool_block_tokens(model: ModelSpec, side: SideSpec, pool: PoolSpec) -> int:
+    """Token rows per block of ``pool`` on ``side``: the side's block size; one for a recurrent state, whose one
+    row per request is a block of its own (a block of the side's size would hold one state and waste the rest)."""
+    return 1 if pool.per_request else side.block_tokens(model)
 
 
 def in_format(pool: PoolSpec, fmt: str) -> PoolSpec:
@@ -209,7 +219,7 @@ def side_pool(model: ModelSpec, side: SideSpec, pool: PoolSpec) -> RankPool:
     """``pool`` as the first TP rank of ``side`` holds it, all its layers: for shape questions (token runs,
     strides per block) that hold for every rank of the side alike."""
     return RankPool(in_format(pool, side.fmt), range(len(pool.layers)), side.head_range(pool.heads, 0),
-                    side.block_tokens(model), side.layout)
+                    pool_block_tokens(model, side, pool), side.layout)
 
 
 def wire_tile(ctx: SideSpec, gen: SideSpec, model: ModelSpec | None = None, pool: PoolSpec | None = None) -> int:
@@ -218,6 +228,8 @@ def wire_tile(ctx: SideSpec, gen: SideSpec, model: ModelSpec | None = None, pool
     both sides' runs are then single rows, cut alike, whatever the other side's layout."""
     if model is None:
         return math.gcd(ctx.tokens_per_block, gen.tokens_per_block)
+    if pool is not None and pool.per_request:
+        return 1
     if pool is not None and not (side_pool(model, ctx, pool).token_runs and side_pool(model, gen, pool).token_runs):
         return 1
     return math.gcd(ctx.block_tokens(model), gen.block_tokens(model))

@@ -41,7 +41,8 @@ from kvlab.rank import hf_models
 from kvlab.results.records import DecodeResult, RankPart
 
 KEY = "kvlab/decode/"
-COMPONENTS = {Kind.kv: ("K", "V"), Kind.mla: ("latent and RoPE",), Kind.indexer: ("fp8 values", "scales")}
+COMPONENTS = {Kind.kv: ("K", "V"), Kind.mla: ("latent and RoPE",), Kind.indexer: ("fp8 values", "scales"),
+              Kind.state: ("conv q/x", "conv k/B", "conv v/C", "recurrent state")}
 CACHE_ENV = "KVLAB_DECODE_CACHE"  # where references are kept; ~/.cache/kvlab/decode by default
 FORMAT = 1  # of a reference file: bump when what it holds changes
 
@@ -225,7 +226,7 @@ class DecodeCheck:
         missing = [g for g, p in payloads.items() if p.get("missing")]
         if missing:
             return None, None  # those ranks failed the request and say why in their parts
-        planes = {p.name: [torch.zeros(len(p.layers), p.heads, r.isl, row, dtype=torch.uint8)
+        planes = {p.name: [torch.zeros(len(p.layers), p.heads, p.held_tokens(r.isl), row, dtype=torch.uint8)
                            for row in p.comp_row_bytes()] for p in self.model.pools(self.setup.gen.dtype)}
         for p in payloads.values():
             for name, ((l0, l1, h0, h1, t0, t1), comps) in p["share"].items():

@@ -11,6 +11,11 @@ wire order of a rectangle of them (kvlab.model.layout), which ``PagedCache.fill`
 - GQA: K and V, ``[kv heads, tokens, head_dim]`` each, as the model's cache holds them;
 - MLA: one row per token, the latent (transformers' ``keys``) then its RoPE part (``values``), the
   engines' 512 + 64 row;
+- a recurrent state (Qwen3-Next's Gated DeltaNet, Nemotron-H's Mamba-2): per state layer one row per TP group
+  (kvlab.model.spec.state_shape) from the model's ``conv_states`` ``[1, conv_dim, K]`` and ``recurrent_states``
+  ``[1, heads, a, b]`` (fp32): the conv state's last ``K - 1`` inputs, what the engines keep and what a decode
+  step reads (transformers keeps K and drops the oldest at the next step; the gen side rebuilds it with zeros
+  there);
 - DeepSeek-V3.2's indexer keys: 128 fp8 (e4m3) values and one fp32 scale per token, quantized as the
   engines quantize them (a scale per 128 values, a power of two: ``ue8m0``); transformers scores them
   in bf16, so the reference (kvlab.rank.decode_check) decodes with the same round trip applied to its own
@@ -27,8 +32,9 @@ import functools
 import torch
 
 from kvlab.core.decode_spec import ROPE_DIM, CheckSpec
+from kvlab.core.errors import ConfigError
 from kvlab.model.layout import Rect
-from kvlab.model.spec import INDEXER_HEAD_DIM, Kind, ModelSpec, PoolSpec
+from kvlab.model.spec import INDEXER_HEAD_DIM, LAYER_ATTENTION, LAYER_NONE, LAYER_STATE, Kind, ModelSpec, PoolSpec
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
 MAX_POSITIONS = 32768
@@ -49,6 +55,23 @@ def one_thread():
 
 def layer_types(model: ModelSpec) -> list[str]:
     return ["sliding_attention" if model.layer_window(layer) else "full_attention" for layer in range(model.num_layers)]
+
+
+# transformers' layer type of each hybrid layer kind (kvlab.model.spec LAYER_*), per family
+HYBRID_TYPES = {"qwen3_next": {LAYER_STATE: "linear_attention", LAYER_ATTENTION: "full_attention"},
+                "nemotron_h": {LAYER_STATE: "mamba", LAYER_ATTENTION: "attention", LAYER_NONE: "mlp"}}
+
+
+def hybrid_types(model: ModelSpec) -> list[str]:
+    kinds = HYBRID_TYPES[model.decode.family]
+    out = []
+    for layer in range(model.num_layers):
+        k = model.layer_kind(layer)
+        if k not in kinds:
+            raise ConfigError("model.layer_pattern", model.layer_pattern,
+                              f"{model.decode.family} has no layer without a cache ('{k}'); use '*' and 'M'")
+        out.append(kinds[k])
+    return out
 
 
 def hf_config(model: ModelSpec):
@@ -73,6 +96,20 @@ def hf_config(model: ModelSpec):
                               **sliding)
     elif d.family == "gemma3":
         cfg = tf.Gemma3TextConfig(**gqa, **sliding)
+    elif d.family == "qwen3_next":
+        cfg = tf.Qwen3NextConfig(**gqa, layer_types=hybrid_types(model), linear_num_key_heads=model.state_groups,
+                                 linear_num_value_heads=model.state_heads, linear_key_head_dim=model.state_dim,
+                                 linear_value_head_dim=model.state_head_dim, linear_conv_kernel_dim=model.conv_kernel,
+                                 num_experts=d.experts or 1,
+                                 num_experts_per_tok=min(d.experts_per_token, d.experts or 1),
+                                 moe_intermediate_size=d.moe_intermediate_size,
+                                 shared_expert_intermediate_size=d.moe_intermediate_size)
+    elif d.family == "nemotron_h":
+        gqa.pop("num_hidden_layers")  # its layers_block_type says how many
+        cfg = tf.NemotronHConfig(**gqa, layers_block_type=hybrid_types(model), mamba_num_heads=model.state_heads,
+                                 mamba_head_dim=model.state_head_dim, n_groups=model.state_groups,
+                                 ssm_state_size=model.state_dim, conv_kernel=model.conv_kernel,
+                                 use_mamba_kernels=False)
     else:  # deepseek_v3, deepseek_v32: the latent and its RoPE part make the MLA row
         # transformers' DeepSeek attention wants as many kv heads as query heads (the latent is shared anyway)
         mla = dict(common, num_key_value_heads=d.q_heads, kv_lora_rank=model.mla_dim - ROPE_DIM,
@@ -103,7 +140,8 @@ def _model_class(family: str):
         return DeepseekV32ForCausalLM
     return {"llama": tf.LlamaForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
             "deepseek_v3": tf.DeepseekV3ForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
-            "gemma3": tf.Gemma3ForCausalLM}[family]
+            "gemma3": tf.Gemma3ForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM,
+            "nemotron_h": tf.NemotronHForCausalLM}[family]
 
 
 @functools.lru_cache(maxsize=2)
@@ -173,10 +211,55 @@ def pool_rows(model: ModelSpec, cache, dtype: str = "bf16") -> dict[str, list[to
         elif p.kind == Kind.mla:
             rows = torch.stack([torch.cat([layer.keys[0, 0], layer.values[0, 0]], -1) for layer in layers])
             out[p.name] = [rows[:, None].contiguous().view(torch.uint8)]
+        elif p.kind == Kind.state:
+            out[p.name] = state_planes(model, layers)
         else:
             vals, scales = quantize(torch.stack([layer.indexer_keys[0] for layer in layers]))
             out[p.name] = [vals[:, None].contiguous().view(torch.uint8), scales[:, None].contiguous().view(torch.uint8)]
     return {name: [plane.cpu() for plane in planes] for name, planes in out.items()}
+
+
+def _conv_parts(model: ModelSpec) -> tuple[int, int, int]:
+    """Channels of the conv state's three parts (GDN q, k, v; Mamba-2 x, B, C), over all groups."""
+    g, r = model.state_groups, model.state_heads // model.state_groups
+    if model.state == "gdn":
+        return g * model.state_dim, g * model.state_dim, g * r * model.state_head_dim
+    return g * r * model.state_head_dim, g * model.state_dim, g * model.state_dim
+
+
+def _row(t: torch.Tensor) -> torch.Tensor:
+    """[layers, groups, ...] as uint8 [layers, groups, 1 (token), bytes]."""
+    return t.flatten(2).contiguous().view(torch.uint8)[:, :, None]
+
+
+def state_planes(model: ModelSpec, layers) -> list[torch.Tensor]:
+    """A state pool's four planes from the model's state layers: each conv part's channels of a group with their
+    last ``K - 1`` inputs, then the group's heads of the recurrent state."""
+    g = model.state_groups
+    conv = torch.stack([layer.conv_states[0][0, :, 1:] for layer in layers])  # [layers, conv_dim, K - 1]
+    planes, start = [], 0
+    for n in _conv_parts(model):
+        planes.append(_row(conv[:, start:start + n].unflatten(1, (g, -1))))
+        start += n
+    rec = torch.stack([layer.recurrent_states[0][0] for layer in layers])  # [layers, heads, a, b]
+    planes.append(_row(rec.unflatten(1, (g, -1))))
+    return planes
+
+
+def _set_state(model: ModelSpec, layer, planes: list[torch.Tensor], i: int, dtype, device) -> None:
+    """Layer ``i`` of a state pool's planes into a transformers linear-attention cache layer, as after a prefill:
+    the conv state's oldest input (never read again) zero."""
+    parts = [planes[c][i, :, 0].contiguous().view(dtype).view(n, model.conv_kernel - 1)
+             for c, n in enumerate(_conv_parts(model))]
+    conv = torch.nn.functional.pad(torch.cat(parts), (1, 0))[None].to(device)
+    rec = planes[3][i, :, 0].contiguous().view(STATE_DTYPES[model.state_dtype])
+    rec = rec.view(model.state_heads, *((model.state_dim, model.state_head_dim) if model.state == "gdn"
+                                        else (model.state_head_dim, model.state_dim)))[None].to(device)
+    layer.update_conv_state(conv, conv_kernel_size=model.conv_kernel)
+    layer.update_recurrent_state(rec)
+
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _tile_groups(rect: Rect) -> list[tuple[int, int, int]]:
@@ -235,7 +318,13 @@ def model_cache(model: ModelSpec, cfg, rows: dict[str, list[torch.Tensor]], isl:
         for i, g in enumerate(p.layers):
             by_layer.setdefault(g, {})[p.kind] = (p, i)
     for g, layer in enumerate(cache.layers):
-        kinds = by_layer[g]
+        kinds = by_layer.get(g)
+        if not kinds:  # a layer without a cache (Nemotron-H's MLP-only layers)
+            continue
+        if Kind.state in kinds:
+            p, i = kinds[Kind.state]
+            _set_state(model, layer, rows[p.name], i, torch.bfloat16, device)
+            continue
         if Kind.kv in kinds:
             p, i = kinds[Kind.kv]
             k, v = (_bf16(rows[p.name][c][i])[None] for c in (0, 1))
@@ -292,9 +381,9 @@ def cache_differences(model: ModelSpec, rows: dict[str, list[torch.Tensor]], wan
     of the prompt): per layer and component, the first token that differs and how many do."""
     out = []
     for p in model.pools("bf16"):
-        start = max(0, isl - p.window + 1) if p.window else 0
+        start, end = (max(0, isl - p.window + 1) if p.window else 0), p.held_tokens(isl)
         for c, (got, exp) in enumerate(zip(rows[p.name], want[p.name])):
-            bad = (got[:, :, start:isl] != exp[:, :, start:isl]).flatten(3).any(-1).any(1)  # [layers, tokens]
+            bad = (got[:, :, start:end] != exp[:, :, start:end]).flatten(3).any(-1).any(1)  # [layers, tokens]
             for i in torch.nonzero(bad.any(-1)).flatten().tolist():
                 toks = torch.nonzero(bad[i]).flatten()
                 out.append({"layer": p.layers[i], "pool": p.name, "component": c, "token": start + int(toks[0]),

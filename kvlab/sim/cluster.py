@@ -160,7 +160,7 @@ class ClusterSpec:
         return ctx, gen
 
     def same_domain(self, ctx_gpus: int, gen_gpus: int) -> list[list[bool]]:
-        """[i][j]: whether ctx instance i and gen instance j share an NVLink domain (both whole in it)."""
+        """``[i][j]``: whether ctx instance i and gen instance j share an NVLink domain (both whole in it)."""
         cd, gd = self.domains(ctx_gpus, gen_gpus)
         fits = ctx_gpus <= self.domain_gpus and gen_gpus <= self.domain_gpus
         return [[fits and c == g for g in gd] for c in cd]

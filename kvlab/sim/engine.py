@@ -160,7 +160,7 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
              table: PlanTable, arrival: np.ndarray, isl: np.ndarray, osl: np.ndarray, decode: bool = True,
              links: list | None = None, prefill_s: np.ndarray | None = None,
              after: list[np.ndarray] | None = None) -> Outcome:
-    """Run the fleet over the requests (arrays in arrival order). ``links``: [ctx instance][gen instance] -> whether
+    """Run the fleet over the requests (arrays in arrival order). ``links``: ``[ctx instance][gen instance]`` -> whether
     they share an NVLink domain, default ``cluster.same_domain``; ``prefill_s``: each prefill's duration as
     measured, in place of the calibrated model (a replay that isolates the transfer); ``after``: per request, the
     requests whose chunks come before its last one in a kvlab run's global chunk order (kvlab.config.workload):

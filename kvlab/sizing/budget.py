@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvlab.config.schema import Setup
 from kvlab.core.errors import ConfigError
-from kvlab.memory.cache import verify_piece_bytes
+from kvlab.memory.cache import blocks_for, verify_piece_bytes
 from kvlab.model.plan import Request, plan
 from kvlab.model.schedule import Cut, Staging
 from kvlab.model.state import CacheState
@@ -137,8 +137,9 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
         mine = [[s for s in segs if (s.src if side.name == "ctx" else s.dst) == r] for segs in samples]
         cache = tables = 0
         for pool in state.pools():
-            per_req = math.ceil(tokens / pool.tokens_per_block) - pool.held_start(tokens) // pool.tokens_per_block
-            blocks = math.ceil(capacity / pool.tokens_per_block) if capacity else open_requests * per_req
+            per_req = blocks_for(pool, tokens)
+            blocks = math.ceil(capacity / pool.tokens_per_block) if capacity and not pool.spec.per_request \
+                else open_requests * per_req
             cache += pool.pool_bytes(blocks + setup.cache.spare_blocks)
             tables += open_requests * per_req * 8 * 2  # int64 ids on the device, and their host copy
         biggest = max((s.nbytes for segs in mine for s in segs), default=0)

@@ -72,7 +72,7 @@ def shared_peak_blocks(state: CacheState, spans: dict[int, tuple[int, int]], req
     and releasing a request whose blocks are shared frees few: a tighter cache made every third-turn request of
     a conversation trace wait for several checks in a row)."""
     by_id = {r.id: r for r in requests if r.id in spans}
-    pools = [(p.name, p.tokens_per_block, not p.spec.window, p) for p in state.pools()]
+    pools = [(p.name, p.tokens_per_block, p.spec.shares_prefix, p) for p in state.pools()]
     plan_users = users({r.id: r.prefix for r in by_id.values() if r.prefix is not None},
                        {r.id: r.isl for r in by_id.values()}, [(n, t, w) for n, t, w, _ in pools])
     start = {r: a for r, (a, _) in spans.items() if r in by_id}
@@ -122,7 +122,8 @@ def preflight(setup, plan: RunPlan | None = None, rank: int | None = None) -> di
         need = (shared_peak_blocks(state, spans, requests) if side.name == "gen" and side.prefix_cache_tokens
                 else peak_blocks(state, spans, isl))
         if cap:
-            for pool in state.pools():
+            # a recurrent state is one block per request, whatever the prompt: sized to the requests held at once
+            for pool in (p for p in state.pools() if not p.spec.per_request):
                 have = math.ceil(cap / pool.tokens_per_block)
                 if need[pool.name] > have:
                     tokens = need[pool.name] * pool.tokens_per_block
@@ -130,7 +131,8 @@ def preflight(setup, plan: RunPlan | None = None, rank: int | None = None) -> di
                                       f"the requests {side.name}{side_rank} holds at once need {need[pool.name]} "
                                       f"blocks ({tokens} tokens) of pool {pool.name}; raise it to >= {tokens} or "
                                       "lower workload.concurrency (0 sizes the cache to the workload)")
-            need = {pool.name: math.ceil(cap / pool.tokens_per_block) for pool in state.pools()}
+            need = {pool.name: need[pool.name] if pool.spec.per_request else math.ceil(cap / pool.tokens_per_block)
+                    for pool in state.pools()}
         if w == rank:
             out = need
     return out
