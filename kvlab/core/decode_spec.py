@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvlab.core.bounds import bounded
 from kvlab.core.errors import ConfigError, positive, require
 
 CHECKS = ("bytes", "decode")
@@ -110,8 +111,11 @@ class CheckSpec:
     """What the gen side checks after a request lands (the ``check`` group)."""
 
     kind: str = "bytes"  # bytes | decode
-    tokens: int = 8  # greedy tokens decoded from the moved cache (check=decode)
-    seed: int = 0  # the decode model's weights and the prompts' token ids
+    # greedy tokens decoded from the moved cache (check=decode): each is one decode step on the CPU, twice
+    # (the reference and the moved cache), within the run's timeouts
+    tokens: int = bounded(8, lo=1, hi=1024, why="each is a decode step of the reference and of the check")
+    # the decode model's weights and prompts
+    seed: int = bounded(0, lo=0, hi=2**32 - 1, why="a seed torch and numpy take")
     # largest |logit difference| against the reference that still passes; 0 on CPU, where the same
     # operations on the same bytes give the same bits
     tolerance: float = 0.0

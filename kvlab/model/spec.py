@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvlab.core import arrivals
+from kvlab.core.bounds import bounded
 from kvlab.core.decode_spec import DecodeModel
 from kvlab.core.errors import positive, require
 from kvlab.model import kv_dtype
@@ -223,20 +224,22 @@ DISTRIBUTIONS = ("fixed", "uniform", "lognormal")
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    isl: int = 4096  # prompt tokens when no list or distribution is given
-    requests: int = 4  # requests in the run (a trace's first ones, or drawn)
-    concurrency: int = 2  # requests in flight at once
+    isl: int = bounded(4096, hi=1 << 24, unit="tokens")  # prompt tokens when no list or distribution is given
+    requests: int = bounded(4, hi=1 << 24)  # requests in the run (a trace's first ones, or drawn)
+    concurrency: int = bounded(2, hi=1 << 24)  # requests in flight at once
     distribution: str = "fixed"  # fixed | uniform | lognormal
     isl_list: tuple[int, ...] | None = None  # explicit prompt lengths, cycled
-    isl_min: int = 128  # prompt lengths drawn within [isl_min, isl_max] (tokens)
-    isl_max: int = 131072  # and the longest a trace's prompt may be (workload.long_prompts)
-    seed: int = 0  # of the drawn lengths and arrivals
+    isl_min: int = bounded(128, hi=1 << 24, unit="tokens")  # prompt lengths drawn within [isl_min, isl_max] (tokens)
+    # and the longest a trace's prompt may be (workload.long_prompts)
+    isl_max: int = bounded(131072, hi=1 << 24, unit="tokens")
+    seed: int = bounded(0, lo=0, hi=2**32 - 1, why="a seed numpy takes")  # of the drawn lengths and arrivals
     arrival: str = "burst"  # burst | poisson | trace (kvlab.core.arrivals)
-    rate: float = 1.0  # requests per second with arrival=poisson
+    rate: float = 1.0  # requests per second with arrival=poisson (kvlab.core.arrivals bounds the run's span)
     trace: str | None = None  # Mooncake .jsonl or Azure .csv, with arrival=trace (kvlab.core.traces)
     time_scale: float = 1.0  # multiplies arrival times: 0.1 replays ten times faster
     long_prompts: str = "clip"  # clip | refuse: trace prompts above isl_max (or cache.capacity_tokens)
-    osl: int | None = None  # output tokens per request where no trace gives them (carried, not decoded)
+    # output tokens per request where no trace gives them (carried, not decoded)
+    osl: int | None = bounded(None, hi=1 << 24, unit="tokens")
 
     def __post_init__(self):
         positive("workload.isl", self.isl)
@@ -280,8 +283,9 @@ class WorkloadSpec:
 @dataclass(frozen=True)
 class CacheSpec:
     fragmentation: float = 0.0  # share of block allocations taken from a shuffled free list
-    spare_blocks: int = 8  # canary blocks per pool beyond what the workload needs
-    capacity_tokens: int = 0  # tokens each pool of a rank holds; 0: sized to the workload's worst moment
+    spare_blocks: int = bounded(8, hi=1 << 16)  # canary blocks per pool beyond what the workload needs
+    # tokens each pool of a rank holds; 0: sized to the workload's worst moment
+    capacity_tokens: int = bounded(0, hi=1 << 24, unit="tokens")
 
     def __post_init__(self):
         require(0.0 <= self.fragmentation <= 1.0, "cache.fragmentation", self.fragmentation, "must be in [0, 1]")
@@ -310,7 +314,7 @@ class FaultSpec:
     kill_at_chunk: int = -1  # that rank's own chunk count
     stall_rank: int = -1  # world rank that sleeps stall_s just before posting chunk stall_at_chunk
     stall_at_chunk: int = -1  # that rank's own chunk count
-    stall_s: float = 0.0  # how long it sleeps there
+    stall_s: float = bounded(0.0, hi=1e6, unit="s")  # how long it sleeps there
     # world rank that stops itself (SIGSTOP) just before posting chunk freeze_at_chunk: alive, its connections
     # open, silent; nobody sees it die
     freeze_rank: int = -1
