@@ -116,10 +116,11 @@ def group_options(group: str, search: list[str] = ()) -> list[str]:
     return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
 
 
-def check_overrides(overrides: list[str], search: list[str] = (), memory: bool = False) -> str | None:
-    """None if the overrides compose into a valid setup (that fits this host's memory, with ``memory``:
-    kvlab.sizing.budget), else one line saying what is wrong. ``search``: ``hydra.searchpath=[file://DIR,...]``
-    overrides, whose DIRs hold a user's own group files."""
+def validate_overrides(overrides: list[str], search: list[str] = (), memory: bool = False,
+                       command: str = "run") -> None:
+    """Raise ConfigError (or Hydra's composition error) unless the overrides compose into a valid setup for
+    ``command`` (that fits this host's memory, with ``memory``: kvlab.sizing.budget); ``search``:
+    ``hydra.searchpath=[file://DIR,...]`` overrides, whose DIRs hold a user's own group files."""
     from kvlab.config.schema import build, compose
     from kvlab.core.checks import check_overrides_shape
     from kvlab.sizing import budget
@@ -130,17 +131,27 @@ def check_overrides(overrides: list[str], search: list[str] = (), memory: bool =
             group, value = m.groups()
             options = group_options(group, search)
             if value not in options:
-                return f"{group}={value}: unknown {group}; choose one of {', '.join(options)}"
-    try:
-        check_overrides_shape(overrides)
-        cfg = compose([*search, *overrides])
-        setup = build(cfg)
-        if memory:  # before the plan: a huge workload.requests is refused, not built
-            budget.check_host(setup)
-        if setup.needs_preflight:  # fault positions and capacities that only the plan can check
-            from kvlab.sizing.preflight import preflight
+                raise ConfigError(group, value, f"unknown {group}; choose one of {', '.join(options)}")
+    check_overrides_shape(overrides)
+    cfg = compose([*search, *overrides])
+    setup = build(cfg)
+    if command == "link":  # the ranks' own config: slots as large as the largest message
+        from kvlab.cli.link_cmd import for_link
 
-            preflight(setup)
+        setup = build(for_link(cfg))
+    if memory:  # before the plan: a huge workload.requests is refused, not built
+        budget.check_host(setup)
+    if setup.needs_preflight:  # fault positions and capacities that only the plan can check
+        from kvlab.sizing.preflight import preflight
+
+        preflight(setup)
+
+
+def check_overrides(overrides: list[str], search: list[str] = (), memory: bool = False,
+                    command: str = "run") -> str | None:
+    """None if the overrides compose into a valid setup (validate_overrides), else one line saying what is wrong."""
+    try:
+        validate_overrides(overrides, search, memory, command)
     except ConfigError as e:
         return str(e)
     except Exception as e:  # Hydra's own composition errors: keep their words, on one line
@@ -164,7 +175,7 @@ def sweep_points(overrides: list[str], search: list[str] = ()) -> list[list[str]
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def _check_sweep(overrides: list[str], search: list[str], memory: bool) -> str | None:
+def _check_sweep(overrides: list[str], search: list[str], memory: bool, command: str = "run") -> str | None:
     try:
         jobs = sweep_points(overrides, search)
     except ConfigError as e:
@@ -172,7 +183,7 @@ def _check_sweep(overrides: list[str], search: list[str], memory: bool) -> str |
     except Exception as e:  # a sweep Hydra cannot parse: its words, on one line
         return _hydra_message(e, overrides)
     for job in jobs:
-        problem = check_overrides(job, search, memory)
+        problem = check_overrides(job, search, memory, command)
         if problem:
             return problem + (f" (in the sweep job {' '.join(job)})" if len(jobs) > 1 else "")
     return None
@@ -356,9 +367,9 @@ def main(argv: list[str] | None = None) -> None:
         overrides = [a for a in args.overrides if (a.startswith("~") or "=" in a) and not a.startswith("hydra.")]
         search = [a for a in args.overrides if a.startswith("hydra.searchpath=")]
         running = not looks_only(args)  # nothing will start, so no memory to check and no directory to hold
-        memory = command == "run" and running
-        problem = (_check_sweep(overrides, search, memory) if multirun
-                   else check_overrides(overrides, search, memory))
+        memory = command in ("run", "link") and running
+        problem = (_check_sweep(overrides, search, memory, command) if multirun
+                   else check_overrides(overrides, search, memory, command))
         if problem:
             _fail(problem)
         given = list(args.overrides)

@@ -33,22 +33,23 @@ class DecodeModel:
     that a CPU prefills and decodes it in a moment."""
 
     family: str = ""  # one of FAMILIES; "" for a preset without a decode model
-    num_layers: int | None = None  # null: the preset's (a cache field: what moves keeps the preset's shape)
-    kv_heads: int | None = None  # null: the preset's
-    head_dim: int | None = None  # null: the preset's
-    window: int | None = None  # the sliding window, scaled down with the prompts a CPU can prefill
-    hidden_size: int = 64  # the decode model's width (what a layer computes, kept small)
-    q_heads: int = 4  # a multiple of kv_heads (GQA): the preset's ratio where it fits
-    intermediate_size: int = 128  # its dense MLP width
-    vocab_size: int = 128  # its vocabulary: the prompts' token ids and the logits compared
-    experts: int = 0  # routed experts; 0: dense MLPs
-    experts_per_token: int = 2  # routed experts each token uses
-    moe_intermediate_size: int = 32  # an expert's MLP width
-    q_lora_rank: int = 32  # MLA
-    qk_nope_head_dim: int = 16  # MLA: the query/key part without RoPE, per head
-    v_head_dim: int = 16  # MLA: values per head
-    indexer_heads: int = 4  # DeepSeek-V3.2's lightning indexer
-    indexer_topk: int = 16  # fewer than a prompt's tokens, so that the indexer's choice matters
+    # null: the preset's (a cache field: what moves keeps the preset's shape)
+    num_layers: int | None = bounded(None, hi=256)
+    kv_heads: int | None = bounded(None, hi=256)  # null: the preset's
+    head_dim: int | None = bounded(None, hi=1024)  # null: the preset's
+    window: int | None = bounded(None, hi=1 << 16)  # the sliding window, scaled down with the prompts a CPU can prefill
+    hidden_size: int = bounded(64, hi=4096)  # the decode model's width (what a layer computes, kept small)
+    q_heads: int = bounded(4, hi=256)  # a multiple of kv_heads (GQA): the preset's ratio where it fits
+    intermediate_size: int = bounded(128, hi=16384)  # its dense MLP width
+    vocab_size: int = bounded(128, hi=1 << 17)  # its vocabulary: the prompts' token ids and the logits compared
+    experts: int = bounded(0, hi=256)  # routed experts; 0: dense MLPs
+    experts_per_token: int = bounded(2, hi=256)  # routed experts each token uses
+    moe_intermediate_size: int = bounded(32, hi=16384)  # an expert's MLP width
+    q_lora_rank: int = bounded(32, hi=4096)  # MLA
+    qk_nope_head_dim: int = bounded(16, hi=1024)  # MLA: the query/key part without RoPE, per head
+    v_head_dim: int = bounded(16, hi=1024)  # MLA: values per head
+    indexer_heads: int = bounded(4, hi=256)  # DeepSeek-V3.2's lightning indexer
+    indexer_topk: int = bounded(16, hi=1 << 16)  # fewer than a prompt's tokens, so that the indexer's choice matters
 
     def __post_init__(self):
         require(self.family in ("", *FAMILIES), "model.decode.family", self.family,

@@ -89,17 +89,17 @@ class PoolSpec:
 class ModelDims:
     """What a layer computes, beyond what it caches (ModelSpec). 0 means unknown or not used."""
 
-    hidden_size: int = 0  # the model's width
-    q_heads: int = 0  # attention's query heads
-    qk_head_dim: int = 0  # 0: the model's head_dim (GQA)
-    v_head_dim: int = 0  # 0: qk_head_dim
-    intermediate_size: int = 0  # dense gated MLP
-    experts_active: int = 0  # routed + shared experts per token; 0: a dense model
-    moe_intermediate_size: int = 0  # an expert's MLP width
-    dense_layers: int = 0  # leading dense layers of a MoE model
-    q_lora_rank: int = 0  # MLA low-rank query; 0: a full-rank query projection
-    attention_topk: int = 0  # sparse attention: keys per query at most; 0: all
-    indexer_heads: int = 0  # DeepSeek-V3.2 lightning indexer
+    hidden_size: int = bounded(0, hi=1 << 20)  # the model's width
+    q_heads: int = bounded(0, hi=1 << 20)  # attention's query heads
+    qk_head_dim: int = bounded(0, hi=1 << 20)  # 0: the model's head_dim (GQA)
+    v_head_dim: int = bounded(0, hi=1 << 20)  # 0: qk_head_dim
+    intermediate_size: int = bounded(0, hi=1 << 20)  # dense gated MLP
+    experts_active: int = bounded(0, hi=1 << 20)  # routed + shared experts per token; 0: a dense model
+    moe_intermediate_size: int = bounded(0, hi=1 << 20)  # an expert's MLP width
+    dense_layers: int = bounded(0, hi=1 << 20)  # leading dense layers of a MoE model
+    q_lora_rank: int = bounded(0, hi=1 << 20)  # MLA low-rank query; 0: a full-rank query projection
+    attention_topk: int = bounded(0, hi=1 << 20)  # sparse attention: keys per query at most; 0: all
+    indexer_heads: int = bounded(0, hi=1 << 20)  # DeepSeek-V3.2 lightning indexer
 
     def validate_for(self, model: ModelSpec) -> None:
         """The dimensions a time model needs; named so that a preset without them says which to add."""
@@ -122,14 +122,14 @@ class ModelDims:
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # the preset's name, in records and tables
-    num_layers: int  # decoder layers
+    num_layers: int = bounded(hi=1 << 12)  # decoder layers
     attention: Attention = Attention.gqa  # gqa (K and V per kv head) or mla (one latent row per token)
-    kv_heads: int = 8  # GQA: K/V heads, split over TP (duplicated where TP exceeds them)
-    head_dim: int = 128  # GQA: values per head of K and of V
-    mla_dim: int = 576  # kv_lora_rank 512 + rope 64
+    kv_heads: int = bounded(8, hi=1 << 12)  # GQA: K/V heads, split over TP (duplicated where TP exceeds them)
+    head_dim: int = bounded(128, hi=1 << 14)  # GQA: values per head of K and of V
+    mla_dim: int = bounded(576, hi=1 << 16)  # kv_lora_rank 512 + rope 64
     indexer: bool = False  # DeepSeek-V3.2's lightning indexer: fp8 keys and fp32 scales beside the latent
-    window: int = 0  # sliding window in tokens, 0 for none
-    local_per_global: int = 0  # sliding layers per full layer; 0 with window>0: every layer slides
+    window: int = bounded(0, hi=1 << 24)  # sliding window in tokens, 0 for none
+    local_per_global: int = bounded(0, hi=1 << 12)  # sliding layers per full layer; 0 with window>0: every layer slides
     dims: ModelDims = field(default_factory=ModelDims)  # what a layer computes: the prefill's time model needs it
     decode: DecodeModel = field(default_factory=DecodeModel)  # check=decode's model (kvlab.core.decode_spec)
 

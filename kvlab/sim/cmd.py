@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -86,6 +87,23 @@ def _check(overrides: list[str], multirun: bool) -> str | None:
     return None
 
 
+def writable_file(flag: str, path: Path) -> None:
+    """ConfigError naming ``flag`` unless ``path`` can be created or replaced (its directory made if missing)."""
+    shown = str(path) if len(str(path)) <= 120 else f"{str(path)[:60]}...({len(str(path))} characters)"
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "a directory is in the way")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".{path.name[:200]}.probe{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        if len(path.name.encode()) > 255:
+            raise OSError(36, "File name too long")
+    except OSError as e:
+        raise ConfigError(flag, shown, f"cannot be written ({e.strerror or type(e).__name__}); give a writable "
+                          "file path") from None
+
+
 def calibrate_main(argv: list[str]) -> None:
     from kvlab.sim import calibrate
 
@@ -97,7 +115,11 @@ def calibrate_main(argv: list[str]) -> None:
     p.add_argument("--out", default=None, help="where to write the profile (default conf/cost/NAME.yaml)")
     p.add_argument("--report", default=None, help="also write each run's figures and errors to this JSON file")
     a = p.parse_args(argv)
+    out = Path(a.out) if a.out else CONF_DIR / "cost" / f"{a.name}.yaml"
     try:
+        for flag, place in (("--out", out), ("--report", a.report)):
+            if place is not None:  # where the results go is checked before anything is fitted
+                writable_file(flag, Path(place))
         fitted, rep = calibrate.calibrate(a.runs)
     except ConfigError as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
@@ -110,7 +132,6 @@ def calibrate_main(argv: list[str]) -> None:
               f"prefill_slowdown {t.prefill_slowdown:.3g}")
     pre = fitted.prefill
     print(f"prefill: scale {pre.scale:.4g}, byte_ns {pre.byte_ns:.4g}, fixed_ms {pre.fixed_ms:.4g}")
-    out = Path(a.out) if a.out else CONF_DIR / "cost" / f"{a.name}.yaml"
     calibrate.write_profile(out, fitted, a.base, rep)
     if a.report:
         Path(a.report).write_text(json.dumps(rep, indent=1))
