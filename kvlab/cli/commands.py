@@ -100,11 +100,34 @@ def _plain_message(flat: str, overrides: list[str]) -> str | None:
         kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(m.group(1), m.group(1))
         where = f" (element {key[len(base):]})" if key != base else ""
         return f"{base}={value}: must be {kind}{where}"
+    if base.startswith("transport.") and "not in struct" in flat:  # Hydra would advise +transport.<key>
+        line = _transport_option(base, value, overrides)
+        if line:
+            return line
     if m := re.search(r"Key '(\w+)' not in '(\w+)'", flat):
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         keys = _keys_of(parent.split(".") if parent else [])
         options = f"; {parent or 'the config'} has {', '.join(keys)}" if keys else ""
         return f"{base}={value}: no such key{options}"
+    return None
+
+
+def _transport_option(key: str, value: str, overrides: list[str]) -> str | None:
+    """What the chosen transport says of an option it does not have (its class lists those it takes)."""
+    from omegaconf import OmegaConf
+
+    from kvlab.config.schema import CONF_DIR, TransportSpec
+
+    name = next((ov.partition("=")[2] for ov in overrides if re.fullmatch(r"\+?transport=\w+", ov)), "auto")
+    path = CONF_DIR / "transport" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    node = OmegaConf.to_container(OmegaConf.load(path))
+    node[key.split(".", 1)[1]] = value
+    try:
+        TransportSpec.of(node).cls()
+    except ConfigError as e:
+        return str(e)
     return None
 
 
@@ -228,6 +251,28 @@ def _parser(command: str):
     return parser
 
 
+def check_arguments(given: list[str]) -> str | None:
+    """One line for an argument Hydra would refuse only after making the run directory: a word that is no
+    ``key=value`` (an unquoted value with spaces, split by the shell) or a value its grammar cannot read
+    unquoted (non-ASCII characters, parentheses)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for i, a in enumerate(given):
+        if "=" not in a and not a.startswith("~"):
+            before = given[i - 1] if i else ""
+            hint = (f"; a value with spaces must be quoted for the shell and for Hydra, e.g. \"{before.split('=')[0]}="
+                    f"'{before.partition('=')[2]} {a}'\"" if "=" in before else "; overrides are key=value")
+            return f"{a}: not an override{hint}"
+        try:
+            parser.parse_override(a)
+        except Exception:  # noqa: BLE001 - Hydra's grammar error is several lines about its parser
+            key, _, value = a.partition("=")
+            return (f"{key}={value}: Hydra's override grammar cannot read this value unquoted (spaces, non-ASCII "
+                    f"characters, parentheses); quote it: \"{key}='{value}'\"")
+    return None
+
+
 def parse_args(command: str, rest: list[str]):
     """``rest`` as the Hydra app will read it (hydra._internal.utils.get_args_parser): its flags, and its
     ``overrides`` (the positionals: ``-sc install=bash``'s value is one of them). Overrides may stand on
@@ -347,11 +392,16 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] not in COMMANDS:
         what = "no such option" if argv[0].startswith("-") else "no such command"
         _fail(f"{argv[0]}: {what}; use one of {', '.join(COMMANDS)} (kvlab --help says what each does)")
-    if argv[0] == "sim":  # its own Hydra app (conf/sim.yaml) and its calibrate subcommand
-        from kvlab.sim.cmd import main as sim_main
-
-        return sim_main(argv[1:])
     from kvlab.core import interrupt
+
+    if argv[0] == "sim":  # its own Hydra app (conf/sim.yaml) and its calibrate subcommand
+        with interrupt.as_exit("before the simulation started; nothing was simulated or written"):
+            from kvlab.sim.cmd import main as sim_main
+
+            problem = None if argv[1:2] == ["calibrate"] else check_arguments(argv[1:])
+        if problem:
+            _fail(problem)
+        return sim_main(argv[1:])
     from kvlab.results import rundir
 
     command, rest = argv[0], argv[1:]
@@ -364,6 +414,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.shell_completion:
             return complete(args.overrides)
         multirun = bool(args.multirun)
+        problem = check_arguments(args.overrides)
+        if problem:
+            _fail(problem)
         overrides = [a for a in args.overrides if (a.startswith("~") or "=" in a) and not a.startswith("hydra.")]
         search = [a for a in args.overrides if a.startswith("hydra.searchpath=")]
         running = not looks_only(args)  # nothing will start, so no memory to check and no directory to hold

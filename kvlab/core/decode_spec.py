@@ -14,12 +14,15 @@ the schedule and every check of the other groups see the cache the model really 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvlab.core.bounds import bounded
 from kvlab.core.errors import ConfigError, positive, require
 
 CHECKS = ("bytes", "decode")
+CACHE_ENV = "KVLAB_DECODE_CACHE"  # where references are kept; ~/.cache/kvlab/decode by default
 FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "gemma3")
 MLA_FAMILIES = ("deepseek_v3", "deepseek_v32")
 ROPE_DIM = 64  # the RoPE part of the MLA row (kvlab.model.spec.ROPE_DIM): the latent is the rest
@@ -68,6 +71,26 @@ class DecodeModel:
                 "must be 0 (dense) or a number of routed experts")
         require(self.experts == 0 or self.experts_per_token <= self.experts, "model.decode.experts_per_token",
                 self.experts_per_token, f"must be <= model.decode.experts={self.experts}")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvlab" / "decode")
+
+
+def check_cache_dir() -> None:
+    """ConfigError naming the decode check's reference cache unless a file can be written there: checked where
+    it is acquired, in the parent before any rank starts (a rank found out only after its prefill)."""
+    where = cache_dir()
+    name = CACHE_ENV if os.environ.get(CACHE_ENV) else f"{CACHE_ENV} (unset: ~/.cache/kvlab/decode)"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe = where / f".probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+        raise ConfigError(name, str(where), f"cannot hold check=decode's reference caches ({why or type(e).__name__}); "
+                          f"point {CACHE_ENV} at a writable directory") from None
 
 
 def tiny(model):
@@ -153,6 +176,7 @@ class CheckSpec:
 
         if importlib.util.find_spec("transformers") is None:
             raise ConfigError("check", "decode", "needs transformers; pip install -e '.[decode]'")
+        check_cache_dir()
 
 
 def check_line(rows) -> str | None:

@@ -23,7 +23,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from kvlab.config.schema import CONF_DIR
+from kvlab.config.schema import CONF_DIR, compose
 from kvlab.core.errors import ConfigError
 from kvlab.sim import report
 from kvlab.sim.run import build_sim, compose_sim, max_rate, run
@@ -150,9 +150,28 @@ def main(argv: list[str]) -> None:
         if problem:
             print(f"kvlab: error: {problem}", file=sys.stderr)
             raise SystemExit(2)
+    from kvlab.core import interrupt
+    from kvlab.results import rundir
+
+    held = None
+    if not only_looks and not multirun:  # one command per directory: a kvlab run there holds it, or this does
+        given = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), None)
+        held = Path(given) if given is not None else Path(
+            compose(overrides, config_name="sim", return_hydra_config=True).hydra.run.dir)
+        if given is None:
+            argv = [*argv, f"hydra.run.dir={held}"]  # pinned: the directory Hydra makes is the one held
+        try:
+            rundir.acquire(held)
+        except ConfigError as e:
+            print(f"kvlab: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     sys.argv = ["kvlab sim", *argv]
     try:
-        hydra_main()
+        with interrupt.as_exit("while simulating; no summary was written"):
+            hydra_main()
     except ConfigError as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        if held is not None:
+            rundir.release(held)

@@ -1,0 +1,135 @@
+"""The places that cannot be written, the arguments Hydra would refuse too late, one command per directory,
+and analysis on corrupt files: each ends as one line naming the place (or marks the run), nothing left behind."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from kvlab.cli.commands import check_arguments, check_overrides
+from kvlab.core.errors import ConfigError
+from kvlab.results import records, rundir
+
+UNWRITABLE = "/proc/1/kvlab"  # no mkdir there, whoever runs the tests (root ignores a read-only mode)
+
+
+def test_a_value_split_by_the_shell_is_one_line_before_any_directory():
+    line = check_arguments(["model=tiny_gqa", "hydra.run.dir=/tmp/a", "b"])
+    assert line.startswith("b: not an override") and "\"hydra.run.dir='/tmp/a b'\"" in line
+
+
+def test_non_ascii_unquoted_is_one_line_with_the_quoted_form():
+    line = check_arguments(["hydra.run.dir=/tmp/ünï(x)"])
+    assert line is not None and line.startswith("hydra.run.dir=/tmp/ünï(x): ") and "'/tmp/ünï(x)'" in line
+    assert check_arguments(["hydra.run.dir='/tmp/ünï(x)'", "ctx.tp=1,2"]) is None
+
+
+@pytest.mark.parametrize("name,words", [("n" * 300, "300-byte name"), ("/".join(["d" * 200] * 25), "4096 bytes")])
+def test_run_directory_names_too_long(tmp_path, name, words):
+    with pytest.raises(ConfigError, match=rf"^hydra.run.dir=.*characters\): .*{words}"):
+        rundir.ensure_writable(tmp_path / name)
+
+
+@pytest.mark.parametrize("place", ["file", UNWRITABLE])
+def test_run_directory_that_cannot_be_made(tmp_path, place):
+    where = tmp_path / "f" if place == "file" else Path(place)
+    if place == "file":
+        where.write_text("x")
+    with pytest.raises(ConfigError, match=r"^hydra.run.dir=.*cannot create or write the run directory"):
+        rundir.ensure_writable(where / "run" if place == "file" else where)
+
+
+def test_unknown_transport_option_gets_the_transports_own_words():
+    line = check_overrides(["transport=ipc", "transport.mode=direct"])
+    assert line == "transport.mode=direct: transport=ipc has no such option; it takes shm_dir"
+
+
+@pytest.mark.parametrize("place", ["file", UNWRITABLE])
+def test_decode_cache_that_cannot_be_written(tmp_path, monkeypatch, place):
+    where = tmp_path / "afile" if place == "file" else Path(place)
+    if place == "file":
+        where.write_text("x")
+    monkeypatch.setenv("KVLAB_DECODE_CACHE", str(where))
+    line = check_overrides(["check=decode", "model=tiny_gqa"])
+    assert line.startswith(f"KVLAB_DECODE_CACHE={where}: cannot hold check=decode's reference caches"), line
+
+
+@pytest.mark.slow
+def test_decode_cache_refused_before_any_rank(kvlab_cli, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    start = time.monotonic()
+    out = kvlab_cli("run", "check=decode", "model=tiny_gqa", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+                    env={"KVLAB_DECODE_CACHE": str(tmp_path / "afile")}, timeout=120)
+    print(f"KVLAB_DECODE_CACHE at a file: ended in {time.monotonic() - start:.1f} s")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "KVLAB_DECODE_CACHE" in out.stderr, out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["hydra.run.dir={d}/a", "b"], ["hydra.run.dir={d}/ünï"],
+                                  ["hydra.run.dir={d}/" + "n" * 300]])
+def test_cli_bad_places_leave_no_directory(kvlab_cli, tmp_path, args):
+    start = time.monotonic()
+    out = kvlab_cli("run", *[a.format(d=tmp_path) for a in args], cwd=tmp_path, timeout=120)
+    print(f"{args}: ended in {time.monotonic() - start:.1f} s")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("kvlab: "), out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_sim_refuses_a_directory_another_command_holds(kvlab_cli, tmp_path):
+    run = tmp_path / "run"
+    rundir.acquire(run)
+    try:
+        start = time.monotonic()
+        out = kvlab_cli("sim", f"hydra.run.dir={run}", "workload.requests=8", cwd=tmp_path, timeout=120)
+        print(f"kvlab sim into a held directory: ended in {time.monotonic() - start:.1f} s")
+    finally:
+        rundir.release(run)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "run.lock" in out.stderr + " run.lock", out.stderr
+    assert not (run / "summary.json").exists()
+
+
+def _run_dir(root: Path, name: str, rows: str, summary: dict | None = None) -> Path:
+    d = root / name
+    d.mkdir()
+    (d / records.RESULTS).write_text(rows)
+    if summary is not None:
+        (d / records.SUMMARY).write_text(json.dumps(summary))
+    return d
+
+
+def test_load_results_names_a_corrupt_file_and_marks_its_run(tmp_path):
+    from kvlab.analysis.sweeps import load_results
+
+    good = json.dumps({"request": 0, "bytes": 10, "verified": True})
+    _run_dir(tmp_path, "0", good + "\n")
+    bad = _run_dir(tmp_path, "1", good + "\n{\"request\": 1, \"bytes\n")
+    with pytest.warns(UserWarning, match=r"1/results.jsonl: line 2 is not a kvlab RequestRow"):
+        df = load_results(tmp_path)
+    assert len(df) == 1 and list(df.attrs["corrupt"]) == [str(bad)]
+
+
+def test_a_summary_whose_figures_are_strings_is_corrupt(tmp_path):
+    from kvlab.analysis.sweeps import load_run
+
+    d = _run_dir(tmp_path, "0", "", {"transport": "p2p", "requests": "four", "ttft_s_p50": "fast"})
+    with pytest.warns(UserWarning, match="summary.json: not a kvlab summary"):
+        row = load_run(d)
+    assert row["status"].startswith("corrupt summary")
+
+
+def test_load_wandb_names_a_corrupt_file(tmp_path):
+    from kvlab.analysis import wandb_read
+    from kvlab.analysis.sweeps import load_wandb
+
+    f = tmp_path / "wandb" / "offline-run-20260101_000000-abc" / "run-abc.wandb"
+    f.parent.mkdir(parents=True)
+    f.write_bytes(b"\x00garbage" * 50)
+    if f not in list(wandb_read.run_files(tmp_path)):
+        pytest.skip("wandb_read looks for run files elsewhere")
+    with pytest.warns(UserWarning, match="run-abc.wandb: not a readable wandb run"):
+        df = load_wandb(tmp_path)
+    assert df["status"].iloc[0].startswith("corrupt wandb file")
