@@ -133,3 +133,29 @@ def test_load_wandb_names_a_corrupt_file(tmp_path):
     with pytest.warns(UserWarning, match="run-abc.wandb: not a readable wandb run"):
         df = load_wandb(tmp_path)
     assert df["status"].iloc[0].startswith("corrupt wandb file")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("redirect", [">/dev/full", ">&-"])
+def test_a_verified_run_with_stdout_full_or_closed_is_no_failed_run(kvlab_cli, tmp_path, redirect):
+    import shlex
+    import subprocess
+
+    argv = kvlab_cli.argv("run", "model=tiny_gqa", "workload.requests=2", "workload.isl=256",
+                          f"hydra.run.dir={tmp_path / 'run'}")
+    start = time.monotonic()
+    out = subprocess.run(["bash", "-c", f"{shlex.join(argv)} {redirect}"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=180)
+    print(f"kvlab run {redirect}: ended in {time.monotonic() - start:.1f} s")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert records.read_summary(tmp_path / "run").verified
+
+
+def test_guarded_stream_drops_what_cannot_be_written():
+    from kvlab.core.streams import Guarded
+
+    with open("/dev/full", "w") as full:
+        g = Guarded(full)
+        assert g.write("x" * 100_000) == 100_000
+        g.flush()
+        assert g.dropped >= 1
