@@ -159,3 +159,42 @@ def test_guarded_stream_drops_what_cannot_be_written():
         assert g.write("x" * 100_000) == 100_000
         g.flush()
         assert g.dropped >= 1
+
+
+@pytest.mark.slow
+def test_ipc_rank0_dying_mid_transfer_leaves_ctx1_its_records(kvlab_cli, tmp_path):
+    """The store's host is rank 0: once it is gone a store call fails its request (kvlab.transports.ipc.RequestStore)
+    instead of throwing away what ctx1 did."""
+    run = tmp_path / "run"
+    start = time.monotonic()
+    out = kvlab_cli("run", "transport=ipc", "model=tiny_gqa", "ctx.tp=2", "workload.requests=8",
+                    "workload.isl=2048", "fault.kill_rank=0", "fault.kill_at_chunk=6", "transfer.timeout_s=10",
+                    "logger=quiet", f"hydra.run.dir={run}", cwd=tmp_path, timeout=240)
+    print(f"ipc, rank 0 killed mid-transfer: ended in {time.monotonic() - start:.1f} s")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    part = records.read_part(run, 1)
+    assert part is not None and part.parts, out.stderr[-2000:]  # ctx1's records, not an empty part
+    assert not any("before its transfers" in e for e in part.errors), part.errors
+    assert not [n for n in Path("/dev/shm").iterdir() if n.name.lstrip(".").startswith("kvlab-ipc-")
+                and run.name in str(n)]
+
+
+def test_ipc_pool_of_a_killed_rank_is_swept_by_the_launcher(tmp_path):
+    """A ctx rank killed right after creating its pool file: the launcher's sweep_after removes it at the end."""
+    import signal
+    import subprocess
+    import sys
+
+    from kvlab.config.schema import build, compose
+    from kvlab.transports import ipc
+
+    code = ("import sys, time; from kvlab.transports.ipc import create_locked, POOL_PREFIX; "
+            f"create_locked({str(tmp_path)!r} + '/' + POOL_PREFIX + 'test-ctx0-kv', 4096); "
+            "print('made', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "made"
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    setup = build(compose(["transport=ipc", f"transport.shm_dir={tmp_path}", "model=tiny_gqa"]))
+    assert ipc.Ipc.sweep_after(setup) == [f"{ipc.POOL_PREFIX}test-ctx0-kv"]
+    assert list(tmp_path.iterdir()) == []
