@@ -198,3 +198,15 @@ def test_ipc_pool_of_a_killed_rank_is_swept_by_the_launcher(tmp_path):
     setup = build(compose(["transport=ipc", f"transport.shm_dir={tmp_path}", "model=tiny_gqa"]))
     assert ipc.Ipc.sweep_after(setup) == [f"{ipc.POOL_PREFIX}test-ctx0-kv"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pair_runs_cuts_writes_where_either_side_does():
+    import numpy as np
+
+    from kvlab.transports.direct import pair_runs
+
+    # source runs of 8 and 8 bytes, destination runs of 4, 8 and 4: writes of 4, 4, 4, 4 within both
+    src, dst, length = pair_runs(np.array([100, 300]), np.array([0, 8]), np.array([1000, 2000, 3000]),
+                                 np.array([0, 4, 12]), np.array([4, 8, 4]))
+    assert length.tolist() == [4, 4, 4, 4]
+    assert src.tolist() == [100, 104, 300, 304] and dst.tolist() == [1000, 2000, 2004, 3000]
