@@ -88,8 +88,11 @@ def test_a_new_field_is_walked_without_being_listed():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command,overrides", [("link", ["link.min_bytes=3"]), ("sim", ["sim.rate=1e-300"]),
-                                               ("run", ["check=decode", "model=tiny_gqa", "check.tokens=100000000"])])
+@pytest.mark.parametrize("command,overrides", [
+    ("link", ["link.min_bytes=3"]), ("link", ["link.max_bytes=1e12"]), ("link", [f"link.min_bytes={2**63 - 1}"]),
+    ("sim", ["sim.rate=1e-300"]), ("sim", ["cluster.links.nic.gbit_s=1e-300"]), ("run", ["workload.rate=nan"]),
+    ("run", ["check=decode", "model=tiny_gqa", "check.tokens=100000000"]),
+    ("run", ["check=decode", "model=tiny_gqa", f"check.seed={2**63 + 1}"])])
 def test_cli_refuses_before_any_directory(kvlab_cli, tmp_path, command, overrides):
     start = time.monotonic()
     out = kvlab_cli(command, *overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120)
