@@ -184,7 +184,8 @@ def cli(command: str, overrides: list[str], cwd: Path, timeout: float = DRAW_S) 
 
 def check_cli(command: str, draw, tmp: Path) -> None:
     run_dir = tmp / "run"
-    ovs = (SMALL if command != "plan" else []) + [edges.override(*draw), f"hydra.run.dir={run_dir}"]
+    base = {"plan": [], "sim": ["workload.requests=16"]}.get(command, SMALL)  # sim: its own cluster's layouts
+    ovs = base + [edges.override(*draw), f"hydra.run.dir={run_dir}"]
     cmd = edges.command_line(command, ovs)
     note(f"reproduce (in {tmp}): {cmd}")
     line = validate(command, ovs[:-1])
@@ -199,7 +200,7 @@ def check_cli(command: str, draw, tmp: Path) -> None:
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("kvlab: "), \
             f"rc={out.returncode} {out.stderr[-2000:]}\nreproduce: {cmd}"
-        assert draw[0] in lines[0], f"{lines[0]}\nreproduce: {cmd}"
+        assert_names(lines[0].removeprefix("kvlab: error: "), draw[0], cmd)
         assert not run_dir.exists(), f"a run directory was left\nreproduce: {cmd}"
     else:
         assert out.returncode == 0, f"rc={out.returncode} {out.stderr[-2000:]}\nreproduce: {cmd}"
