@@ -119,6 +119,7 @@ def check_signal(tmp: Path, command: list[str], kind: str, target: str, at_s: fl
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(0)  # each draw is bounded by BOUND_S; the draws' count is the budget
 @settings(max_examples=int(os.environ.get("KVLAB_FUZZ_SIGNALS", "2")), **E2E)
 @given(transport=st.sampled_from(["p2p", "ipc"]), kind=st.sampled_from(KINDS),
        target=st.sampled_from(["parent", "rank0", "rank1", "rank2"]), at_s=st.floats(1.0, 40.0))
@@ -130,6 +131,7 @@ def test_run_signals(tmp_path_factory, transport, kind, target, at_s):
 
 @pytest.mark.slow
 @pytest.mark.fuzz
+@pytest.mark.timeout(0)
 @settings(max_examples=int(os.environ.get("KVLAB_FUZZ_SIGNALS", "12")), **E2E)
 @given(command=st.sampled_from(["sim", "link"]), kind=st.sampled_from(["SIGINT", "double SIGINT", "SIGTERM"]),
        at_s=st.floats(0.5, 20.0))
