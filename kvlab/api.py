@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvlab.cli.commands import hydra_message
 from kvlab.cli.run_cmd import launch, prepare
 from kvlab.config.schema import build, compose
 from kvlab.core.errors import ConfigError
@@ -17,7 +18,14 @@ def run_transfer(overrides: list[str] | tuple[str, ...] = (), run_dir: str | Pat
     overrides = checked_overrides("overrides", overrides)
     if not isinstance(run_dir, (str, Path)):
         raise ConfigError("run_dir", repr(run_dir), "a directory path (str or pathlib.Path)")
-    cfg = compose(overrides)
+    try:
+        cfg = compose(overrides)
+    except Exception as e:  # Hydra's own composition errors: a ConfigError in the words kvlab run prints
+        if isinstance(e, ConfigError):
+            raise
+        field, _, rest = hydra_message(e, overrides).partition("=")
+        value, _, hint = rest.partition(": ")
+        raise ConfigError(field, value, hint) from None
     setup = build(cfg)
     budget.check_host(setup)
     run_dir = Path(run_dir)

@@ -55,7 +55,7 @@ def usage() -> str:
     return HELP.format(commands="\n".join(f"  {name:<6} {what}" for name, what in COMMANDS.items()))
 
 
-def _hydra_message(exc: BaseException, overrides: list[str] = ()) -> str:
+def hydra_message(exc: BaseException, overrides: list[str] = ()) -> str:
     text = str(exc) + ("\n" + str(exc.__cause__) if exc.__cause__ else "")
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
     flat = "; ".join(dict.fromkeys(lines))
@@ -184,7 +184,7 @@ def check_overrides(overrides: list[str], search: list[str] = (), memory: bool =
     except ConfigError as e:
         return str(e)
     except Exception as e:  # Hydra's own composition errors: keep their words, on one line
-        return _hydra_message(e, overrides)
+        return hydra_message(e, overrides)
     return None
 
 
@@ -211,7 +211,7 @@ def _check_sweep(overrides: list[str], search: list[str], memory: bool, command:
     except ConfigError as e:
         return str(e)
     except Exception as e:  # a sweep Hydra cannot parse: its words, on one line
-        return _hydra_message(e, overrides)
+        return hydra_message(e, overrides)
     for job in jobs:
         problem = check_overrides(job, search, memory, command, moves)
         if problem:

@@ -45,9 +45,9 @@ class DecodeModel:
     window: int | None = bounded(None, hi=1 << 16)  # the sliding window, scaled down with the prompts a CPU can prefill
     layer_pattern: str | None = None  # hybrids: null for the preset's (kvlab.model.spec LAYER_*)
     state_heads: int | None = bounded(None, hi=1024)  # hybrids: the recurrent state's heads, null for the preset's
-    state_groups: int | None = bounded(None, hi=1024)  # hybrids: its TP groups (at least two, so that TP 2 splits it), or null
+    state_groups: int | None = bounded(None, hi=1024)  # hybrids: its TP groups (>= 2: TP 2 splits it), or null
     state_head_dim: int | None = bounded(None, hi=1024)  # hybrids: values per state head, or null for the preset's
-    state_dim: int | None = bounded(None, hi=1024)  # hybrids: the state's other dim (GDN key head dim, Mamba-2 d_state), or null
+    state_dim: int | None = bounded(None, hi=1024)  # hybrids: GDN key head dim, Mamba-2 d_state, or null
     hidden_size: int = bounded(64, hi=4096)  # the decode model's width (what a layer computes, kept small)
     q_heads: int = bounded(4, hi=256)  # a multiple of kv_heads (GQA): the preset's ratio where it fits
     intermediate_size: int = bounded(128, hi=16384)  # its dense MLP width

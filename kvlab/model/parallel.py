@@ -76,7 +76,8 @@ class SideSpec:
     # gen only: decode context parallelism (vLLM's DCP): tokens dealt round-robin in runs of dcp_interleave over
     # dcp consecutive TP ranks holding the same heads (the TP group has tp * dcp ranks: vLLM's tp = tp * dcp)
     dcp: int = bounded(1, hi=1 << 12)
-    dcp_interleave: int = bounded(1, hi=1 << 16)  # tokens per run (vLLM's dcp_kv_cache_interleave_size); divides tokens_per_block
+    # tokens per run (vLLM's dcp_kv_cache_interleave_size); divides tokens_per_block
+    dcp_interleave: int = bounded(1, hi=1 << 16)
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp", "cp", "dcp", "dcp_interleave"):

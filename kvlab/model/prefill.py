@@ -44,8 +44,9 @@ class PrefillSpec:
     kind: str = "sim"  # sim | gpu
     # > 0: every layer takes this long (sim), whatever the prompt
     layer_ms: float = bounded(0.0, hi=60000.0, unit="ms", why="a minute a layer")
-    tflops: float = bounded(989.0, hi=1e9)  # peak dense bf16 of the simulated accelerator (H200 SXM)
-    mfu: float = 0.5  # share of the peak a long prefill reaches
+    # peak dense bf16 of the simulated accelerator (H200 SXM); far below any accelerator's: a silent run
+    tflops: float = bounded(989.0, lo=1e-3, hi=1e9, unit="TFLOP/s", why="1 GFLOP/s")
+    mfu: float = bounded(0.5, lo=1e-3, hi=1.0, why="0.1% of the peak")  # share of the peak a long prefill reaches
 
     def __post_init__(self):
         require(self.kind in KINDS, "prefill", self.kind, "use prefill=sim or prefill=gpu")

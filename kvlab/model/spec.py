@@ -163,7 +163,8 @@ class ModelSpec:
     state_groups: int = bounded(0, hi=1 << 12)  # what TP splits: GDN linear_num_key_heads; Mamba-2 n_groups
     state_head_dim: int = bounded(0, hi=1 << 14)  # GDN linear_value_head_dim; Mamba-2 mamba_head_dim
     state_dim: int = bounded(0, hi=1 << 14)  # GDN linear_key_head_dim; Mamba-2 ssm_state_size
-    conv_kernel: int = bounded(4, lo=2, hi=64)  # the causal conv's taps (linear_conv_kernel_dim, conv_kernel): K - 1 inputs are kept
+    # the causal conv's taps (linear_conv_kernel_dim, conv_kernel): K - 1 inputs are kept
+    conv_kernel: int = bounded(4, lo=2, hi=64)
     state_dtype: str = "fp32"  # the recurrent state's dtype (the conv state is in the cache's dtype)
     dims: ModelDims = field(default_factory=ModelDims)  # what a layer computes: the prefill's time model needs it
     decode: DecodeModel = field(default_factory=DecodeModel)  # check=decode's model (kvlab.core.decode_spec)

@@ -40,11 +40,14 @@ class GpuSpec:
     """One GPU kind: its compute and memory rates (defaults: H200 SXM)."""
 
     name: str = "h200"
-    tflops: float = 989.0  # dense bf16 peak
-    mfu: float = 0.5  # share of it a prefill reaches (the prefill group's figure when it says otherwise)
-    hbm_gb: float = 141.0  # memory per GPU, GB
-    hbm_gbps: float = 4800.0  # memory bandwidth, GB/s
-    hbm_efficiency: float = 0.7  # share of it a decode step's reads reach
+    # rates far below any accelerator's would stretch the simulated time past any run's (a silent minute): bounded
+    tflops: float = bounded(989.0, lo=1e-3, hi=1e9, unit="TFLOP/s", why="1 GFLOP/s")  # dense bf16 peak
+    # share of it a prefill reaches (the prefill group's figure when it says otherwise)
+    mfu: float = bounded(0.5, lo=1e-3, hi=1.0, why="0.1% of the peak")
+    hbm_gb: float = bounded(141.0, lo=1e-3, hi=1e9, unit="GB")  # memory per GPU, GB
+    hbm_gbps: float = bounded(4800.0, lo=1e-3, hi=1e9, unit="GB/s", why="1 MB/s")  # memory bandwidth, GB/s
+    # share of it a decode step's reads reach
+    hbm_efficiency: float = bounded(0.7, lo=1e-3, hi=1.0, why="0.1% of the bandwidth")
 
     def __post_init__(self):
         for k in ("tflops", "hbm_gb", "hbm_gbps"):

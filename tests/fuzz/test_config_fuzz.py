@@ -64,7 +64,7 @@ def _hydra_errors() -> tuple[type, ...]:
 
 def validate(command: str, overrides: list[str]) -> str | None:
     """What the command line says before Hydra starts: None (valid) or its one line. Raises what it should not."""
-    from kvlab.cli.commands import _hydra_message
+    from kvlab.cli.commands import hydra_message
 
     try:
         if command == "sim":
@@ -78,7 +78,7 @@ def validate(command: str, overrides: list[str]) -> str | None:
     except ConfigError as e:
         return str(e)
     except _hydra_errors() as e:  # the override grammar or the schema's types: Hydra's words, on one line
-        return _hydra_message(e, overrides)
+        return hydra_message(e, overrides)
     return None
 
 
