@@ -199,3 +199,70 @@ kv_copy_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ 
     }
   }
 }
+
+// kv_copy_span: one component of a rectangle, pool to pool, as items of one span of g tokens (g = the gcd of both
+// sides' tokens_per_block, so a span lies in one block on each side) by all the rectangle's heads of one layer.
+// Within an item every row's address on each side is affine in (head, token): base + h * hs + k * ns, whatever the
+// two layouts (token-major NHD or head-major HND, any block sizes). A warp takes an item, reads both block tables
+// and computes both bases once, then walks the item's 16-byte vectors (head, token, vector of the row) with
+// neighbouring lanes on neighbouring bytes of a row on both sides, KV_SPAN vectors in flight per lane; a vector's
+// row and head come from multiplications by precomputed reciprocals (FDIV), not divisions. Runs of one row (vLLM
+// NHD into TensorRT-LLM HND: 256 bytes) and runs of one block of one head (4 KiB) then cost what long runs cost:
+// no per-run decode and no lanes idle at a run's end. The launcher takes this path where rows, strides and both
+// pools are 16-byte aligned (kvlab.memory.ops.paths); the rest takes kv_copy_rect above.
+#define SPAN_SIDE(P)                                                                                    \
+  const void *P##ids, int P##ids64, int P##tpb, i64 P##base, i64 P##off, i64 P##bs, i64 P##ls, i64 P##hs, \
+      i64 P##ns, int P##loff, int P##hoff
+
+// where token ts (a span's first) of layer l, head 0 of the rectangle lies on one side
+#define SPAN_BASE(P, ts, l)                                                                            \
+  ((P##ids64 ? ((const i64*)P##ids)[(ts) / P##tpb - P##base]                                          \
+             : (i64)((const int*)P##ids)[(ts) / P##tpb - P##base]) * P##bs +                           \
+   (i64)((l) + P##loff) * P##ls + P##off + (i64)P##hoff * P##hs + (i64)((ts) % P##tpb) * P##ns)
+
+// n / d for 0 <= n < 2^31 from d's magic (M, l) (kvlab.memory.ops.cuda.fast_div): the quotient without a division
+#define FDIV(n, M, l) ((int)((__umulhi((unsigned)(n), (M)) + (unsigned)(n)) >> (l)))
+
+// vectors in flight per lane
+#ifndef KV_SPAN
+#define KV_SPAN (KV_UNROLL < 5 ? KV_UNROLL : 5)
+#endif
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MIN_BLOCKS)
+kv_copy_span(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, SPAN_SIDE(s_), SPAN_SIDE(d_),
+             int g, int t0, int t1, int nl, int nh, int m, unsigned mM, int mL, unsigned gM, int gL, unsigned nlM,
+             int nlL, int items) {
+  const int lane = threadIdx.x & 31;
+  const int nwarps = (gridDim.x * blockDim.x) >> 5;
+  const int V = nh * g * m;  // vectors of an item (< 2^31: the launcher)
+  const int s0 = t0 / g;
+#pragma unroll 1
+  for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < items; item += nwarps) {
+    const int q = FDIV(item, nlM, nlL);
+    const int l = item - q * nl, ts = (q + s0) * g;
+    const int klo = t0 - ts > 0 ? t0 - ts : 0, khi = t1 - ts < g ? t1 - ts : g;
+    const unsigned char* sb = src + SPAN_BASE(s_, ts, l);
+    unsigned char* db = dst + SPAN_BASE(d_, ts, l);
+#pragma unroll 1
+    for (int v0 = lane; v0 < V; v0 += 32 * KV_SPAN) {
+      uint4 v[KV_SPAN];
+      uint4* to[KV_SPAN];
+#pragma unroll
+      for (int u = 0; u < KV_SPAN; ++u) {
+        const int w = v0 + 32 * u;
+        to[u] = 0;
+        if (w < V) {
+          const int row = FDIV(w, mM, mL), o = w - row * m;
+          const int h = FDIV(row, gM, gL), k = row - h * g;
+          if (k >= klo && k < khi) {
+            v[u] = ((const uint4*)(sb + h * s_hs + k * s_ns))[o];
+            to[u] = (uint4*)(db + h * d_hs + k * d_ns) + o;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < KV_SPAN; ++u)
+        if (to[u]) *to[u] = v[u];
+    }
+  }
+}

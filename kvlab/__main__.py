@@ -1,3 +1,3 @@
-from kvlab.cli.commands import main
+from kvlab.cli import main
 
 main()

@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh [--serving] [--no-tests] [--no-bench] [--jobs N] [--quick]   (from the repository root)
 # --serving: also scripts/serving_bench.py, alone and under a CUDA MPS daemon
 # --mooncake: also scripts/mooncake_bench.py --gpu (Mooncake's CUDA-13 wheel in .whl/, without NIXL's: carry limit)
+# --kernels: also scripts/rect_bench.py (copy_rect over engine layout pairs, both kernels, and gen fp8), into rect_bench_h200.json
 # --engines: also scripts/ipc_bench.py --engines (vLLM NHD ctx -> TensorRT-LLM gen, bf16 and gen fp8), into engines_h200.json
 # --decode: also check=decode on the GPU for the six families (transformers' wheel in .whl/), into decode_h200.json
 # KVLAB_GPU_TESTS="tests/a.py tests/b.py": only those test files (all of tests/ by default)
@@ -13,9 +14,9 @@
 # and, for the nixl tests and scripts/nixl_bench.py, NIXL's wheel for the GPU machine's Python (without it they skip):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
-serving=0; mooncake=0; decode=0; engines=0; rest=()
+serving=0; mooncake=0; decode=0; engines=0; kernels=0; rest=()
 for a in "$@"; do
-  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; *) rest+=("$a");; esac
+  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; *) rest+=("$a");; esac
 done
 set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
@@ -57,7 +58,10 @@ if [ $serving = 1 ]; then
   fi
 fi
 true
-[ $engines = 1 ] && timeout 400 python3 scripts/ipc_bench.py --engines --no-handoff --out "$out/engines_h200.json" \
+[ $kernels = 1 ] && timeout 300 python3 scripts/rect_bench.py --out "$out/rect_bench_h200.json" --pairs engines \
+  --fp8-pairs 3 2>&1 | tee "$out/rect_bench.log" | grep "^|"
+true
+[ $engines = 1 ] && timeout 500 python3 scripts/ipc_bench.py --engines --no-handoff --requests 6 --repeats 3 --out "$out/engines_h200.json" \
   2>&1 | tee "$out/engines.log" | tail -12
 true
 [ $mooncake = 1 ] && timeout 400 python3 scripts/mooncake_bench.py --gpu --out "$out/mooncake_h200.json" 2>&1 \

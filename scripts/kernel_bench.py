@@ -45,6 +45,12 @@ def dsv32_pool(kind: Kind, layout: Layout = Layout.block_major) -> RankPool:
     return RankPool(spec, range(DSV32_LAYERS), range(1), TPB, layout)
 
 
+def long_run_pool() -> RankPool:
+    """One layer, one head, 64 KiB rows, 32 tokens per block: each block is one 2 MiB run."""
+    spec = PoolSpec("kv", Kind.kv, (0,), 0, 1, (65536,), ("fp8",))
+    return RankPool(spec, range(1), range(1), TPB, Layout.block_major)
+
+
 def time_ms(fn, iters: int, trials: int = 5) -> float:
     """Median over trials of the mean time per call, from CUDA events."""
     for _ in range(3):
@@ -193,7 +199,9 @@ def main() -> None:
              ("layer_major", Layout.layer_major, range(HEADS), None),
              ("block_major heads 0-3", Layout.block_major, range(HEADS // 2), None),
              ("dsv32 mla 1152B", Layout.block_major, range(1), dsv32_pool(Kind.mla)),
-             ("dsv32 indexer 128+4B", Layout.block_major, range(1), dsv32_pool(Kind.indexer))]
+             ("dsv32 indexer 128+4B", Layout.block_major, range(1), dsv32_pool(Kind.indexer)),
+             # the kernels' own ceiling on few CTAs: one 2 MiB run per block, no per-run work to speak of
+             ("one long run", Layout.block_major, range(1), long_run_pool())]
     for name, layout, heads, pool in cases:
         for mib in args.chunks_mib:
             ch = Chunk(layout, mib * MiB, heads, gen, pool)

@@ -31,13 +31,15 @@ UNCAPPED = 1 << 62  # what check_schedule compares chunk sizes with when nothing
 
 def check_uncut(case: Case, segs, chunks) -> None:
     """One chunk per segment, or per (segment, layer) for a layer-wise cut, each over the segment's tokens."""
-    per_seg = Counter((c.src, c.dst, c.rect.pool) for c in chunks)
+    # a context-parallel rank owes a gen rank one segment per chunk of its tokens: a segment is its token span too
+    def key(x):
+        return x.src, x.dst, x.rect.pool, x.rect.t0, x.rect.t1
+
+    per_seg = Counter(key(c) for c in chunks)
     for s in segs:
         n = s.rect.l1 - s.rect.l0 if case.strategy.cut == Cut.layer else 1
-        assert per_seg[(s.src, s.dst, s.rect.pool)] == n, (s, n)
-    for c in chunks:
-        seg = next(s for s in segs if (s.src, s.dst, s.rect.pool) == (c.src, c.dst, c.rect.pool))
-        assert (c.rect.t0, c.rect.t1) == (seg.rect.t0, seg.rect.t1)
+        assert per_seg[key(s)] == n, (s, n)
+    assert set(per_seg) == {key(s) for s in segs}
     assert sum(c.nbytes for c in chunks) == sum(s.nbytes for s in segs)
 
 

@@ -8,14 +8,19 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvlab.memory.ops import reference
+from kvlab.model.engine_layouts import LAYOUTS, EngineLayout
 from kvlab.model.layout import Rect
 from kvlab.model.parallel import Layout
 from kvlab.model.spec import Kind, PoolSpec
 from kvlab.model.state import RankPool
 
 GUARD = 64
+# kvlab's layouts and the engines' (K/V holders), for the pairs the kernels bridge
+ENGINE_AND_OWN = [Layout(n) if n in Layout.__members__ else EngineLayout(n) for n in LAYOUTS if LAYOUTS[n].holds("kv")]
 
 
 def side(rows, heads, layers, held_h, held_l, tpb, layout) -> RankPool:
@@ -23,10 +28,10 @@ def side(rows, heads, layers, held_h, held_l, tpb, layout) -> RankPool:
     return RankPool(spec, held_l, held_h, tpb, layout)
 
 
-def random_pair(rng: random.Random):
+def random_pair(rng: random.Random, layouts=tuple(Layout), rows: tuple[int, ...] | None = None):
     """(src pool, dst pool, rect): one model's pool held by two ranks that split heads, layers, tokens per
-    block and layout differently, and a rectangle both hold."""
-    rows = tuple(rng.choice([1, 2, 3, 16, 128, 256, 576]) for _ in range(rng.choice([1, 2])))
+    block and layout (drawn from ``layouts``) differently, and a rectangle both hold."""
+    rows = rows or tuple(rng.choice([1, 2, 3, 16, 128, 256, 576]) for _ in range(rng.choice([1, 2])))
     heads, layers = rng.randint(1, 8), rng.randint(1, 5)
     h0 = rng.randrange(heads)
     h1 = rng.randint(h0 + 1, heads)
@@ -37,7 +42,7 @@ def random_pair(rng: random.Random):
         held_h = range(rng.randint(0, h0), rng.randint(h1, heads))
         held_l = range(rng.randint(0, l0), rng.randint(l1, layers))
         pools.append(side(rows, heads, layers, held_h, held_l, rng.choice([1, 2, 4, 16, 32, 64]),
-                          rng.choice(list(Layout))))
+                          rng.choice(list(layouts))))
     g = math.gcd(pools[0].tokens_per_block, pools[1].tokens_per_block)
     tile = rng.choice([d for d in range(1, g + 1) if g % d == 0])
     t0 = rng.randrange(0, 130)
@@ -135,3 +140,29 @@ def test_kernel_input_checks(cuda_ops):
         cuda_ops.copy_rect(*src_args, dst, dst_pool, d_nb, d_ids[:0], d_base, rect)
     with pytest.raises(ValueError, match="bytes"):
         cuda_ops.copy_rect(*src_args, dst[1:], dst_pool, d_nb, d_ids, d_base, rect)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1),
+       rows=st.sampled_from([(16,), (256, 256), (128, 128), (1152,), (48, 48), (64, 32), (4, 4)]),
+       path=st.sampled_from(["span", "runs"]), ids64=st.booleans())
+def test_both_paths_match_reference_over_engine_layouts(cuda_ops, seed, rows, path, ids64):
+    """kv_copy_span and kv_copy_rect, each forced, against the definition over the engines' layouts on both sides
+    (NHD into HND and back, K and V interleaved or apart), block sizes, partial first and last spans, head and
+    layer slices and both block-table dtypes; rows or strides that are not 16-byte aligned fall back to the runs."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    src_pool, dst_pool, rect = random_pair(rng, ENGINE_AND_OWN, rows)
+    dtype = torch.int64 if ids64 else torch.int32
+    s_ids, s_base, s_nb = table(src_pool, rect, gen, dtype, "cuda", rng.randint(0, 2))
+    d_ids, d_base, d_nb = table(dst_pool, rect, gen, dtype, "cuda", rng.randint(0, 2))
+    src = torch.randint(0, 256, (src_pool.pool_bytes(s_nb),), dtype=torch.uint8, generator=gen).cuda()
+    src_args = (src, src_pool, s_nb, s_ids, s_base)
+    want = expected(src_args, dst_pool, d_nb, d_ids, d_base, rect, 0xA5)
+    got = torch.full_like(want, 0xA5)
+    cuda_ops.copy_rect(*src_args, got, dst_pool, d_nb, d_ids, d_base, rect, path=path,
+                       ctas=rng.choice([None, 1, 7]))
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), f"{(got != want).sum().item()} bytes differ"

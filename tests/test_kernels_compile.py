@@ -100,7 +100,7 @@ def test_rect_copy_compiles_without_spills(cuda_ops, tuning):
     log = io.StringIO()
     src = cuda_ops._source(cuda_ops.RUN_COPY_SOURCE)
     cubin = bytes(Program(src, "c++", options=opts).compile("cubin", logs=log).code)
-    assert cubin[:4] == b"\x7fELF" and b"kv_copy_rect" in cubin
+    assert cubin[:4] == b"\x7fELF" and b"kv_copy_rect" in cubin and b"kv_copy_span" in cubin
     spills = [line for line in log.getvalue().replace("\0", "").splitlines() if "spill" in line]
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()
 
@@ -117,6 +117,6 @@ def test_fp8_rows_compiles_without_spills(cuda_ops, arch):
     log = io.StringIO()
     cubin = bytes(Program(cuda_ops._source(cuda_ops.FP8_ROWS_SOURCE), "c++", options=opts)
                   .compile("cubin", logs=log).code)
-    assert cubin[:4] == b"\x7fELF" and b"kv_quantize_rows" in cubin
+    assert cubin[:4] == b"\x7fELF" and b"kv_quantize_rows" in cubin and b"kv_convert_rect" in cubin
     spills = [line for line in log.getvalue().replace("\0", "").splitlines() if "spill" in line]
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()

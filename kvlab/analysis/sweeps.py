@@ -152,21 +152,31 @@ def load_sweep(root: str | Path | Iterable[str | Path]) -> pd.DataFrame:
 
 
 def _per_run_rows(root: str | Path, read) -> pd.DataFrame:
-    frames = []
+    """The rows ``read`` gives of every run below ``root``; a run with a corrupt file is left out, named in a
+    warning and in ``attrs["corrupt"]`` (run directory -> what is wrong, the file named), so one bad file
+    does not hide the rest."""
+    frames, corrupt = [], {}
     for d in run_dirs(root):
-        rows = read(d)
+        try:
+            rows = read(d)
+            summary = records.read_summary(d) if rows else None
+        except ValueError as e:
+            corrupt[str(d)] = str(e)
+            warnings.warn(str(e), stacklevel=3)
+            continue
         if not rows:
             continue
         f = pd.DataFrame([records.to_dict(r) for r in rows])
         for k, v in overrides(d).items():
             if k not in f:
                 f[k] = v
-        summary = records.read_summary(d)
         if summary is not None and "strategy" not in f:
             f["strategy"] = summary.strategy
         f["run_dir"] = str(d)
         frames.append(f)
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    out.attrs["corrupt"] = corrupt
+    return out
 
 
 def load_results(root: str | Path) -> pd.DataFrame:
@@ -253,7 +263,12 @@ def load_wandb(root: str | Path) -> pd.DataFrame:
 
     rows = []
     for path in wandb_read.run_files(Path(root)):
-        run = wandb_read.read_run(path)
+        try:
+            run = wandb_read.read_run(path)
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file (protobuf's DecodeError and others)
+            warnings.warn(f"{path}: not a readable wandb run ({type(e).__name__}: {e})", stacklevel=2)
+            rows.append({"status": f"corrupt wandb file: {type(e).__name__}: {e}", "wandb_file": str(path)})
+            continue
         cfg = flatten({k: v for k, v in run["config"].items() if not k.startswith("_")})
         summary = {k: v for k, v in run["summary"].items() if not k.startswith("_") and not isinstance(v, dict)}
         rows.append({**cfg, **summary, "group": run["group"], "name": run["name"], "tags": run["tags"],

@@ -6,6 +6,9 @@
 def main(argv: list[str] | None = None) -> None:
     """The ``kvlab`` command (``[project.scripts]``). Imported here only when called: a rank's
     ``python -m kvlab.cli.worker`` loads this package and must not pay for the whole command line."""
+    from kvlab.core.streams import guard
+
+    guard()  # a closed or full stdout does not fail a run (kvlab.core.streams)
     from kvlab.cli.commands import main as commands_main
 
     commands_main(argv)

@@ -100,11 +100,34 @@ def _plain_message(flat: str, overrides: list[str]) -> str | None:
         kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(m.group(1), m.group(1))
         where = f" (element {key[len(base):]})" if key != base else ""
         return f"{base}={value}: must be {kind}{where}"
+    if base.startswith("transport.") and "not in struct" in flat:  # Hydra would advise +transport.<key>
+        line = _transport_option(base, value, overrides)
+        if line:
+            return line
     if m := re.search(r"Key '(\w+)' not in '(\w+)'", flat):
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         keys = _keys_of(parent.split(".") if parent else [])
         options = f"; {parent or 'the config'} has {', '.join(keys)}" if keys else ""
         return f"{base}={value}: no such key{options}"
+    return None
+
+
+def _transport_option(key: str, value: str, overrides: list[str]) -> str | None:
+    """What the chosen transport says of an option it does not have (its class lists those it takes)."""
+    from omegaconf import OmegaConf
+
+    from kvlab.config.schema import CONF_DIR, TransportSpec
+
+    name = next((ov.partition("=")[2] for ov in overrides if re.fullmatch(r"\+?transport=\w+", ov)), "auto")
+    path = CONF_DIR / "transport" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    node = OmegaConf.to_container(OmegaConf.load(path))
+    node[key.split(".", 1)[1]] = value
+    try:
+        TransportSpec.of(node).cls()
+    except ConfigError as e:
+        return str(e)
     return None
 
 
@@ -119,12 +142,12 @@ def group_options(group: str, search: list[str] = ()) -> list[str]:
     return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
 
 
-def check_overrides(overrides: list[str], search: list[str] = (), memory: bool = False,
-                    moves: bool = False) -> str | None:
-    """None if the overrides compose into a valid setup (that fits this host's memory, with ``memory``:
-    kvlab.sizing.budget; whose transport's package is installed, with ``moves``: bytes will move), else one line
-    saying what is wrong. ``search``: ``hydra.searchpath=[file://DIR,...]`` overrides, whose DIRs hold a user's
-    own group files."""
+def validate_overrides(overrides: list[str], search: list[str] = (), memory: bool = False,
+                       command: str = "run", moves: bool = False) -> None:
+    """Raise ConfigError (or Hydra's composition error) unless the overrides compose into a valid setup for
+    ``command`` (that fits this host's memory, with ``memory``: kvlab.sizing.budget; whose transport's package is
+    installed, with ``moves``: bytes will move); ``search``: ``hydra.searchpath=[file://DIR,...]`` overrides, whose
+    DIRs hold a user's own group files."""
     from kvlab.config.schema import build, compose
     from kvlab.core.checks import check_overrides_shape
     from kvlab.sizing import budget
@@ -135,19 +158,29 @@ def check_overrides(overrides: list[str], search: list[str] = (), memory: bool =
             group, value = m.groups()
             options = group_options(group, search)
             if value not in options:
-                return f"{group}={value}: unknown {group}; choose one of {', '.join(options)}"
-    try:
-        check_overrides_shape(overrides)
-        cfg = compose([*search, *overrides])
-        setup = build(cfg)
-        if moves:
-            setup.check_installed()
-        if memory:  # before the plan: a huge workload.requests is refused, not built
-            budget.check_host(setup)
-        if setup.needs_preflight:  # fault positions and capacities that only the plan can check
-            from kvlab.sizing.preflight import preflight
+                raise ConfigError(group, value, f"unknown {group}; choose one of {', '.join(options)}")
+    check_overrides_shape(overrides)
+    cfg = compose([*search, *overrides])
+    setup = build(cfg)
+    if moves:
+        setup.check_installed()
+    if command == "link":  # the ranks' own config: slots as large as the largest message
+        from kvlab.cli.link_cmd import for_link
 
-            preflight(setup)
+        setup = build(for_link(cfg))
+    if memory:  # before the plan: a huge workload.requests is refused, not built
+        budget.check_host(setup)
+    if setup.needs_preflight:  # fault positions and capacities that only the plan can check
+        from kvlab.sizing.preflight import preflight
+
+        preflight(setup)
+
+
+def check_overrides(overrides: list[str], search: list[str] = (), memory: bool = False,
+                    command: str = "run", moves: bool = False) -> str | None:
+    """None if the overrides compose into a valid setup (validate_overrides), else one line saying what is wrong."""
+    try:
+        validate_overrides(overrides, search, memory, command, moves)
     except ConfigError as e:
         return str(e)
     except Exception as e:  # Hydra's own composition errors: keep their words, on one line
@@ -171,7 +204,8 @@ def sweep_points(overrides: list[str], search: list[str] = ()) -> list[list[str]
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def _check_sweep(overrides: list[str], search: list[str], memory: bool, moves: bool) -> str | None:
+def _check_sweep(overrides: list[str], search: list[str], memory: bool, command: str = "run",
+                 moves: bool = False) -> str | None:
     try:
         jobs = sweep_points(overrides, search)
     except ConfigError as e:
@@ -179,7 +213,7 @@ def _check_sweep(overrides: list[str], search: list[str], memory: bool, moves: b
     except Exception as e:  # a sweep Hydra cannot parse: its words, on one line
         return _hydra_message(e, overrides)
     for job in jobs:
-        problem = check_overrides(job, search, memory, moves)
+        problem = check_overrides(job, search, memory, command, moves)
         if problem:
             return problem + (f" (in the sweep job {' '.join(job)})" if len(jobs) > 1 else "")
     return None
@@ -222,6 +256,28 @@ def _parser(command: str):
 
     parser.error = error
     return parser
+
+
+def check_arguments(given: list[str]) -> str | None:
+    """One line for an argument Hydra would refuse only after making the run directory: a word that is no
+    ``key=value`` (an unquoted value with spaces, split by the shell) or a value its grammar cannot read
+    unquoted (non-ASCII characters, parentheses)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for i, a in enumerate(given):
+        if "=" not in a and not a.startswith("~"):
+            before = given[i - 1] if i else ""
+            hint = (f"; a value with spaces must be quoted for the shell and for Hydra, e.g. \"{before.split('=')[0]}="
+                    f"'{before.partition('=')[2]} {a}'\"" if "=" in before else "; overrides are key=value")
+            return f"{a}: not an override{hint}"
+        try:
+            parser.parse_override(a)
+        except Exception:  # noqa: BLE001 - Hydra's grammar error is several lines about its parser
+            key, _, value = a.partition("=")
+            return (f"{key}={value}: Hydra's override grammar cannot read this value unquoted (spaces, non-ASCII "
+                    f"characters, parentheses); quote it: \"{key}='{value}'\"")
+    return None
 
 
 def parse_args(command: str, rest: list[str]):
@@ -339,11 +395,16 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] not in COMMANDS:
         what = "no such option" if argv[0].startswith("-") else "no such command"
         _fail(f"{argv[0]}: {what}; use one of {', '.join(COMMANDS)} (kvlab --help says what each does)")
-    if argv[0] == "sim":  # its own Hydra app (conf/sim.yaml) and its calibrate subcommand
-        from kvlab.sim.cmd import main as sim_main
-
-        return sim_main(argv[1:])
     from kvlab.core import interrupt
+
+    if argv[0] == "sim":  # its own Hydra app (conf/sim.yaml) and its calibrate subcommand
+        with interrupt.as_exit("before the simulation started; nothing was simulated or written"):
+            from kvlab.sim.cmd import main as sim_main
+
+            problem = None if argv[1:2] == ["calibrate"] else check_arguments(argv[1:])
+        if problem:
+            _fail(problem)
+        return sim_main(argv[1:])
     from kvlab.results import rundir
 
     command, rest = argv[0], argv[1:]
@@ -356,13 +417,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.shell_completion:
             return complete(args.overrides)
         multirun = bool(args.multirun)
+        problem = check_arguments(args.overrides)
+        if problem:
+            _fail(problem)
         overrides = [a for a in args.overrides if (a.startswith("~") or "=" in a) and not a.startswith("hydra.")]
         search = [a for a in args.overrides if a.startswith("hydra.searchpath=")]
         running = not looks_only(args)  # nothing will start, so no memory to check and no directory to hold
-        memory = command == "run" and running
+        memory = command in ("run", "link") and running
         moves = command in ("run", "link") and running  # plan and the looks (--help, --cfg) move no bytes
-        problem = (_check_sweep(overrides, search, memory, moves) if multirun
-                   else check_overrides(overrides, search, memory, moves))
+        problem = (_check_sweep(overrides, search, memory, command, moves) if multirun
+                   else check_overrides(overrides, search, memory, command, moves))
         if problem:
             _fail(problem)
         given = list(args.overrides)

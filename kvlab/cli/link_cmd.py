@@ -16,11 +16,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 from kvlab.cli.launch import launch_local
-from kvlab.cli.run_cmd import announce, prepare
+from kvlab.cli.run_cmd import announce, prepare, sweep
 from kvlab.config import devices
 from kvlab.config.schema import CONF_DIR, build
+from kvlab.core import interrupt
 from kvlab.core.errors import ConfigError
 from kvlab.rank import linkcurve
+from kvlab.results import records
 
 
 def for_link(cfg: DictConfig) -> DictConfig:
@@ -50,6 +52,12 @@ def hydra_main(cfg: DictConfig) -> None:
         out = launch_local(run_dir, setup.world_size, grace_s=setup.transfer.timeout_s + 10.0,
                            extra_env={linkcurve.ENV: "1"}, config_yaml=text)
         rc = out.code
+        sweep(setup)
+        if out.interrupted:  # what was measured before the signal stays in link.jsonl
+            done = len(records.read_link(run_dir)) if (run_dir / records.LINK).exists() else 0
+            sizes = len(setup.link.sizes("cuda" if devices.uses_cuda(setup) else "cpu"))
+            print(f"kvlab: interrupted by {interrupt.name(out.interrupted)}: {done} of {sizes} message sizes "
+                  f"measured{f', in {run_dir / records.LINK}' if done else ''}", file=sys.stderr)
     except ConfigError as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         rc = 2

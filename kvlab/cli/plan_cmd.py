@@ -25,12 +25,13 @@ from kvlab.config import devices
 from kvlab.config.schema import CONF_DIR, Setup, build
 from kvlab.config.workload import plan_requests
 from kvlab.core.errors import ConfigError
+from kvlab.memory.ops import paths
 from kvlab.model import kv_dtype
 from kvlab.model.engine_layouts import LAYOUTS
 from kvlab.model.parallel import label
 from kvlab.model.plan import plan
 from kvlab.model.schedule import schedule
-from kvlab.model.state import pool_format, side_pools, wire_pool, wire_tile
+from kvlab.model.state import CacheState, pool_format, side_pools, wire_pool, wire_tile
 from kvlab.sizing import budget
 from kvlab.sizing.cost import predict
 
@@ -72,6 +73,7 @@ def summarize(setup: Setup) -> dict:
         "gen": side_summary(setup, setup.gen),
         "pairs": rows,
         "kv_dtype": kv_dtypes(setup),
+        "kernels": kernels(setup),
         "total_bytes": sum(r["bytes"] for r in rows),
         "pool_bytes": dict(per_pool),  # on the wire, per pool: how much of a hybrid's transfer is its state
         "total_source_bytes": sum(r["source_bytes"] for r in rows),
@@ -90,6 +92,19 @@ def kv_dtypes(setup: Setup) -> dict:
         out[g.name] = {"ctx": formats[0], "gen": formats[1], "wire": pool_format(wire), "conversion": place,
                        "wire_row_bytes": sum(wire.comp_row_bytes()),
                        "granularity": kv_dtype.granularity(kind) if place != "none" and "fp8" in formats else ""}
+    return out
+
+
+def kernels(setup: Setup) -> dict:
+    """Per pool: the GPU kernel that moves it from ctx rank 0's pool into gen rank 0's, and why
+    (kvlab.memory.ops.paths: copy_rect's choice, which the pack and unpack conversions share)."""
+    ctx, gen = CacheState(setup.model, setup.ctx, 0), CacheState(setup.model, setup.gen, 0)
+    out = {}
+    for g in gen.pools():
+        c = next((p for p in ctx.pools() if p.name == g.name), None)
+        if c is not None:
+            path, why = paths.rect_path(c, g)
+            out[g.name] = {"path": path, "why": why}
     return out
 
 
@@ -175,6 +190,8 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
                           + f"; the wire carries {d['wire']}, converted in the {d['conversion']}; all pools: "
                           f"{_mib(wire)} MiB on the wire for {_mib(src)} MiB of ctx cache", soft_wrap=True,
                           markup=False)
+    for pool, d in summary.get("kernels", {}).items():
+        console.print(f"kernel for {pool}: {d['path']} ({d['why']})", soft_wrap=True, markup=False)
     if len(summary.get("pool_bytes", {})) > 1:  # e.g. how much of a hybrid's transfer is its recurrent state
         total = summary["total_bytes"] or 1
         console.print("bytes per pool: " + ", ".join(f"{name} {_mib(n)} MiB ({100 * n / total:.1f}%)" for name, n

@@ -51,6 +51,7 @@ def launch(setup, run_dir: Path, config_yaml: str | None = None) -> int:
     # after a death, a rank gets its own transfer timeout to notice and report, but not a minute
     out = launch_local(run_dir, setup.world_size, grace_s=grace_s(setup), names=names, config_yaml=config_yaml,
                        death_grace_s=min(setup.transfer.timeout_s + 1.0, 8.0), frozen_s=setup.transfer.timeout_s)
+    sweep(setup)
     if out.interrupted or (out.code not in (0, 2) and not (run_dir / records.SUMMARY).exists()):
         plan = plan_run(setup)  # only now: the launcher does not hold a plan while the ranks run
         sig = interrupt.name(out.interrupted) if out.interrupted else None
@@ -61,6 +62,15 @@ def launch(setup, run_dir: Path, config_yaml: str | None = None) -> int:
             print(f"kvlab: interrupted by {sig}: {len(done)} of {summary.requests} requests completed and verified"
                   f"{f' ({shown})' if done else ''}; summary in {run_dir / records.SUMMARY}", file=sys.stderr)
     return out.code
+
+
+def sweep(setup) -> None:
+    """What ranks that died left outside the run directory (ipc's pool files in /dev/shm), removed once they
+    have all ended, not by some later run."""
+    gone = setup.transport.cls().sweep_after(setup)
+    if gone:
+        print(f"kvlab: removed {len(gone)} file{'s' * (len(gone) > 1)} a dead rank left: {', '.join(gone)}",
+              file=sys.stderr)
 
 
 def prepare(cfg: DictConfig, run_dir: Path, setup=None, resolve: bool = True) -> str:

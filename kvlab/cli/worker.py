@@ -8,6 +8,10 @@ if __name__ == "__main__":  # before the slow imports: a signal now ends the ran
     import os
     import sys
 
+    from kvlab.core.streams import guard
+
+    guard()  # the launcher's stdout closed or full: the rank's prints are dropped, its files written
+
     from kvlab.core.interrupt import quiet_until_ready
 
     def _last_words(signal_name: str) -> None:

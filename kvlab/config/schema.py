@@ -23,6 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from kvlab.core import paths, traces
+from kvlab.core.bounds import bounded, check_tree
 from kvlab.core.checks import check_config
 from kvlab.core.decode_spec import CheckSpec
 from kvlab.core.errors import ConfigError, positive, quiet_user_searchpath, require
@@ -54,13 +55,14 @@ class TransferSpec:
     strategy: Any = "chunked"
     # MiB of one staging slot (fractions allowed), and the most a chunk holds. Unset (null): 16 MiB slots for a
     # transport that stages, and no cut by size for a pulling one, which has no slot (Setup.chunk_cap)
-    slot_mib: Optional[float] = None
-    slots: int = 4  # staging slots per rank, allocated once at start
+    slot_mib: Optional[float] = bounded(None, hi=65536.0, unit="MiB", why="64 GiB a slot")
+    slots: int = bounded(4, hi=4096)  # staging slots per rank, allocated once at start
     timeout_s: float = 60.0  # a chunk that does not complete within this fails its request
-    layer_compute_ms: float = 0.0  # the same as prefill.layer_ms (kept for existing configs)
-    pack_ctas: int = 16  # CTAs of the pack/unpack kernels: few, so NCCL keeps its SMs
+    # the same as prefill.layer_ms (kept for existing configs)
+    layer_compute_ms: float = bounded(0.0, hi=60000.0, unit="ms")
+    pack_ctas: int = bounded(16, hi=65535)  # CTAs of the pack/unpack kernels: few, so NCCL keeps its SMs
     baseline: bool = True  # measure the link with raw messages of the run's chunk size first (kvlab.rank.linkrate)
-    baseline_repeats: int = 3  # repeats of that reference: its median and range are reported
+    baseline_repeats: int = bounded(3, hi=10000)  # repeats of that reference: its median and range are reported
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", make_strategy(self.strategy))
@@ -186,11 +188,15 @@ class Setup:
                     f"into gen.kv_dtype={gen.kv_dtype or gen.dtype} in; use transport.mode=staged or transport=ipc, "
                     "or one kv_dtype on both sides")
         # the smallest chunk is one token row: one token of one layer of a segment's heads
-        for pool in model.pools(ctx.dtype) if self.chunk_cap is not None else ():
-            seg_heads = max(1, pool.heads // max(ctx.head_tp, gen.head_tp)) if not pool.replicated else 1
-            row = pool.token_bytes(min(pool.heads, seg_heads))
+        for pool, row in self.token_rows() if self.chunk_cap is not None else ():
             require(self.chunk_cap >= row, "transfer.slot_mib", self.transfer.slot_mib,
-                    f"a slot must hold one token row of pool {pool.name} ({row} B); use >= {row / 2**20:.6f}")
+                    f"a slot must hold one token row of pool {pool} ({row} B); use >= {row / 2**20:.6f}")
+        # kvlab link moves messages as the run moves chunks: none smaller than the smallest chunk a run has
+        row = max(r for _, r in self.token_rows())
+        for name in ("min_bytes", "max_bytes"):
+            value = getattr(self.link, name)
+            require(value is None or value >= row, f"link.{name}", value,
+                    f"a message is at least one chunk, one token row of this model ({row} B); use >= {row}")
         cap = self.cache.capacity_tokens
         if self.workload.arrival == "trace":
             self.workload.timed_trace(cap)  # a prompt above the cache is clipped, or refused naming its line
@@ -223,6 +229,14 @@ class Setup:
                 "prefill=gpu computes on the ctx ranks' GPUs; use device=cuda (or auto), or prefill=sim")
         self.check.validate(self)
         self.transport.cls().check(self)  # what only the chosen transport knows it cannot serve
+
+    def token_rows(self) -> list[tuple[str, int]]:
+        """(pool, bytes) of each pool's one-token row as a segment of this layout carries it: the smallest chunk."""
+        out = []
+        for pool in self.model.pools(self.ctx.dtype):
+            seg_heads = max(1, pool.heads // max(self.ctx.head_tp, self.gen.head_tp)) if not pool.replicated else 1
+            out.append((pool.name, pool.token_bytes(min(pool.heads, seg_heads))))
+        return out
 
     def _check_prefix_cache(self) -> None:
         """Prefix reuse needs the blocks of every prompt named (a Mooncake trace's hash_ids, kvlab.model.prefix)."""
@@ -474,6 +488,7 @@ register()
 def build(cfg: DictConfig) -> Setup:
     """Validated specs from a composed config; raises ConfigError before anything is allocated."""
     check_config(cfg, Config)  # what no group checks: unknown keys, missing values, numbers that are not finite
+    check_tree(Setup, OmegaConf.to_container(cfg, resolve=True))  # every field within its type and bound
     return _spec(Setup, cfg)
 
 

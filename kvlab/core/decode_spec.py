@@ -14,11 +14,15 @@ the schedule and every check of the other groups see the cache the model really 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
+from kvlab.core.bounds import bounded
 from kvlab.core.errors import ConfigError, install_hint, positive, require
 
 CHECKS = ("bytes", "decode")
+CACHE_ENV = "KVLAB_DECODE_CACHE"  # where references are kept; ~/.cache/kvlab/decode by default
 FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "gemma3", "qwen3_next", "nemotron_h")
 # hybrid families and the recurrent state each keeps (kvlab.model.spec.state_shape)
 STATE_OF = {"qwen3_next": "gdn", "nemotron_h": "mamba2"}
@@ -34,27 +38,28 @@ class DecodeModel:
     that a CPU prefills and decodes it in a moment."""
 
     family: str = ""  # one of FAMILIES; "" for a preset without a decode model
-    num_layers: int | None = None  # null: the preset's (a cache field: what moves keeps the preset's shape)
-    kv_heads: int | None = None  # null: the preset's
-    head_dim: int | None = None  # null: the preset's
-    window: int | None = None  # the sliding window, scaled down with the prompts a CPU can prefill
+    # null: the preset's (a cache field: what moves keeps the preset's shape)
+    num_layers: int | None = bounded(None, hi=256)
+    kv_heads: int | None = bounded(None, hi=256)  # null: the preset's
+    head_dim: int | None = bounded(None, hi=1024)  # null: the preset's
+    window: int | None = bounded(None, hi=1 << 16)  # the sliding window, scaled down with the prompts a CPU can prefill
     layer_pattern: str | None = None  # hybrids: null for the preset's (kvlab.model.spec LAYER_*)
-    state_heads: int | None = None  # hybrids: the recurrent state's heads, null for the preset's
-    state_groups: int | None = None  # hybrids: its TP groups (at least two, so that TP 2 splits it), or null
-    state_head_dim: int | None = None  # hybrids: values per state head, or null for the preset's
-    state_dim: int | None = None  # hybrids: the state's other dim (GDN key head dim, Mamba-2 d_state), or null
-    hidden_size: int = 64  # the decode model's width (what a layer computes, kept small)
-    q_heads: int = 4  # a multiple of kv_heads (GQA): the preset's ratio where it fits
-    intermediate_size: int = 128  # its dense MLP width
-    vocab_size: int = 128  # its vocabulary: the prompts' token ids and the logits compared
-    experts: int = 0  # routed experts; 0: dense MLPs
-    experts_per_token: int = 2  # routed experts each token uses
-    moe_intermediate_size: int = 32  # an expert's MLP width
-    q_lora_rank: int = 32  # MLA
-    qk_nope_head_dim: int = 16  # MLA: the query/key part without RoPE, per head
-    v_head_dim: int = 16  # MLA: values per head
-    indexer_heads: int = 4  # DeepSeek-V3.2's lightning indexer
-    indexer_topk: int = 16  # fewer than a prompt's tokens, so that the indexer's choice matters
+    state_heads: int | None = bounded(None, hi=1024)  # hybrids: the recurrent state's heads, null for the preset's
+    state_groups: int | None = bounded(None, hi=1024)  # hybrids: its TP groups (at least two, so that TP 2 splits it), or null
+    state_head_dim: int | None = bounded(None, hi=1024)  # hybrids: values per state head, or null for the preset's
+    state_dim: int | None = bounded(None, hi=1024)  # hybrids: the state's other dim (GDN key head dim, Mamba-2 d_state), or null
+    hidden_size: int = bounded(64, hi=4096)  # the decode model's width (what a layer computes, kept small)
+    q_heads: int = bounded(4, hi=256)  # a multiple of kv_heads (GQA): the preset's ratio where it fits
+    intermediate_size: int = bounded(128, hi=16384)  # its dense MLP width
+    vocab_size: int = bounded(128, hi=1 << 17)  # its vocabulary: the prompts' token ids and the logits compared
+    experts: int = bounded(0, hi=256)  # routed experts; 0: dense MLPs
+    experts_per_token: int = bounded(2, hi=256)  # routed experts each token uses
+    moe_intermediate_size: int = bounded(32, hi=16384)  # an expert's MLP width
+    q_lora_rank: int = bounded(32, hi=4096)  # MLA
+    qk_nope_head_dim: int = bounded(16, hi=1024)  # MLA: the query/key part without RoPE, per head
+    v_head_dim: int = bounded(16, hi=1024)  # MLA: values per head
+    indexer_heads: int = bounded(4, hi=256)  # DeepSeek-V3.2's lightning indexer
+    indexer_topk: int = bounded(16, hi=1 << 16)  # fewer than a prompt's tokens, so that the indexer's choice matters
 
     def __post_init__(self):
         require(self.family in ("", *FAMILIES), "model.decode.family", self.family,
@@ -74,6 +79,26 @@ class DecodeModel:
                 "must be 0 (dense) or a number of routed experts")
         require(self.experts == 0 or self.experts_per_token <= self.experts, "model.decode.experts_per_token",
                 self.experts_per_token, f"must be <= model.decode.experts={self.experts}")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvlab" / "decode")
+
+
+def check_cache_dir() -> None:
+    """ConfigError naming the decode check's reference cache unless a file can be written there: checked where
+    it is acquired, in the parent before any rank starts (a rank found out only after its prefill)."""
+    where = cache_dir()
+    name = CACHE_ENV if os.environ.get(CACHE_ENV) else f"{CACHE_ENV} (unset: ~/.cache/kvlab/decode)"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe = where / f".probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+        raise ConfigError(name, str(where), f"cannot hold check=decode's reference caches ({why or type(e).__name__}); "
+                          f"point {CACHE_ENV} at a writable directory") from None
 
 
 def tiny(model):
@@ -124,8 +149,11 @@ class CheckSpec:
     """What the gen side checks after a request lands (the ``check`` group)."""
 
     kind: str = "bytes"  # bytes | decode
-    tokens: int = 8  # greedy tokens decoded from the moved cache (check=decode)
-    seed: int = 0  # the decode model's weights and the prompts' token ids
+    # greedy tokens decoded from the moved cache (check=decode): each is one decode step on the CPU, twice
+    # (the reference and the moved cache), within the run's timeouts
+    tokens: int = bounded(8, lo=1, hi=1024, why="each is a decode step of the reference and of the check")
+    # the decode model's weights and prompts
+    seed: int = bounded(0, lo=0, hi=2**32 - 1, why="a seed torch and numpy take")
     # largest |logit difference| against the reference that still passes; 0 on CPU, where the same
     # operations on the same bytes give the same bits
     tolerance: float = 0.0
@@ -171,6 +199,7 @@ class CheckSpec:
 
         if importlib.util.find_spec("transformers") is None:
             raise ConfigError("check", "decode", install_hint("decode", "transformers, which the decode check needs,"))
+        check_cache_dir()
 
 
 def check_line(rows) -> str | None:

@@ -10,7 +10,10 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, value, hint: str):
         self.field, self.value, self.hint = field, value, hint
-        super().__init__(f"{field}={value}: {hint}")
+        shown = str(value)
+        if not shown.isprintable():  # a control or line-separator character would break the one line
+            shown = shown.encode("unicode_escape").decode("ascii")
+        super().__init__(f"{field}={shown}: {hint}")
 
 
 def require(cond: bool, field: str, value, hint: str) -> None:

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlab.core.bounds import bounded
 from kvlab.core.errors import require
 
+MAX_BYTES = 1 << 32  # one message is one staging slot of every rank: 4 GiB is beyond any host's budget for it
 DEFAULT_RANGE = {"cpu": (64 << 10, 64 << 20), "cuda": (1 << 20, 1 << 30)}
 
 
 @dataclass(frozen=True)
 class LinkSpec:
-    min_bytes: int | None = None  # the smallest message (bytes); unset: 64 KiB on CPUs, 1 MiB on GPUs
-    max_bytes: int | None = None  # the largest message (bytes); unset: 64 MiB on CPUs, 1 GiB on GPUs
-    factor: int = 4  # each size this many times the one before
-    repeats: int = 5  # timed repeats per size, after one untimed round
+    # the smallest message (bytes); unset: 64 KiB on CPUs, 1 MiB on GPUs
+    min_bytes: int | None = bounded(None, hi=MAX_BYTES, unit="bytes")
+    # the largest message (bytes); unset: 64 MiB on CPUs, 1 GiB on GPUs
+    max_bytes: int | None = bounded(None, hi=MAX_BYTES, unit="bytes")
+    factor: int = bounded(4, hi=1024)  # each size this many times the one before
+    repeats: int = bounded(5, hi=10000)  # timed repeats per size, after one untimed round
 
     def __post_init__(self):
         for name in ("min_bytes", "max_bytes"):

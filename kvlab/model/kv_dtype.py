@@ -94,7 +94,8 @@ def to_values(rows: torch.Tensor, kind: str, elems: int, base: str, fmt: str) ->
         return rows.contiguous().view(_dt(fmt)).float()
     q, group = groups(kind, elems)
     ns = math.ceil(q / group)
-    vals = dequantize(rows[..., :q], rows[..., q:q + 4 * ns].contiguous().view(_dt("fp32")), group)
+    # clone: a row's scales may start off a 4-byte boundary of its storage (a wire buffer at any even offset)
+    vals = dequantize(rows[..., :q], rows[..., q:q + 4 * ns].clone().view(_dt("fp32")), group)
     if kind == "kv":
         return vals
     rope = rows[..., q + 4 * ns:].contiguous().view(_dt(base)).float()

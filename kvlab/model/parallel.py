@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kvlab.core.bounds import bounded
 from kvlab.core.errors import ConfigError, positive, require
 from kvlab.model import kv_dtype
 from kvlab.model.engine_layouts import ALIASES, LAYOUTS, NAMES, EngineLayout, Layout, layout_of
@@ -51,30 +52,31 @@ class RankCoord:
 @dataclass(frozen=True)
 class SideSpec:
     name: str  # "ctx" or "gen"
-    tp: int = 1  # tensor-parallel ranks of one replica: heads split over them
-    pp: int = 1  # pipeline stages: layers split over them (layer_split, else as evenly as they go)
-    dp: int = 1  # replicas (attention data parallel): each serves its own requests
+    tp: int = bounded(1, hi=1 << 12)  # tensor-parallel ranks of one replica: heads split over them
+    pp: int = bounded(1, hi=1 << 12)  # pipeline stages: layers split over them (layer_split, else as evenly as they go)
+    dp: int = bounded(1, hi=1 << 12)  # replicas (attention data parallel): each serves its own requests
     # None: the layout's default (kvlab.model.engine_layouts); for a layout whose block size some cache kind fixes, left
     # None until ``resolved`` for a model (a run's Setup holds it resolved); read it through ``block_tokens``
-    tokens_per_block: int | None = None
+    tokens_per_block: int | None = bounded(None, hi=1 << 16)
     # a Layout or an EngineLayout name (kvlab.model.engine_layouts); the enum member once built
     layout: str = "block_major"
     dtype: str = "bf16"  # the model's compute dtype, of what the prefill writes
-    layer_split: tuple[int, ...] | None = None  # layers per pipeline stage, adding up to the model's; null: even
+    # layers per pipeline stage, adding up to the model's; null: even
+    layer_split: tuple[int, ...] | None = bounded(None, hi=1 << 12)
     # the dtype its K/V (or MLA) rows are kept in (kvlab.model.kv_dtype): bf16, fp16, or fp8 e4m3 with fp32 scales;
     # None: ``dtype``. Where the two sides differ the values are converted in flight
     kv_dtype: str | None = None
     # gen only: tokens of earlier prompts' blocks each gen DP group keeps for prefix reuse (each rank its share), LRU by
     # block hash (kvlab.model.prefix; needs a trace with hash_ids, workload=mooncake); 0: off
-    prefix_cache_tokens: int = 0
+    prefix_cache_tokens: int = bounded(0, hi=1 << 24)
     # ctx only: context-parallel ranks, each holding chunks of every request's tokens (kvlab.model.tokens): more
     # ranks, cp TP groups per stage
-    cp: int = 1
+    cp: int = bounded(1, hi=1 << 12)
     cp_scheme: str = "contiguous"  # contiguous (chunk r on CP rank r) | load_balanced (chunks r and 2cp-1-r of 2cp)
     # gen only: decode context parallelism (vLLM's DCP): tokens dealt round-robin in runs of dcp_interleave over
     # dcp consecutive TP ranks holding the same heads (the TP group has tp * dcp ranks: vLLM's tp = tp * dcp)
-    dcp: int = 1
-    dcp_interleave: int = 1  # tokens per run (vLLM's dcp_kv_cache_interleave_size); divides tokens_per_block
+    dcp: int = bounded(1, hi=1 << 12)
+    dcp_interleave: int = bounded(1, hi=1 << 16)  # tokens per run (vLLM's dcp_kv_cache_interleave_size); divides tokens_per_block
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp", "cp", "dcp", "dcp_interleave"):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from kvlab.core.bounds import bounded
 from kvlab.core.errors import ConfigError, require
 from kvlab.model.spec import INDEXER_HEAD_DIM, ROPE_DIM, Attention, ModelSpec
 from kvlab.model.tokens import Tokens
@@ -41,8 +42,9 @@ KINDS = ("sim", "gpu")
 @dataclass(frozen=True)
 class PrefillSpec:
     kind: str = "sim"  # sim | gpu
-    layer_ms: float = 0.0  # > 0: every layer takes this long (sim), whatever the prompt
-    tflops: float = 989.0  # peak dense bf16 of the simulated accelerator (H200 SXM)
+    # > 0: every layer takes this long (sim), whatever the prompt
+    layer_ms: float = bounded(0.0, hi=60000.0, unit="ms", why="a minute a layer")
+    tflops: float = bounded(989.0, hi=1e9)  # peak dense bf16 of the simulated accelerator (H200 SXM)
     mfu: float = 0.5  # share of the peak a long prefill reaches
 
     def __post_init__(self):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvlab.core import arrivals
+from kvlab.core.bounds import bounded
 from kvlab.core.decode_spec import DecodeModel
 from kvlab.core.errors import positive, require
 from kvlab.model import kv_dtype
@@ -113,17 +114,17 @@ class PoolSpec:
 class ModelDims:
     """What a layer computes, beyond what it caches (ModelSpec). 0 means unknown or not used."""
 
-    hidden_size: int = 0  # the model's width
-    q_heads: int = 0  # attention's query heads
-    qk_head_dim: int = 0  # 0: the model's head_dim (GQA)
-    v_head_dim: int = 0  # 0: qk_head_dim
-    intermediate_size: int = 0  # dense gated MLP
-    experts_active: int = 0  # routed + shared experts per token; 0: a dense model
-    moe_intermediate_size: int = 0  # an expert's MLP width
-    dense_layers: int = 0  # leading dense layers of a MoE model
-    q_lora_rank: int = 0  # MLA low-rank query; 0: a full-rank query projection
-    attention_topk: int = 0  # sparse attention: keys per query at most; 0: all
-    indexer_heads: int = 0  # DeepSeek-V3.2 lightning indexer
+    hidden_size: int = bounded(0, hi=1 << 20)  # the model's width
+    q_heads: int = bounded(0, hi=1 << 20)  # attention's query heads
+    qk_head_dim: int = bounded(0, hi=1 << 20)  # 0: the model's head_dim (GQA)
+    v_head_dim: int = bounded(0, hi=1 << 20)  # 0: qk_head_dim
+    intermediate_size: int = bounded(0, hi=1 << 20)  # dense gated MLP
+    experts_active: int = bounded(0, hi=1 << 20)  # routed + shared experts per token; 0: a dense model
+    moe_intermediate_size: int = bounded(0, hi=1 << 20)  # an expert's MLP width
+    dense_layers: int = bounded(0, hi=1 << 20)  # leading dense layers of a MoE model
+    q_lora_rank: int = bounded(0, hi=1 << 20)  # MLA low-rank query; 0: a full-rank query projection
+    attention_topk: int = bounded(0, hi=1 << 20)  # sparse attention: keys per query at most; 0: all
+    indexer_heads: int = bounded(0, hi=1 << 20)  # DeepSeek-V3.2 lightning indexer
 
     def validate_for(self, model: ModelSpec) -> None:
         """The dimensions a time model needs; named so that a preset without them says which to add."""
@@ -146,23 +147,23 @@ class ModelDims:
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # the preset's name, in records and tables
-    num_layers: int  # decoder layers
+    num_layers: int = bounded(hi=1 << 12)  # decoder layers
     attention: Attention = Attention.gqa  # gqa (K and V per kv head) or mla (one latent row per token)
-    kv_heads: int = 8  # GQA: K/V heads, split over TP (duplicated where TP exceeds them)
-    head_dim: int = 128  # GQA: values per head of K and of V
-    mla_dim: int = 576  # kv_lora_rank 512 + rope 64
+    kv_heads: int = bounded(8, hi=1 << 12)  # GQA: K/V heads, split over TP (duplicated where TP exceeds them)
+    head_dim: int = bounded(128, hi=1 << 14)  # GQA: values per head of K and of V
+    mla_dim: int = bounded(576, hi=1 << 16)  # kv_lora_rank 512 + rope 64
     indexer: bool = False  # DeepSeek-V3.2's lightning indexer: fp8 keys and fp32 scales beside the latent
-    window: int = 0  # sliding window in tokens, 0 for none
-    local_per_global: int = 0  # sliding layers per full layer; 0 with window>0: every layer slides
+    window: int = bounded(0, hi=1 << 24)  # sliding window in tokens, 0 for none
+    local_per_global: int = bounded(0, hi=1 << 12)  # sliding layers per full layer; 0 with window>0: every layer slides
     # hybrid models (kvlab.model.spec.LAYER_*): per layer '*' attention, 'M' recurrent state, '-' no cache, cycled;
     # "": every layer attention
     layer_pattern: str = ""
     state: str = ""  # the recurrent state's family: gdn (Gated DeltaNet) or mamba2; "" without state layers
-    state_heads: int = 0  # GDN linear_num_value_heads; Mamba-2 mamba_num_heads
-    state_groups: int = 0  # what TP splits: GDN linear_num_key_heads; Mamba-2 n_groups
-    state_head_dim: int = 0  # GDN linear_value_head_dim; Mamba-2 mamba_head_dim
-    state_dim: int = 0  # GDN linear_key_head_dim; Mamba-2 ssm_state_size
-    conv_kernel: int = 4  # the causal conv's taps (linear_conv_kernel_dim, conv_kernel): K - 1 inputs are kept
+    state_heads: int = bounded(0, hi=1 << 12)  # GDN linear_num_value_heads; Mamba-2 mamba_num_heads
+    state_groups: int = bounded(0, hi=1 << 12)  # what TP splits: GDN linear_num_key_heads; Mamba-2 n_groups
+    state_head_dim: int = bounded(0, hi=1 << 14)  # GDN linear_value_head_dim; Mamba-2 mamba_head_dim
+    state_dim: int = bounded(0, hi=1 << 14)  # GDN linear_key_head_dim; Mamba-2 ssm_state_size
+    conv_kernel: int = bounded(4, lo=2, hi=64)  # the causal conv's taps (linear_conv_kernel_dim, conv_kernel): K - 1 inputs are kept
     state_dtype: str = "fp32"  # the recurrent state's dtype (the conv state is in the cache's dtype)
     dims: ModelDims = field(default_factory=ModelDims)  # what a layer computes: the prefill's time model needs it
     decode: DecodeModel = field(default_factory=DecodeModel)  # check=decode's model (kvlab.core.decode_spec)
@@ -327,20 +328,22 @@ DISTRIBUTIONS = ("fixed", "uniform", "lognormal")
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    isl: int = 4096  # prompt tokens when no list or distribution is given
-    requests: int = 4  # requests in the run (a trace's first ones, or drawn)
-    concurrency: int = 2  # requests in flight at once
+    isl: int = bounded(4096, hi=1 << 24, unit="tokens")  # prompt tokens when no list or distribution is given
+    requests: int = bounded(4, hi=1 << 24)  # requests in the run (a trace's first ones, or drawn)
+    concurrency: int = bounded(2, hi=1 << 24)  # requests in flight at once
     distribution: str = "fixed"  # fixed | uniform | lognormal
     isl_list: tuple[int, ...] | None = None  # explicit prompt lengths, cycled
-    isl_min: int = 128  # prompt lengths drawn within [isl_min, isl_max] (tokens)
-    isl_max: int = 131072  # and the longest a trace's prompt may be (workload.long_prompts)
-    seed: int = 0  # of the drawn lengths and arrivals
+    isl_min: int = bounded(128, hi=1 << 24, unit="tokens")  # prompt lengths drawn within [isl_min, isl_max] (tokens)
+    # and the longest a trace's prompt may be (workload.long_prompts)
+    isl_max: int = bounded(131072, hi=1 << 24, unit="tokens")
+    seed: int = bounded(0, lo=0, hi=2**32 - 1, why="a seed numpy takes")  # of the drawn lengths and arrivals
     arrival: str = "burst"  # burst | poisson | trace (kvlab.core.arrivals)
-    rate: float = 1.0  # requests per second with arrival=poisson
+    rate: float = 1.0  # requests per second with arrival=poisson (kvlab.core.arrivals bounds the run's span)
     trace: str | None = None  # Mooncake .jsonl or Azure .csv, with arrival=trace (kvlab.core.traces)
     time_scale: float = 1.0  # multiplies arrival times: 0.1 replays ten times faster
     long_prompts: str = "clip"  # clip | refuse: trace prompts above isl_max (or cache.capacity_tokens)
-    osl: int | None = None  # output tokens per request where no trace gives them (carried, not decoded)
+    # output tokens per request where no trace gives them (carried, not decoded)
+    osl: int | None = bounded(None, hi=1 << 24, unit="tokens")
 
     def __post_init__(self):
         positive("workload.isl", self.isl)
@@ -384,8 +387,9 @@ class WorkloadSpec:
 @dataclass(frozen=True)
 class CacheSpec:
     fragmentation: float = 0.0  # share of block allocations taken from a shuffled free list
-    spare_blocks: int = 8  # canary blocks per pool beyond what the workload needs
-    capacity_tokens: int = 0  # tokens each pool of a rank holds; 0: sized to the workload's worst moment
+    spare_blocks: int = bounded(8, hi=1 << 16)  # canary blocks per pool beyond what the workload needs
+    # tokens each pool of a rank holds; 0: sized to the workload's worst moment
+    capacity_tokens: int = bounded(0, hi=1 << 24, unit="tokens")
 
     def __post_init__(self):
         require(0.0 <= self.fragmentation <= 1.0, "cache.fragmentation", self.fragmentation, "must be in [0, 1]")
@@ -414,7 +418,7 @@ class FaultSpec:
     kill_at_chunk: int = -1  # that rank's own chunk count
     stall_rank: int = -1  # world rank that sleeps stall_s just before posting chunk stall_at_chunk
     stall_at_chunk: int = -1  # that rank's own chunk count
-    stall_s: float = 0.0  # how long it sleeps there
+    stall_s: float = bounded(0.0, hi=1e6, unit="s")  # how long it sleeps there
     # world rank that stops itself (SIGSTOP) just before posting chunk freeze_at_chunk: alive, its connections
     # open, silent; nobody sees it die
     freeze_rank: int = -1

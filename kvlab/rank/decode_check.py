@@ -30,10 +30,11 @@ import io
 import json
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
+from kvlab.core import decode_spec
+from kvlab.core.decode_spec import CACHE_ENV  # noqa: F401 - where tests and users find its name
 from kvlab.model.layout import convert_wire
 from kvlab.model.plan import Request
 from kvlab.model.spec import Kind
@@ -44,7 +45,6 @@ from kvlab.results.records import DecodeResult, RankPart
 KEY = "kvlab/decode/"
 COMPONENTS = {Kind.kv: ("K", "V"), Kind.mla: ("latent and RoPE",), Kind.indexer: ("fp8 values", "scales"),
               Kind.state: ("conv q/x", "conv k/B", "conv v/C", "recurrent state")}
-CACHE_ENV = "KVLAB_DECODE_CACHE"  # where references are kept; ~/.cache/kvlab/decode by default
 FORMAT = 1  # of a reference file: bump when what it holds changes
 
 
@@ -58,8 +58,7 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvlab" / "decode")
+cache_dir = decode_spec.cache_dir
 
 
 @dataclass

@@ -159,7 +159,12 @@ def _worker(setup, run_dir: Path, world_rank: int, device: torch.device, at_once
     side_spec, rank = setup.side_of(world_rank)
     side = side_spec.name
     state = CacheState(setup.model, side_spec, rank)
-    transport.handshake(state)
+    try:
+        transport.handshake(state)
+    except RuntimeError as e:  # gloo's 'Connection reset by peer': a rank gone during the handshake
+        if isinstance(e, (dist.DistError, Stopped)):
+            raise
+        raise dist.DistNetworkError(f"a peer left during the handshake ({str(e).splitlines()[0][:200]})") from None
     mover = transports.create(setup, side, rank, world_rank, device)
     at_once.cleanups.append(mover.leave)
     try:

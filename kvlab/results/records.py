@@ -55,7 +55,15 @@ def _decode(tp: Any, v: Any) -> Any:
         return tuple(_decode(args[0], x) for x in v)
     if origin is dict and args and args[0] is int:
         return {int(k): _decode(args[1], x) for k, x in v.items()}
+    # a figure read back is the type it was written as: a string where a number was is a corrupt file
+    if tp is float and not (isinstance(v, (int, float)) and not isinstance(v, bool)) \
+            or tp is int and not (isinstance(v, int) and not isinstance(v, bool)) \
+            or tp is bool and not isinstance(v, bool) or tp is str and not isinstance(v, str):
+        raise ValueError(f"{v!r} is not {_TYPE_WORDS[tp]}")
     return v
+
+
+_TYPE_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
 
 
 def from_dict(cls: type[R], d: dict) -> R:
@@ -65,7 +73,15 @@ def from_dict(cls: type[R], d: dict) -> R:
     if d.get("schema", 0) < 2:
         old = {f.was: f.name for f in figures.TABLE if f.was}
         d = {old.get(k, k) if old.get(k) in hints and k not in hints else k: v for k, v in d.items()}
-    values = {f.name: _decode(hints[f.name], d[f.name]) for f in dataclasses.fields(cls) if f.name in d}
+    if not isinstance(d, dict):
+        raise ValueError(f"a JSON {type(d).__name__}, not an object")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in d:
+            try:
+                values[f.name] = _decode(hints[f.name], d[f.name])
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ValueError(f"{f.name}: {e}") from None
     if "schema" not in d and "schema" in hints:
         values["schema"] = 0
     return cls(**values)
@@ -366,7 +382,19 @@ def read_part(run_dir: Path, world_rank: int) -> PartFile | None:
 def _read_jsonl(path: Path, cls: type[R]) -> list[R]:
     if not path.exists():
         return []
-    return [from_dict(cls, json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append(from_dict(cls, json.loads(line)))
+        except (ValueError, RecursionError) as e:  # a truncated line, another program's JSON, a string figure
+            raise ValueError(f"{path}: line {i} is not a kvlab {cls.__name__} ({e})") from None
+    return out
 
 
 def _write_jsonl(path: Path, records: list) -> None:
@@ -404,7 +432,10 @@ def read_summary(run_dir: Path) -> Summary | None:
         raise ValueError(f"{path}: not a kvlab summary (a JSON {type(data).__name__}, not an object)")
     if not {f.name for f in dataclasses.fields(Summary)} & set(data):
         raise ValueError(f"{path}: not a kvlab summary (none of its fields)")
-    return from_dict(Summary, data)
+    try:
+        return from_dict(Summary, data)
+    except ValueError as e:  # a figure of the wrong type: the file is named, the run marked by its reader
+        raise ValueError(f"{path}: not a kvlab summary ({e})") from None
 
 
 # ---------------------------------------------------------------- the link curve (kvlab link)

@@ -25,11 +25,33 @@ CONFIG_ENV = "KVLAB_CONFIG_YAML"  # the resolved config of this run, handed to i
 _held: dict[Path, int] = {}  # run dir -> fd of its lock, in this process (re-entrant)
 
 
+NAME_MAX, PATH_MAX = 255, 4096  # bytes of one name and of a whole path, as Linux takes them
+
+
+def shown(path) -> str:
+    """A path as a line shows it: a very long one cut, its length said."""
+    text = str(path)
+    return text if len(text) <= 120 else f"{text[:60]}...({len(text)} characters)"
+
+
+def check_name_length(path: Path, field: str) -> None:
+    """ConfigError naming ``field`` for a path no system call takes (checked before any is made: on such a
+    path even asking whether it exists raises)."""
+    longest = max((len(part.encode()) for part in Path(path).parts), default=0)
+    if longest > NAME_MAX:
+        raise ConfigError(field, shown(path), f"has a {longest}-byte name; a file or directory name is at most "
+                          f"{NAME_MAX} bytes, use a shorter one")
+    if len(str(Path(path).absolute()).encode()) > PATH_MAX:
+        raise ConfigError(field, shown(path), f"is longer than {PATH_MAX} bytes as an absolute path; use a shorter "
+                          "path")
+
+
 def ensure_writable(run_dir: Path, field: str = "hydra.run.dir") -> Path:
     """Create ``run_dir`` (and parents) and prove a file can be written there; ConfigError otherwise."""
     run_dir = Path(run_dir)
     if str(run_dir).strip() == "":
         raise ConfigError(field, "''", "an empty path; give a directory, e.g. hydra.run.dir=outputs/my_run")
+    check_name_length(run_dir, field)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write_probe.{os.getpid()}"

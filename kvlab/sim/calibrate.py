@@ -98,28 +98,49 @@ def sources(paths: list[str]) -> list[tuple[str, object, list[dict]]]:
     """(name, setup, rows) of every run named."""
     out = []
     for p in paths:
-        path, _, only = p.partition("#")
-        f = Path(path)
-        if f.is_dir():
-            res = f / "results.jsonl"
-            if not res.exists() or not (f / "config.yaml").exists():
-                raise ConfigError("RUN_DIR", p, "is no kvlab run directory (it needs config.yaml and results.jsonl)")
-            rows = [json.loads(x) for x in res.read_text().splitlines() if x.strip()]
-            out.append((f.name, lambda f=f: _setup_from_dir(f), rows))
-        elif f.is_file() and f.suffix == ".json":
-            entries = json.loads(f.read_text())
-            entries = entries if isinstance(entries, list) else []
-            picked = [e for e in entries if not only or e.get("name") in only.split(",")]
-            if not picked:
-                raise ConfigError("RUN_DIR", p, "holds no entries with command, summary and rows"
-                                  + (f" named {only}" if only else ""))
-            for e in picked:
-                ran = (e.get("summary") or {}).get("transport")
-                out.append((f"{f.stem}#{e.get('name')}", lambda e=e, ran=ran: _setup_from_command(e["command"], ran),
-                            e.get("rows") or []))
-        else:
-            raise ConfigError("RUN_DIR", p, "no such run directory or results .json file")
+        try:
+            out += _source(p)
+        except OSError as e:  # too long a name, no permission, a directory where a file was meant
+            raise ConfigError("RUN_DIR", _short(p), f"cannot be read ({e.strerror or type(e).__name__}); give a kvlab "
+                              "run directory or a results .json file") from None
+        except ValueError as e:  # a corrupt results.jsonl or .json: named, not a bare decoder error
+            raise ConfigError("RUN_DIR", _short(p), f"holds a file that is not valid JSON ({e}); give a finished "
+                              "run's directory") from None
     return out
+
+
+def _short(p: str) -> str:
+    return p if len(p) <= 120 else f"{p[:60]}...({len(p)} characters)"
+
+
+def _source(p: str) -> list[tuple[str, object, list[dict]]]:
+    """(name, setup, rows) of the runs one argument names."""
+    out = []
+    path, _, only = p.partition("#")
+    f = Path(path)
+    if f.is_dir():
+        res = f / "results.jsonl"
+        if not res.exists() or not (f / "config.yaml").exists():
+            raise ConfigError("RUN_DIR", _short(p),
+                              "is no kvlab run directory (it needs config.yaml and results.jsonl)")
+        rows = [json.loads(x) for x in res.read_text().splitlines() if x.strip()]
+        out.append((f.name, lambda f=f: _setup_from_dir(f), rows))
+    elif f.is_file() and f.suffix == ".json":
+        entries = json.loads(f.read_text())
+        entries = entries if isinstance(entries, list) else []
+        picked = [e for e in entries if not only or e.get("name") in only.split(",")]
+        if not picked:
+            raise ConfigError("RUN_DIR", _short(p), "holds no entries with command, summary and rows"
+                              + (f" named {only}" if only else ""))
+        for e in picked:
+            ran = (e.get("summary") or {}).get("transport")
+            out.append((f"{f.stem}#{e.get('name')}", lambda e=e, ran=ran: _setup_from_command(e["command"], ran),
+                        e.get("rows") or []))
+    else:
+        raise ConfigError("RUN_DIR", _short(p), "no such run directory or results .json file")
+    return out
+
+
 
 
 def _p(x, q):

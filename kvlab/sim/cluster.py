@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvlab.core.bounds import bounded
 from kvlab.core.errors import ConfigError, require
 
 PLACEMENTS = ("separate", "mixed")
@@ -57,8 +58,9 @@ class GpuSpec:
 class LinkSpec:
     """One kind of link, per GPU and direction; ``gbit_s: 0`` is no such link."""
 
-    gbit_s: float = 400.0  # Gb/s
-    latency_us: float = 5.0  # one way, added to every control round trip
+    # Gb/s; below 1 Mb/s a transfer of one cache takes days of simulated time, events the sim would crawl through
+    gbit_s: float = bounded(400.0, lo=1e-3, zero=True, unit="Gb/s", why="1 Mb/s")
+    latency_us: float = bounded(5.0, hi=1e9, unit="us")  # one way, added to every control round trip
 
     def check(self, name: str) -> None:
         require(isinstance(self.gbit_s, (int, float)) and math.isfinite(self.gbit_s) and self.gbit_s >= 0,
@@ -103,10 +105,10 @@ class DecodeSpec:
     the batch. A request's time per output token is its decode span over its output tokens.
     """
 
-    step_us: float = 200.0  # per step: scheduling, launches, sampling
+    step_us: float = bounded(200.0, hi=1e9, unit="us")  # per step: scheduling, launches, sampling
     weights_gb: float | None = None  # weights read each step by one DP group, GB; null: from model.dims
     weight_bytes: float = 1.0  # bytes per parameter when derived (1: fp8, 2: bf16)
-    max_batch: int = 256  # requests one DP group decodes at once
+    max_batch: int = bounded(256, lo=1, hi=1 << 20)  # requests one DP group decodes at once
     capacity_tokens: int = 0  # KV tokens one DP group holds; 0: what its HBM leaves after the weights
     memory_fraction: float = 0.9  # share of HBM the engine takes (weights + KV)
 
@@ -126,8 +128,8 @@ class DecodeSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    ctx_instances: int = 4
-    gen_instances: int = 4
+    ctx_instances: int = bounded(4, lo=1, hi=1 << 16)
+    gen_instances: int = bounded(4, lo=1, hi=1 << 16)
     gpu: GpuSpec = field(default_factory=GpuSpec)
     domain_gpus: int = 8  # GPUs of one NVLink domain (8: HGX; 72: NVL72)
     placement: str = "separate"  # separate | mixed
@@ -205,13 +207,16 @@ class SimSpec:
     """The ``sim`` keys: the rate, the SLOs, the rate search and what is written."""
 
     terms: str | None = None  # whose fitted terms cost the transfers (a transport's name); null: the transport's own
-    rate: float | None = None  # req/s: Poisson at this rate, or the trace rescaled to it; null: as the workload
+    # req/s: Poisson at this rate, or the trace rescaled to it; null: as the workload
+    rate: float | None = bounded(None, lo=1e-3, hi=1e9, unit="requests/s")
     slo: SloSpec = field(default_factory=SloSpec)
     target: float = 0.9  # share of requests that must meet the SLOs for a rate to count as served
     search: bool = False  # search the highest rate meeting the SLOs (bracket, then bisection over sim.rate)
-    search_lo: float = 0.1  # req/s: the first bracket; the search moves it down (x1/4) while it misses
-    search_hi: float = 1000.0  # req/s: moved up (x4) while it still meets them
-    search_steps: int = 8  # bisection steps once the rate is bracketed
+    # req/s: the first bracket; the search moves it down (x1/4) while it misses
+    search_lo: float = bounded(0.1, lo=1e-3, hi=1e9, unit="requests/s")
+    # req/s: moved up (x4) while it still meets them
+    search_hi: float = bounded(1000.0, lo=1e-3, hi=1e9, unit="requests/s")
+    search_steps: int = bounded(8, lo=1, hi=64)  # bisection steps once the rate is bracketed
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     decode: bool = True  # false: no decode (a kvlab run's replay, where the gen ranks verify instead)
     write_requests: bool = True  # requests.jsonl in the output directory

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from kvlab.config.schema import CONF_DIR
+from kvlab.config.schema import CONF_DIR, compose
 from kvlab.core.errors import ConfigError
 from kvlab.core.paths import user_conf_dir
 from kvlab.sim import report
@@ -105,6 +106,23 @@ def _check(overrides: list[str], multirun: bool) -> str | None:
     return None
 
 
+def writable_file(flag: str, path: Path) -> None:
+    """ConfigError naming ``flag`` unless ``path`` can be created or replaced (its directory made if missing)."""
+    shown = str(path) if len(str(path)) <= 120 else f"{str(path)[:60]}...({len(str(path))} characters)"
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "a directory is in the way")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".{path.name[:200]}.probe{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        if len(path.name.encode()) > 255:
+            raise OSError(36, "File name too long")
+    except OSError as e:
+        raise ConfigError(flag, shown, f"cannot be written ({e.strerror or type(e).__name__}); give a writable "
+                          "file path") from None
+
+
 def calibrate_main(argv: list[str]) -> None:
     from kvlab.sim import calibrate
 
@@ -124,7 +142,13 @@ def calibrate_main(argv: list[str]) -> None:
               f"reading; name yours otherwise (--name {a.name}_mine), or replace the shipped one in a checkout with "
               f"--out {shipped}", file=sys.stderr)
         raise SystemExit(2)
+    out = Path(a.out) if a.out else user_conf_dir() / "cost" / f"{a.name}.yaml"
+    if a.out and out.suffix != ".yaml":  # a directory: the profile goes into its cost/, as a group's file
+        out = out / "cost" / f"{a.name}.yaml"
     try:
+        for flag, place in (("--out", out), ("--report", a.report)):
+            if place is not None:  # where the results go is checked before anything is fitted
+                writable_file(flag, Path(place))
         fitted, rep = calibrate.calibrate(a.runs)
     except ConfigError as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
@@ -137,9 +161,6 @@ def calibrate_main(argv: list[str]) -> None:
               f"prefill_slowdown {t.prefill_slowdown:.3g}")
     pre = fitted.prefill
     print(f"prefill: scale {pre.scale:.4g}, byte_ns {pre.byte_ns:.4g}, fixed_ms {pre.fixed_ms:.4g}")
-    out = Path(a.out) if a.out else user_conf_dir() / "cost" / f"{a.name}.yaml"
-    if a.out and out.suffix != ".yaml":  # a directory: the profile goes into its cost/, as a group's file
-        out = out / "cost" / f"{a.name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     calibrate.write_profile(out, fitted, a.base, rep)
     if a.report:
@@ -164,9 +185,28 @@ def main(argv: list[str]) -> None:
         if problem:
             print(f"kvlab: error: {problem}", file=sys.stderr)
             raise SystemExit(2)
+    from kvlab.core import interrupt
+    from kvlab.results import rundir
+
+    held = None
+    if not only_looks and not multirun:  # one command per directory: a kvlab run there holds it, or this does
+        given = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), None)
+        held = Path(given) if given is not None else Path(
+            compose(overrides, config_name="sim", return_hydra_config=True).hydra.run.dir)
+        if given is None:
+            argv = [*argv, f"hydra.run.dir={held}"]  # pinned: the directory Hydra makes is the one held
+        try:
+            rundir.acquire(held)
+        except ConfigError as e:
+            print(f"kvlab: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     sys.argv = ["kvlab sim", *argv]
     try:
-        hydra_main()
+        with interrupt.as_exit("while simulating; no summary was written"):
+            hydra_main()
     except ConfigError as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        if held is not None:
+            rundir.release(held)

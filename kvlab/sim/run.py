@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from kvlab.config.schema import CONF_DIR, Config, Setup, build, schema
 from kvlab.config.workload import make_requests
 from kvlab.core import traces
+from kvlab.core.bounds import check_tree
 from kvlab.core.checks import check_config
 from kvlab.core.errors import ConfigError, require
 from kvlab.core.sim_terms import PrefillTerms, TransportTerms
@@ -80,6 +81,9 @@ class SimSetup:
 def build_sim(cfg: DictConfig) -> SimSetup:
     """The typed, checked setup; raises ConfigError (one line) before anything is simulated."""
     check_config(cfg, SimConfig)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    check_tree(ClusterSpec, plain.get("cluster") or {}, "cluster.")
+    check_tree(SimSpec, plain.get("sim") or {}, "sim.")
     base = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k not in SIM_KEYS])
     setup = build(base)
     plain = OmegaConf.to_container(cfg, resolve=True)

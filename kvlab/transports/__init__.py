@@ -243,6 +243,12 @@ class Transport(ABC):
         ``kvlab run`` checks for room before any rank starts (kvlab.sizing.budget); None: in the ranks' own memory."""
         return None
 
+    @classmethod
+    def sweep_after(cls, setup: Setup) -> list[str]:
+        """Called by the launcher once every rank has ended: remove what ranks that died left outside the run
+        directory (ipc: pool files whose creator is gone); returns their names. Nothing by default."""
+        return []
+
     def pool_storage(self, pool: str, nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 

@@ -33,6 +33,22 @@ def block_tables(ctx: RankContext, request: int) -> str:
     return json.dumps({name: [t.base, *t.host] for name, t in ctx.cache.tables[request].items()})
 
 
+def pair_runs(src: np.ndarray, src_wire: np.ndarray, dst: np.ndarray, dst_wire: np.ndarray,
+              dst_length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source, destination, length) of one chunk's writes between two layouts: the runs of the two sides are
+    cut at different wire offsets when the layouts or block sizes differ (ctx block_major, gen layer_major of
+    64-token blocks), so each write is cut wherever either side's run is; ``src``/``dst`` are each side's run
+    starts, ``*_wire`` their wire offsets (both in wire order, covering the same bytes)."""
+    if len(dst_length) == 0:
+        return src[:0], dst[:0], dst_length
+    total = int(dst_wire[-1] + dst_length[-1])
+    cuts = np.union1d(src_wire, dst_wire)
+    length = np.diff(np.append(cuts, total))
+    ks = np.searchsorted(src_wire, cuts, side="right") - 1
+    kd = np.searchsorted(dst_wire, cuts, side="right") - 1
+    return src[ks] + (cuts - src_wire[ks]), dst[kd] + (cuts - dst_wire[kd]), length
+
+
 def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs in wire order, neighbours that continue each other on both sides merged into one."""
     if len(length) == 0:

@@ -86,6 +86,44 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 COPY_PIECE_BYTES = 16 << 20
 
 
+class RequestStore:
+    """The default group's store, whose host is world rank 0: once that rank is gone every call raises. A call on
+    a request's key (``ipc/<kind>/<request>/...``) then fails that request (ChunkFailed), as a lost peer does on
+    the other transports, so the executor keeps the records of what this rank did and goes on to its report; a
+    call before the transfers (the pools, the flags) raises as it is."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def _call(self, op: str, key: str, *args):
+        try:
+            return getattr(self._store, op)(*args)
+        except dist.DistError as e:  # DistNetworkError, DistStoreError: the host is gone or does not answer
+            parts = key.split("/")
+            if len(parts) > 2 and parts[2].isdigit():
+                raise ChunkFailed(f"request {parts[2]}: the control store (world rank 0) is gone "
+                                  f"({type(e).__name__})", int(parts[2])) from e
+            raise
+
+    def set(self, key: str, value):
+        return self._call("set", key, key, value)
+
+    def get(self, key: str):
+        return self._call("get", key, key)
+
+    def check(self, keys: list[str]):
+        return self._call("check", keys[0], keys)
+
+    def wait(self, keys: list[str], *args):
+        return self._call("wait", keys[0], keys, *args)
+
+    def delete_key(self, key: str):
+        return self._call("delete_key", key, key)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
 def create_locked(path: str, nbytes: int) -> int:
     """A new file of ``nbytes`` at ``path`` that appears already locked (flock) by this process, which keeps the
     lock as long as it keeps the returned descriptor open: made under a hidden name, locked, then renamed, so
@@ -198,6 +236,11 @@ class Ipc(Transport):
     def pool_files(cls, setup) -> str | None:
         return None if devices.uses_cuda(setup) else setup.transport.options.get("shm_dir") or SHM_DIR
 
+    @classmethod
+    def sweep_after(cls, setup) -> list[str]:
+        where = cls.pool_files(setup)
+        return sweep(where) if where is not None else []
+
     def pool_storage(self, pool: str, nbytes: int) -> torch.Tensor:
         if not self.sending or self.gpu:
             return super().pool_storage(pool, nbytes)
@@ -234,7 +277,7 @@ class Ipc(Transport):
 
     def connect(self, ctx: RankContext) -> None:
         super().connect(ctx)
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = RequestStore(dist.distributed_c10d._get_default_store())
         cache = ctx.cache
         if self.sending:
             flags = {}

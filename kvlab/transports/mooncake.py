@@ -65,11 +65,12 @@ from kvlab.model.state import CacheState
 from kvlab.transports import RankContext, Transport
 from kvlab.transports import mooncake_engine as mooncake
 from kvlab.transports.deadline import spin_for, wait_until
-from kvlab.transports.direct import block_tables, coalesce, flip_landed, own_runs, rank_runs
+from kvlab.transports.direct import block_tables, coalesce, flip_landed, own_runs, pair_runs, rank_runs
 from kvlab.transports.p2p import narrow
 from kvlab.transports.staged import ChunkStaging
 
 MODES = ("direct", "staged")
+DIRECT_WAVE = 1024  # writes of one chunk in flight at once (_write)
 LAND_POLL_S = 2.5e-4  # gen: between two looks for a chunk's key in the store
 PROBE_S = 0.25  # between two probes of a peer's engine while waiting on it
 
@@ -396,12 +397,14 @@ class Mooncake(Transport):
             base, ids = room[c.rect.pool]
             base_addr, blocks = peer.pools[c.rect.pool]
             dmem, dwire, length = rank_runs(peer.state.pool(c.rect.pool), blocks, c, ids, base)
+            dst = base_addr + dmem
             if w.buf is not None:  # corrupted on its way out: from the staging copy, in wire order
                 src = w.buf.data_ptr() + dwire
-            else:
-                smem, _, _ = own_runs(self.ctx, c)
-                src = self.ctx.cache.pools[c.rect.pool].storage.data_ptr() + smem
-            src, dst, length = coalesce(np.asarray(src, dtype=np.int64), base_addr + dmem, length)
+            else:  # this side's runs are cut elsewhere when the layouts differ: each write within both
+                smem, swire, _ = own_runs(self.ctx, c)
+                src, dst, length = pair_runs(self.ctx.cache.pools[c.rect.pool].storage.data_ptr() + smem, swire,
+                                             dst, dwire, length)
+            src, dst, length = coalesce(np.asarray(src, dtype=np.int64), dst, length)
         faults = self.ctx.faults
         if faults.stuck(w.index, c):  # fault injection: posted, and never progresses
             w.ids, w.stuck, w.posted = [], True, self.ctx.clock.mark()
@@ -412,6 +415,17 @@ class Mooncake(Transport):
             faults.die()
         w.rec.descriptors += len(length)
         w.posted = self.ctx.clock.mark()
+        # the engine fails writes once some thousands are in flight to one peer (two 16 MiB direct chunks of
+        # 8 KiB runs to one gen rank did): a chunk of more runs goes in waves, each but the last waited for here
+        deadline = time.time() + self.setup.transfer.timeout_s
+        while len(length) > DIRECT_WAVE:
+            try:
+                ids = self._submit(peer.session, src[:DIRECT_WAVE], dst[:DIRECT_WAVE], length[:DIRECT_WAVE])
+                if ids is None or not self._wait_ids(ids, deadline):
+                    raise RuntimeError("refused or not complete within the timeout")
+            except RuntimeError as e:
+                raise self.failed(c, "write failed", e) from e
+            src, dst, length = src[DIRECT_WAVE:], dst[DIRECT_WAVE:], length[DIRECT_WAVE:]
         w.ids = self._submit(peer.session, src, dst, length)
         if w.ids is None:
             raise self.failed(c, "the engine refused the write")

@@ -59,7 +59,7 @@ from kvlab.model.state import CacheState
 from kvlab.transports import RankContext, Transport
 from kvlab.transports import nixl_agent as nixl
 from kvlab.transports.deadline import spin_for, wait_until
-from kvlab.transports.direct import block_tables, coalesce, flip_landed, own_runs, rank_runs
+from kvlab.transports.direct import block_tables, coalesce, flip_landed, own_runs, pair_runs, rank_runs
 from kvlab.transports.p2p import narrow
 from kvlab.transports.staged import ChunkStaging
 
@@ -423,12 +423,13 @@ class Nixl(Transport):
             base, ids = room[c.rect.pool]
             base_addr, blocks = peer.pools[c.rect.pool]
             dmem, dwire, length = rank_runs(peer.state.pool(c.rect.pool), blocks, c, ids, base)
+            dst = base_addr + dmem
             if w.buf is not None:  # corrupted on its way out: from the staging copy, in wire order
                 src = w.buf.data_ptr() + dwire
-            else:
-                smem, _, _ = own_runs(self.ctx, c)
-                src = storage.data_ptr() + smem
-            src, dst, length = coalesce(src, base_addr + dmem, length)
+            else:  # this side's runs are cut elsewhere when the layouts differ: each write within both
+                smem, swire, _ = own_runs(self.ctx, c)
+                src, dst, length = pair_runs(storage.data_ptr() + smem, swire, dst, dwire, length)
+            src, dst, length = coalesce(src, dst, length)
         faults = self.ctx.faults
         if faults.stuck(w.index, c):  # fault injection: posted, and never progresses
             w.xfer, w.posted = STUCK, self.ctx.clock.mark()

@@ -5,7 +5,8 @@ passing its own function (and ``rows_fn``, its form of kvlab.model.kv_dtype.conv
 GPU's ``kernels/fp8_rows.cu``): the pool's rows move as that implementation moves them (through scratch pieces of
 whole tiles, at most ``layout.CONVERT_PIECE`` bytes in the pool's format), and the rows are converted between
 the piece and the wire on the buffers' device (in torch unless ``rows_fn`` says otherwise). The rounding is
-kvlab.model.kv_dtype's; the copy kernels move bytes of one format only.
+kvlab.model.kv_dtype's. On GPUs this is the fallback: the CUDA ops convert in one pass (``kv_convert_rect``) wherever
+kvlab.memory.ops.paths says the kernel takes the rows.
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""CUDA pack/unpack: ``kernels/kv_copy.cu`` compiled with NVRTC, launched on torch's current stream.
+"""CUDA pack/unpack: ``kernels/kv_copy.cu`` compiled with NVRTC, launched on torch's current stream; copy_rect:
+``kernels/run_copy.cu``; another KV dtype converted in the copy: ``kernels/fp8_rows.cu`` (the choice of kernel per
+pair of pools: kvlab.memory.ops.paths).
 
 Same signature as :mod:`kvlab.memory.ops.reference`, plus ``ctas``: the kernels walk work items of
 about one warp step (pieces of long runs, batches of short ones) in a grid-stride loop, so a
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 import tempfile
 import threading
@@ -24,11 +27,12 @@ import numpy as np
 import torch
 
 from kvlab.core.paths import KERNELS_DIR
-from kvlab.memory.ops import convert, reference
+from kvlab.memory.ops import convert, paths, reference
+from kvlab.memory.ops.paths import ConvertShape
 from kvlab.memory.ops.reference import check_buffers, check_rect_pair
 from kvlab.model import kv_dtype
 from kvlab.model.layout import Rect, as_stored, converts
-from kvlab.model.state import RankPool, pool_format
+from kvlab.model.state import RankPool, in_format, pool_format
 
 KERNEL_SOURCE = KERNELS_DIR / "kv_copy.cu"
 RUN_COPY_SOURCE = KERNELS_DIR / "run_copy.cu"
@@ -326,7 +330,9 @@ def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *, ctas
          tuning: Tuning = DEFAULT_TUNING) -> None:
     if _strided(pool, rect):
         return reference.pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out)
-    if converts(pool, rect):  # another KV dtype on the wire: the kernel moves the pool's rows, convert_rows converts
+    if converts(pool, rect):  # another KV dtype on the wire: converted in the copy where the kernel takes it
+        if _convert_pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, ctas):
+            return
         return convert.pack(pack, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, convert_rows,
                             ctas=ctas, tuning=tuning)
     _launch(True, pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, ctas, tuning)
@@ -337,6 +343,8 @@ def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, 
     if _strided(pool, rect):
         return reference.unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes)
     if converts(pool, rect):
+        if _convert_unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, ctas):
+            return
         return convert.unpack(unpack, wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes,
                               convert_rows, ctas=ctas, tuning=tuning)
     _launch(False, pool_bytes, pool, num_blocks, rect, block_ids, block_base, wire_buf, ctas, tuning)
@@ -372,7 +380,8 @@ def _side(pool: RankPool, num_blocks: int, rect: Rect, block_ids: torch.Tensor, 
 
 
 def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool, dst_num_blocks, dst_ids,
-              dst_base, rect, *, ctas: int | None = None, tuning: Tuning = RECT_TUNING) -> None:
+              dst_base, rect, *, ctas: int | None = None, tuning: Tuning = RECT_TUNING,
+              path: str | None = None) -> None:
     """``kernels/run_copy.cu`` on the current stream: every run of ``rect`` from the source pool into the
     destination pool in one launch, both sides' addresses computed on the device from their block tables
     (no index tensors, no host sync). ``src_bytes`` may be another process's pool opened through CUDA IPC."""
@@ -381,6 +390,9 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
         return reference.copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool,
                                    dst_num_blocks, dst_ids, dst_base, rect)
     if pool_format(src_pool.spec) != pool_format(dst_pool.spec):  # another KV dtype: converted in the copy
+        if _convert_pools(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool, dst_num_blocks,
+                          dst_ids, dst_base, rect, ctas):
+            return
         return convert.copy_rect(pack, unpack, src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
                                  dst_pool, dst_num_blocks, dst_ids, dst_base, rect, convert_rows)
     rect = as_stored(rect)
@@ -405,6 +417,10 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     # the kernel indexes tokens with int too (_check_cuda bounds the runs and their lengths)
     if rect.t1 > _INT_MAX:
         raise ValueError(f"rect {rect} exceeds the rectangle copy's limits (2^31 tokens)")
+    path = path or paths.copy_path(src_pool, dst_pool)[0]
+    if path == "span" and _copy_spans(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool,
+                                      dst_num_blocks, dst_ids, dst_base, rect, ctas, tuning):
+        return
     from cuda.core import Device, LaunchConfig, Stream, launch
 
     Device(dev.index).set_current()
@@ -418,6 +434,63 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
            *_side(dst_pool, dst_num_blocks, rect, dst_ids, dst_base),
            i32(T), i64(rect.t0), i64(rect.t1), i32(rect.n_layers), i32(rect.n_heads), i32(len(rows)), i32(rows[0]),
            i32(rows[1] if len(rows) > 1 else 0), i32(S), i64(nruns))
+
+
+def _span_side(pool: RankPool, num_blocks: int, rect: Rect, ids: torch.Tensor, base: int, c: int) -> tuple:
+    """One side's ``SPAN_SIDE`` parameters for component ``c`` (kernels/run_copy.cu)."""
+    i32, i64 = np.int32, np.int64
+    s = pool.comp_strides(num_blocks)[c]
+    return (ids.data_ptr(), i32(ids.dtype == torch.int64), i32(pool.tokens_per_block), i64(base), i64(s.offset),
+            i64(s.block), i64(s.layer), i64(s.head), i64(s.token), i32(rect.l0 - pool.layers.start),
+            i32(rect.h0 - pool.heads.start))
+
+
+def _copy_spans(src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_pool, dst_nb, dst_ids, dst_base, rect,
+                ctas, tuning) -> bool:
+    """``kv_copy_span`` once per component, or False (nothing launched) where a pool's storage is not 16-byte
+    aligned or the rectangle has more vectors than the kernel's int indexes."""
+    if (src_bytes.data_ptr() | dst_bytes.data_ptr()) % 16:
+        return False
+    for s in src_pool.comp_strides(src_nb) + dst_pool.comp_strides(dst_nb):
+        if math.gcd(s.offset, s.block, s.layer, s.head, s.token, s.row) % 16:
+            return False
+    g = math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block)
+    items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * rect.n_layers
+    if items > _INT_MAX or rect.n_heads * g * max(src_pool.rows) // 16 > _INT_MAX - (1 << 16):
+        return False
+    from cuda.core import Device, LaunchConfig, Stream, launch
+
+    dev = dst_bytes.device
+    Device(dev.index).set_current()
+    kernel, resident = _span_kernel(dev.index, tuning)
+    stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
+    i32 = np.int32
+    warps = tuning.threads // 32
+    grid = max(1, min(ctas or resident, -(-items // warps)))
+    for c, row in enumerate(src_pool.rows):
+        m = row // 16
+        launch(stream, LaunchConfig(grid=grid, block=tuning.threads), kernel, src_bytes.data_ptr(),
+               dst_bytes.data_ptr(), *_span_side(src_pool, src_nb, rect, src_ids, src_base, c),
+               *_span_side(dst_pool, dst_nb, rect, dst_ids, dst_base, c), i32(g), i32(rect.t0), i32(rect.t1),
+               i32(rect.n_layers), i32(rect.n_heads), i32(m), *fast_div(m), *fast_div(g), *fast_div(rect.n_layers),
+               i32(items))
+    return True
+
+
+def fast_div(d: int) -> tuple:
+    """(M, l) with n // d == (umulhi(n, M) + n) >> l for 0 <= n < 2^31 (``FDIV`` in kernels/run_copy.cu)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"fast_div: divisor {d} outside [1, 2^31)")
+    l = (d - 1).bit_length()
+    return np.uint32((2**32 * (2**l - d)) // d + 1), np.int32(l)
+
+
+@lru_cache(maxsize=8)
+def _span_kernel(index: int, tuning: Tuning):
+    kernel, _, obj = _rect_kernel(index, tuning)
+    span = obj.get_kernel("kv_copy_span")
+    per_sm = span.occupancy.max_active_blocks_per_multiprocessor(tuning.threads, 0)
+    return span, max(1, per_sm) * _sm_count(index)
 
 
 @cache
@@ -460,3 +533,152 @@ def convert_rows(rows: torch.Tensor, kind: str, elems: int, base: str, src: str,
     if rows.is_cuda and dst == "fp8" and src == base and src in kv_dtype.BASES:
         return quantize_rows(rows, kind, elems, base)
     return kv_dtype.convert_rows(rows, kind, elems, base, src, dst)
+
+
+# ---- the KV dtype converted inside the copy (kv_convert_rect in kernels/fp8_rows.cu) ----
+
+def _pool_cside(pool: RankPool, num_blocks: int, rect: Rect, ids: torch.Tensor, base: int, c: int):
+    """(kernel parameters ``CSIDE`` of one pool's component ``c``, the alignment every row start keeps)."""
+    i32, i64 = np.int32, np.int64
+    s = pool.comp_strides(num_blocks)[c]
+    params = (ids.data_ptr(), i32(ids.dtype == torch.int64), i32(pool.tokens_per_block), i64(base), i64(s.offset),
+              i64(s.block), i64(s.layer), i64(s.head), i64(s.token), i32(rect.l0 - pool.layers.start),
+              i32(rect.h0 - pool.heads.start), i32(0), i64(0), i64(0), i64(0))
+    return params, math.gcd(s.offset, s.block, s.layer, s.head, s.token)
+
+
+def _wire_cside(rows: tuple[int, ...], rect: Rect, ids: torch.Tensor, c: int):
+    """The same for a wire buffer of ``rect`` whose components' rows are ``rows`` (kvlab.model.layout.runs)."""
+    i32, i64 = np.int32, np.int64
+    bpl, comp = rect.n_heads * sum(rows), rect.n_heads * sum(rows[:c])
+    params = (ids.data_ptr(), i32(0), i32(1), i64(0), *(i64(0),) * 5, i32(0), i32(0), i32(1), i64(bpl), i64(comp),
+              i64(rows[c]))
+    return params, math.gcd(bpl, comp, rows[c])
+
+
+@lru_cache(maxsize=8)
+def _convert_kernel(index: int):
+    """(kernel, CTAs resident at once, ObjectCode) of ``kv_convert_rect``."""
+    from cuda.core import Device, ObjectCode
+
+    Device(index).set_current()
+    obj = ObjectCode.from_cubin(compile_for_arch(device_arch(index), DEFAULT_TUNING, source=FP8_ROWS_SOURCE),
+                                name="fp8_rows")
+    kernel = obj.get_kernel("kv_convert_rect")
+    per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(CONVERT_THREADS, 0)
+    return kernel, max(1, per_sm) * _sm_count(index), obj
+
+
+CONVERT_THREADS = 256  # the kernel's launch bound
+
+
+def _convert_sides(spec_src, spec_dst, rect: Rect) -> list[ConvertShape] | None:
+    """Every component's shape from ``spec_src``'s format to ``spec_dst``'s (kvlab.memory.ops.paths), or None where
+    one is not the kernel's or the rectangle is beyond its int indexes."""
+    shapes = paths.convert_shapes(spec_src, spec_dst)
+    if shapes is None or rect.n_tokens <= 0:
+        return None
+    if rect.n_tokens * rect.n_layers * rect.n_heads > _INT_MAX or rect.t1 > _INT_MAX:
+        return None
+    return shapes
+
+
+def _convert_launch(src_bytes, src_sides, dst_bytes, dst_sides, rect: Rect, shapes, ctas: int | None,
+                    g: int) -> bool:
+    """One ``kv_convert_rect`` per component, or False (nothing launched) where an alignment does not hold."""
+    for c, sh in enumerate(shapes):
+        (_, sa), (_, da) = src_sides[c], dst_sides[c]
+        need_src, need_dst = (16, 4) if sh.to_fp8 else (4, 16)  # the values' side loads or stores 16 bytes
+        if math.gcd(sa, src_bytes.data_ptr()) % need_src or math.gcd(da, dst_bytes.data_ptr()) % need_dst:
+            return False
+    from cuda.core import Device, LaunchConfig, Stream, launch
+
+    dev = dst_bytes.device
+    Device(dev.index).set_current()
+    kernel, resident, _ = _convert_kernel(dev.index)
+    stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
+    i32 = np.int32
+    # items: a span of g tokens (one block on a pool side, one wire tile on a wire side) by every head of a layer
+    items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * rect.n_layers
+    if items > _INT_MAX or rect.n_heads * g > _INT_MAX // 2:
+        return False
+    grid = max(1, min(ctas or resident, -(-items // (CONVERT_THREADS // 32))))
+    for c, sh in enumerate(shapes):
+        launch(stream, LaunchConfig(grid=grid, block=CONVERT_THREADS), kernel, src_bytes.data_ptr(),
+               dst_bytes.data_ptr(), *src_sides[c][0], *dst_sides[c][0], i32(g), i32(rect.t0), i32(rect.t1),
+               i32(rect.n_layers), i32(rect.n_heads), i32(sh.elems), i32(sh.q), i32(sh.group), i32(sh.lanes),
+               i32(sh.to_fp8), i32(sh.base == "fp16"), *fast_div(g), *fast_div(rect.n_layers), i32(items))
+    return True
+
+
+def _convert_pools(src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_pool, dst_nb, dst_ids, dst_base,
+                   rect, ctas) -> bool:
+    """copy_rect between pools of two formats in one pass per component; False where the kernel does not take it."""
+    own = as_stored(rect)
+    shapes = _convert_sides(src_pool.spec, dst_pool.spec, own)
+    if shapes is None:
+        return False
+    for what, b, pool, nb, ids, base in (("source", src_bytes, src_pool, src_nb, src_ids, src_base),
+                                         ("destination", dst_bytes, dst_pool, dst_nb, dst_ids, dst_base)):
+        if b.dtype != torch.uint8 or b.numel() != pool.pool_bytes(nb) or not b.is_contiguous():
+            raise ValueError(f"copy_rect: the {what} storage has {b.numel()} bytes of {b.dtype}, its layout needs "
+                             f"{pool.pool_bytes(nb)} contiguous uint8")
+        if b.device != dst_bytes.device:
+            raise ValueError(f"copy_rect needs both pools on one CUDA device: the {what} is on {b.device}")
+        if pool.tokens_per_block % own.tile:
+            raise ValueError(f"copy_rect: tile {own.tile} does not divide the {what}'s tokens_per_block "
+                             f"{pool.tokens_per_block}")
+        _check_cuda(b, pool, own, ids, base, dst_bytes)
+        if not ids.is_contiguous():
+            raise ValueError("copy_rect needs contiguous block tables")
+    n = len(shapes)
+    return _convert_launch(src_bytes, [_pool_cside(src_pool, src_nb, own, src_ids, src_base, c) for c in range(n)],
+                           dst_bytes, [_pool_cside(dst_pool, dst_nb, own, dst_ids, dst_base, c) for c in range(n)],
+                           own, shapes, ctas, math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block))
+
+
+def _wire_rows(pool: RankPool, rect: Rect) -> tuple[int, ...]:
+    return in_format(pool.spec, rect.wire).comp_row_bytes()
+
+
+def _check_wire(pool_bytes, pool, num_blocks, rect, block_ids, block_base, buf) -> Rect:
+    own = as_stored(rect)
+    if pool_bytes.dtype != torch.uint8 or buf.dtype != torch.uint8:
+        raise TypeError("pack/unpack work on uint8 tensors")
+    if pool_bytes.numel() != pool.pool_bytes(num_blocks) or not pool_bytes.is_contiguous() or not buf.is_contiguous():
+        raise ValueError(f"pool {pool.name}: storage has {pool_bytes.numel()} bytes, layout needs "
+                         f"{pool.pool_bytes(num_blocks)} contiguous ones")
+    need = rect.nbytes(_wire_rows(pool, rect))
+    if buf.numel() != need:
+        raise ValueError(f"pool {pool.name}: wire buffer has {buf.numel()} bytes, the rectangle in {rect.wire} "
+                         f"needs {need}")
+    _check_cuda(pool_bytes, pool, own, block_ids, block_base, buf)
+    return own
+
+
+def _convert_pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, ctas) -> bool:
+    """A converting pack in one pass (the pool's rows into the wire's format), or False."""
+    wire = in_format(pool.spec, rect.wire)
+    shapes = _convert_sides(pool.spec, wire, rect)
+    if shapes is None:
+        return False
+    own = _check_wire(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out)
+    block_ids = block_ids.contiguous()
+    n, rows = len(shapes), wire.comp_row_bytes()
+    return _convert_launch(pool_bytes, [_pool_cside(pool, num_blocks, own, block_ids, block_base, c) for c in range(n)],
+                           out, [_wire_cside(rows, own, block_ids, c) for c in range(n)], own, shapes, ctas,
+                           own.tile)
+
+
+def _convert_unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, ctas) -> bool:
+    """A converting unpack in one pass (the wire's rows into the pool's format), or False."""
+    wire = in_format(pool.spec, rect.wire)
+    shapes = _convert_sides(wire, pool.spec, rect)
+    if shapes is None:
+        return False
+    own = _check_wire(pool_bytes, pool, num_blocks, rect, block_ids, block_base, wire_buf)
+    block_ids = block_ids.contiguous()
+    n, rows = len(shapes), wire.comp_row_bytes()
+    return _convert_launch(wire_buf, [_wire_cside(rows, own, block_ids, c) for c in range(n)], pool_bytes,
+                           [_pool_cside(pool, num_blocks, own, block_ids, block_base, c) for c in range(n)], own,
+                           shapes, ctas, own.tile)

@@ -1,0 +1,179 @@
+"""The rectangle copy (``transport=ipc``'s kernel) over engine layout pairs, and with the KV dtype converted in it,
+against ``copy_`` of the same source bytes on the same GPU, in one process (no transport, no hand-off: the kernel's
+own rate, which bounds what a run can deliver).
+
+A whole request of Llama-3.1-8B (32 layers, 8 kv heads, head_dim 128, bf16) or DeepSeek-V3.2 (61 layers, the
+576-value MLA row) at 32k tokens, each side in an engine's layout at its own block size, blocks shuffled on both
+sides: one ``copy_rect`` of every layer, head and token, as the plan tiles it (the gcd of the block sizes where
+both sides keep a head's token rows together, else single rows). Each case: a warm-up, then ``--repeats`` repeats
+of ``--iters`` launches timed with CUDA events, each repeat next to ``copy_`` of the same source bytes; the ratio
+is the copy's time over the kernel's, per repeat (median and range). ``gen fp8`` cases count the bf16 source
+bytes, as scripts/ipc_bench.py does. Every case is checked against the torch reference on its first 96 tokens.
+
+    python scripts/rect_bench.py --out rect_bench.json [--models llama3_8b deepseek_v32] [--pairs all|engines]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvlab.memory.ops import cuda as cuda_ops  # noqa: E402
+from kvlab.memory.ops import paths, reference  # noqa: E402
+from kvlab.model.engine_layouts import LAYOUTS, EngineLayout, Layout  # noqa: E402
+from kvlab.model.layout import Rect  # noqa: E402
+from kvlab.model.spec import Kind, PoolSpec  # noqa: E402
+from kvlab.model.state import RankPool  # noqa: E402
+
+MODELS = {"llama3_8b": (Kind.kv, 32, 8, (128, 128)), "deepseek_v32": (Kind.mla, 61, 1, (576,))}
+# the pairs of the issue's table, first; --pairs all adds every other pair the model's layouts allow
+ENGINE_PAIRS = [("vllm_lbnhc", "trtllm"), ("vllm_lbnhc", "sglang"), ("vllm_lbhnc", "trtllm"),
+                ("vllm_lbnhc", "vllm_lbhnc"), ("flashinfer_nhd", "sglang"), ("flashinfer_hnd", "vllm_flash"),
+                ("sglang", "trtllm"), ("trtllm", "vllm_lbnhc"), ("vllm_flash", "flashinfer_hnd"),
+                ("block_major", "sglang"), ("sglang", "flashinfer_nhd"), ("layer_major", "trtllm"),
+                ("block_major", "layer_major"), ("trtllm", "trtllm")]
+
+
+def layout_of(name: str):
+    return Layout(name) if name in Layout.__members__ else EngineLayout(name)
+
+
+def pool(model: str, layout: str, fmt: str = "") -> RankPool:
+    kind, layers, heads, elems = MODELS[model]
+    spec = PoolSpec(kind.value, kind, tuple(range(layers)), 0, heads, elems, ("bf16",) * len(elems), fmt)
+    tpb = LAYOUTS[layout].block_tokens({kind.value})[0]
+    return RankPool(spec, range(layers), range(heads), tpb, layout_of(layout))
+
+
+class Side:
+    def __init__(self, p: RankPool, tokens: int, gen: torch.Generator, fill: bool):
+        self.pool = p
+        need = -(-tokens // p.tokens_per_block)
+        self.num_blocks = need + need // 8
+        self.ids = torch.randperm(self.num_blocks, generator=gen)[:need].to(torch.int32).cuda()
+        n = p.pool_bytes(self.num_blocks)
+        if fill:  # bf16 values (random bytes would hold NaNs for the conversion)
+            self.bytes = (torch.randn(n // 2, device="cuda") * 3).to(torch.bfloat16).view(torch.uint8)
+        else:
+            self.bytes = torch.zeros(n, dtype=torch.uint8, device="cuda")
+
+
+def time_pair(kernel, copy, iters: int, repeats: int) -> list[tuple[float, float]]:
+    """(kernel ms, copy_ ms) per launch, per repeat, interleaved so that both see the same clocks."""
+    for _ in range(2):
+        kernel()
+        copy()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        ts = []
+        for fn in (kernel, copy):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / iters)
+        out.append(tuple(ts))
+    return out
+
+
+def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: int, repeats: int,
+         path: str | None = None) -> dict:
+    g = torch.Generator().manual_seed(0)
+    sp, dp = pool(model, ctx), pool(model, gen_layout, "fp8" if fp8 else "")
+    src, dst = Side(sp, tokens, g, True), Side(dp, tokens, g, False)
+    tile = math.gcd(sp.tokens_per_block, dp.tokens_per_block) if sp.token_runs and dp.token_runs else 1
+    rect = Rect(sp.name, 0, len(sp.layers), 0, len(sp.heads), 0, tokens, tile)
+    nbytes = rect.nbytes(sp.rows)
+
+    def kernel(r=rect):
+        cuda_ops.copy_rect(src.bytes, sp, src.num_blocks, src.ids, 0, dst.bytes, dp, dst.num_blocks, dst.ids, 0, r,
+                           **({"path": path} if path else {}))
+
+    # the check: the first 96 tokens against the torch reference
+    small = Rect(sp.name, 0, len(sp.layers), 0, len(sp.heads), 0, min(96, tokens), tile)
+    kernel(small)
+    want = torch.zeros_like(dst.bytes)
+    reference.copy_rect(src.bytes, sp, src.num_blocks, src.ids, 0, want, dp, dst.num_blocks, dst.ids, 0, small)
+    ok = bool(torch.equal(dst.bytes, want))
+    del want
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = time_pair(kernel, lambda: b.copy_(a), iters, repeats)
+    ratios = sorted(c / k for k, c in times)
+    kms = sorted(k for k, _ in times)
+    cms = sorted(c for _, c in times)
+    shape = None
+    if fp8:
+        kind, _, _, elems = MODELS[model]
+        shape = paths.convert_shape(kind.value, elems[0], "bf16", "bf16", "fp8")
+    path = "convert" if fp8 else path or paths.copy_path(sp, dp)[0]
+    r = {"model": model, "tokens": tokens, "ctx": ctx, "gen": gen_layout, "gen_fp8": fp8, "tile": tile, "path": path,
+         "ctx_tpb": sp.tokens_per_block, "gen_tpb": dp.tokens_per_block, "source_bytes": nbytes,
+         "delivered_bytes": rect.nbytes(dp.rows), "verified": ok, "one_pass": fp8 and shape is not None,
+         "kernel_ms": kms[len(kms) // 2], "copy_ms": cms[len(cms) // 2],
+         "gbps": nbytes / kms[len(kms) // 2] / 1e6, "copy_gbps": nbytes / cms[len(cms) // 2] / 1e6,
+         "ratio": ratios[len(ratios) // 2], "ratio_min": ratios[0], "ratio_max": ratios[-1], "repeats": times}
+    return r
+
+
+def pairs_for(model: str, which: str) -> list[tuple[str, str]]:
+    kind = MODELS[model][0].value
+    ok = [n for n in LAYOUTS if LAYOUTS[n].holds(kind)]
+    base = [(a, b) for a, b in ENGINE_PAIRS if a in ok and b in ok]
+    if which == "engines":
+        return base
+    return base + [(a, b) for a in ok for b in ok if (a, b) not in base]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--pairs", choices=["engines", "all"], default="engines")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--paths", nargs="+", default=["span", "runs"], help="the same-format kernels to time")
+    ap.add_argument("--fp8-pairs", type=int, default=3, help="the first N pairs again with gen fp8")
+    a = ap.parse_args()
+    env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
+    out = {"env": env, "runs": []}
+    print(json.dumps(env), flush=True)
+    for model in a.models:
+        pairs = pairs_for(model, a.pairs)
+        todo = [(p, False, path) for p in pairs for path in a.paths] + [(p, True, None) for p in pairs[:a.fp8_pairs]]
+        for (ctx, gen), fp8, path in todo:
+            try:
+                r = case(model, ctx, gen, fp8, a.tokens, a.iters, a.repeats, path)
+            except Exception as e:  # one case's failure is a row of the table, not the end of the bench
+                r = {"model": model, "ctx": ctx, "gen": gen, "gen_fp8": fp8, "error": f"{type(e).__name__}: {e}"}
+            torch.cuda.empty_cache()
+            out["runs"].append(r)
+            a.out.write_text(json.dumps(out, indent=1))
+            print(json.dumps({k: v for k, v in r.items() if k != "repeats"}), flush=True)
+    print("| model | ctx -> gen | tile | path | gen fp8 | GB/s of source bytes | copy_ GB/s | ratio (median) | range "
+          "| verified |")
+    print("| --- | --- | ---: | --- | --- | ---: | ---: | ---: | --- | --- |")
+    for r in out["runs"]:
+        if "error" in r:
+            print(f"| {r['model']} | {r['ctx']} -> {r['gen']} | | {r['gen_fp8']} | failed: {r['error'][:120]} |")
+            continue
+        print(f"| {r['model']} | {r['ctx']} -> {r['gen']} | {r['tile']} | {r['path']} | "
+              f"{'yes' if r['gen_fp8'] else ''} | "
+              f"{r['gbps']:,.0f} | {r['copy_gbps']:,.0f} | {r['ratio']:.3f} | {r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
+              f" | {'yes' if r['verified'] else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()

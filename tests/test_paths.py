@@ -1,0 +1,39 @@
+"""Which kernel moves each pair of pools (kvlab.memory.ops.paths): what ``kvlab plan`` prints and the CUDA ops take."""
+from __future__ import annotations
+
+from kvlab.memory.ops import paths
+from kvlab.model.engine_layouts import EngineLayout, Layout
+from kvlab.model.spec import Kind, PoolSpec
+from kvlab.model.state import RankPool
+
+
+def kv_pool(layout, tpb: int, elems: int = 128, fmt: str = "") -> RankPool:
+    spec = PoolSpec("kv", Kind.kv, tuple(range(4)), 0, 8, (elems, elems), ("bf16", "bf16"), fmt)
+    return RankPool(spec, range(4), range(8), tpb, layout)
+
+
+def test_a_transpose_of_aligned_rows_takes_the_span_kernel():
+    path, why = paths.copy_path(kv_pool(EngineLayout.vllm_lbnhc, 16), kv_pool(EngineLayout.trtllm, 32))
+    assert path == "span" and "transpose" in why and "16 tokens" in why
+    path, why = paths.rect_path(kv_pool(Layout.block_major, 16), kv_pool(Layout.layer_major, 64))
+    assert path == "span" and "runs of 16 tokens of one head, 4096 bytes" in why
+
+
+def test_long_runs_take_the_run_kernel():
+    path, why = paths.rect_path(kv_pool(Layout.block_major, 32), kv_pool(Layout.layer_major, 64))
+    assert path == "runs" and "a warp per run" in why
+
+
+def test_unaligned_rows_take_the_run_kernel():
+    path, why = paths.copy_path(kv_pool(EngineLayout.vllm_lbnhc, 16, 4), kv_pool(EngineLayout.trtllm, 32, 4))
+    assert path == "runs" and "8 bytes" in why
+
+
+def test_the_kv_dtype_converts_in_one_pass_where_the_kernel_takes_the_rows():
+    assert paths.rect_path(kv_pool(EngineLayout.vllm_lbnhc, 16), kv_pool(EngineLayout.trtllm, 32, fmt="fp8"))[0] \
+        == "convert"
+    assert paths.rect_path(kv_pool(EngineLayout.vllm_lbnhc, 16, 12), kv_pool(EngineLayout.trtllm, 32, 12, "fp8"))[0] \
+        == "staged"
+    assert paths.convert_shape("kv", 128, "bf16", "bf16", "fp8").lanes == 16
+    assert paths.convert_shape("mla", 576, "bf16", "fp8", "bf16").group == 128
+    assert paths.convert_shape("kv", 128, "bf16", "bf16", "fp16") is None
