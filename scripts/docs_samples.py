@@ -130,6 +130,8 @@ def environment(bin_dir: Path) -> dict[str, str]:
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["COLUMNS"] = WIDTH
+    # kvlab sim calibrate writes a profile to the user's config directory: the sandbox's, not the reader's
+    env["XDG_CONFIG_HOME"] = str(bin_dir.parent / "config")
     return env
 
 

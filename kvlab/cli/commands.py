@@ -401,7 +401,8 @@ def main(argv: list[str] | None = None) -> None:
         with interrupt.as_exit("before the simulation started; nothing was simulated or written"):
             from kvlab.sim.cmd import main as sim_main
 
-            problem = None if argv[1:2] == ["calibrate"] else check_arguments(argv[1:])
+            problem = None if argv[1:2] == ["calibrate"] else check_arguments(  # not Hydra's flags (-m, --cfg)
+                [*(known := _parser("sim").parse_known_args(argv[1:]))[0].overrides, *known[1]])
         if problem:
             _fail(problem)
         return sim_main(argv[1:])
