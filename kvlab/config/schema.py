@@ -164,7 +164,7 @@ class Setup:
     repeat: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "model", self.check.model_for(self.model))  # check=decode: its model's cache
+        object.__setattr__(self, "model", self.check.model_for(self.model, self.prefill.kind))  # check=decode's model
         for side in ("ctx", "gen"):  # a block size left to the layout, made explicit for this model
             object.__setattr__(self, side, getattr(self, side).resolved(self.model))
         model, ctx, gen = self.model, self.ctx, self.gen

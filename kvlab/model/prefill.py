@@ -35,18 +35,18 @@ from kvlab.core.errors import ConfigError, require
 from kvlab.model.spec import INDEXER_HEAD_DIM, ROPE_DIM, Attention, ModelSpec
 from kvlab.model.tokens import Tokens
 
-KINDS = ("sim", "gpu")
+KINDS = ("sim", "gpu", "model")
 
 
 @dataclass(frozen=True)
 class PrefillSpec:
-    kind: str = "sim"  # sim | gpu
+    kind: str = "sim"  # sim | gpu | model (the transformers model itself: kvlab.rank.prefill_model)
     layer_ms: float = 0.0  # > 0: every layer takes this long (sim), whatever the prompt
     tflops: float = 989.0  # peak dense bf16 of the simulated accelerator (H200 SXM)
     mfu: float = 0.5  # share of the peak a long prefill reaches
 
     def __post_init__(self):
-        require(self.kind in KINDS, "prefill", self.kind, "use prefill=sim or prefill=gpu")
+        require(self.kind in KINDS, "prefill", self.kind, "use prefill=sim, prefill=gpu or prefill=model")
         require(math.isfinite(self.layer_ms) and self.layer_ms >= 0, "prefill.layer_ms", self.layer_ms,
                 "must be >= 0 ms (0: timed from model.dims)")
         require(math.isfinite(self.tflops) and self.tflops > 0, "prefill.tflops", self.tflops,

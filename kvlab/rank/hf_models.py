@@ -185,26 +185,32 @@ def round_trip(keys: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- model cache <-> pool planes
 
-def full_prefill(net, cfg, ids: torch.Tensor):
+def full_prefill(net, cfg, ids: torch.Tensor, on_cache=None):
     """Prefill ``ids``; returns (cache, last position's logits in fp32). Sliding-window layers keep every token
-    (``activate_past_recording``: the pool holds the whole window, the model's cache one token less)."""
+    (``activate_past_recording``: the pool holds the whole window, the model's cache one token less).
+    ``on_cache(cache)`` sees the cache before the forward fills it (prefill=model reads it layer by layer)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=cfg)
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
             layer.activate_past_recording()
+    if on_cache is not None:
+        on_cache(cache)
     with torch.no_grad(), one_thread():
         out = net(input_ids=ids.to(net.device), past_key_values=cache, use_cache=True)
     return cache, out.logits[0, -1].float().cpu()
 
 
-def pool_rows(model: ModelSpec, cache, dtype: str = "bf16") -> dict[str, list[torch.Tensor]]:
+def pool_rows(model: ModelSpec, cache, dtype: str = "bf16", only: int | None = None) -> dict[str, list[torch.Tensor]]:
     """Pool name -> per component uint8 ``[pool layers, heads, tokens, row bytes]`` in host memory, from a
-    prefill's cache."""
+    prefill's cache; of global layer ``only`` alone where given (``[1, heads, tokens, row]``, the pools that hold
+    it: prefill=model writes each layer when it is computed)."""
     out = {}
     for p in model.pools(dtype):
-        layers = [cache.layers[g] for g in p.layers]
+        layers = [cache.layers[g] for g in p.layers if only is None or g == only]
+        if not layers:
+            continue
         if p.kind == Kind.kv:
             for attr in ("keys", "values"):
                 out.setdefault(p.name, []).append(
