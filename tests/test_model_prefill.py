@@ -33,7 +33,7 @@ def test_the_model_runs_at_the_presets_width_and_cache_shape(preset):
     assert setup_of(f"model={preset}", "model.run_layers=2").model.num_layers == 2
 
 
-@pytest.mark.parametrize("preset", ["tiny_gqa", "tiny_mla"])
+@pytest.mark.parametrize("preset", ["tiny_gqa", "tiny_mla", "tiny_swa", "tiny_dsa"])
 def test_each_layer_holds_its_cache_when_it_is_marked_and_all_of_it_is_the_references(preset):
     s = setup_of(f"model={preset}")
     m = ModelPrefill(s, torch.device("cpu"))
