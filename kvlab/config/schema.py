@@ -222,6 +222,10 @@ class Setup:
         require(self.prefill.kind != "gpu" or self.device != "cpu", "device", self.device,
                 "prefill=gpu computes on the ctx ranks' GPUs; use device=cuda (or auto), or prefill=sim")
         self.check.validate(self)
+        if self.prefill.kind == "model" and self.check.decode and not visible_gpus(self.device):
+            from kvlab.model.hf_config import check_on_cpu
+
+            check_on_cpu(self.model)
         self.transport.cls().check(self)  # what only the chosen transport knows it cannot serve
 
     def _check_prefix_cache(self) -> None:

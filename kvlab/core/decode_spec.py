@@ -26,7 +26,6 @@ MLA_FAMILIES = ("deepseek_v3", "deepseek_v32")
 ROPE_DIM = 64  # the RoPE part of the MLA row (kvlab.model.spec.ROPE_DIM): the latent is the rest
 TINY_SUFFIX = "-tiny"
 MODEL_SUFFIX = "-model"  # prefill=model's spec: the preset's own widths (``wide``)
-CPU_WEIGHT_BYTES = 256 << 20  # prefill=model on a CPU: a tiny preset's weights (bf16) at most
 
 
 @dataclass(frozen=True)
@@ -148,18 +147,6 @@ def wide(model):
     return tiny(dataclasses.replace(model, decode=at_width), MODEL_SUFFIX)
 
 
-def weight_bytes(model) -> int:
-    """Bytes of ``model``'s transformers weights in bf16 (its spec as ``tiny`` or ``wide`` made it), counted on
-    the meta device: nothing is allocated."""
-    import torch
-
-    from kvlab.rank import hf_models
-
-    with torch.device("meta"):
-        net = hf_models._model_class(model.decode.family)(hf_models.hf_config(model))
-    return 2 * sum(p.numel() for p in net.parameters())
-
-
 @dataclass(frozen=True)
 class CheckSpec:
     """What the gen side checks after a request lands (the ``check`` group)."""
@@ -219,12 +206,6 @@ class CheckSpec:
 
         if importlib.util.find_spec("transformers") is None:
             raise ConfigError("check", "decode", install_hint("decode", "transformers, which the decode check needs,"))
-        if setup.prefill.kind == "model" and setup.device == "cpu":
-            size = weight_bytes(setup.model)
-            require(size <= CPU_WEIGHT_BYTES, "model", setup.model.name.removesuffix(MODEL_SUFFIX),
-                    f"prefill=model on a CPU runs tiny presets only: its {setup.model.num_layers} layers hold "
-                    f"{size / 2**20:.0f} MiB of weights (at most {CPU_WEIGHT_BYTES >> 20} MiB); use model=tiny_gqa "
-                    f"or tiny_mla, fewer layers (model.run_layers), or device=cuda")
 
 
 def check_line(rows) -> str | None:

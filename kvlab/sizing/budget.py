@@ -106,7 +106,7 @@ def model_bytes(setup: Setup, tokens: int) -> tuple[int, int]:
     every layer and its copy as pool planes, and the logits (fp32); eager attention (gpt-oss) adds its scores."""
     if setup.prefill.kind != "model":
         return 0, 0
-    from kvlab.core.decode_spec import weight_bytes
+    from kvlab.model.hf_config import weight_bytes
 
     m, d = setup.model, setup.model.dims
     qk = d.qk_head_dim or m.head_dim
