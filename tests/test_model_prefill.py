@@ -2,6 +2,8 @@
 it finishes, and the same run decodes from what arrived (kvlab.rank.prefill_model)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_decode_check import assert_decodes_as_reference, run_decode
@@ -79,6 +81,12 @@ def test_tp_pair_layerwise_decodes_as_the_reference(kvlab_cli, tmp_path):
     assert_decodes_as_reference(res, summary, rows, out, 2, 4)
     assert "prefill=model" in res.stdout
     assert all(0 < r["prefill_s"] for r in rows)
+    # every layer marked when the forward finished it: in the model's order, on each ctx rank
+    timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
+    for key in {(t["request"], t["rank"]) for t in timeline}:
+        mine = sorted((t for t in timeline if (t["request"], t["rank"]) == key), key=lambda t: t["layer"])
+        done = [t["prefill_done_s"] for t in mine]
+        assert len(done) == 4 and done == sorted(done) and len(set(done)) == 4
 
 
 @pytest.mark.slow
