@@ -83,7 +83,7 @@ def test_timeline_fifo_per_group():
     (["prefill.mfu=1.5"], ["prefill.mfu=1.5", "(0, 1]"]),
     (["prefill.tflops=-1"], ["prefill.tflops=-1", "> 0"]),
     (["prefill.layer_ms=-2"], ["prefill.layer_ms=-2", ">= 0"]),
-    (["prefill=tpu"], ["prefill=tpu", "gpu, sim"]),
+    (["prefill=tpu"], ["prefill=tpu", "gpu, model, sim"]),
 ])
 def test_bad_prefill_one_line(overrides, fragments):
     msg = check_overrides(overrides)

@@ -210,11 +210,13 @@ def print_budget(b: dict, console: Console | None = None) -> None:
     """What each rank will hold (kvlab.sizing.budget), and what the memories they draw on can give."""
     console = console or wide_console()
     parts = ("cache", "staging", "tables", "temps", "transport", "plan", "process")
+    if any(r.get("model") for r in b["ranks"]):  # prefill=model: the weights and a forward's activations
+        parts = (*parts[:5], "model", *parts[5:])
     t = Table(title=f"memory per rank in MiB, at most ({b['open_requests']} requests open at once)")
     for col in ("rank", "memory", *parts):
         t.add_column(col, justify="right")
     for r in b["ranks"]:
-        t.add_row(r["name"], r["memory"], *(_mib(r[p]) for p in parts))
+        t.add_row(r["name"], r["memory"], *(_mib(r.get(p, 0)) for p in parts))
     console.print(t)
     for memory, need in b["need"].items():
         have = b["available"].get(memory)

@@ -166,7 +166,7 @@ class Setup:
     repeat: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "model", self.check.model_for(self.model))  # check=decode: its model's cache
+        object.__setattr__(self, "model", self.check.model_for(self.model, self.prefill.kind))  # check=decode's model
         for side in ("ctx", "gen"):  # a block size left to the layout, made explicit for this model
             object.__setattr__(self, side, getattr(self, side).resolved(self.model))
         model, ctx, gen = self.model, self.ctx, self.gen
@@ -228,6 +228,10 @@ class Setup:
         require(self.prefill.kind != "gpu" or self.device != "cpu", "device", self.device,
                 "prefill=gpu computes on the ctx ranks' GPUs; use device=cuda (or auto), or prefill=sim")
         self.check.validate(self)
+        if self.prefill.kind == "model" and self.check.decode and not visible_gpus(self.device):
+            from kvlab.model.hf_config import check_on_cpu
+
+            check_on_cpu(self.model)
         self.transport.cls().check(self)  # what only the chosen transport knows it cannot serve
 
     def token_rows(self) -> list[tuple[str, int]]:

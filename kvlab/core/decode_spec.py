@@ -29,6 +29,7 @@ STATE_OF = {"qwen3_next": "gdn", "nemotron_h": "mamba2"}
 MLA_FAMILIES = ("deepseek_v3", "deepseek_v32")
 ROPE_DIM = 64  # the RoPE part of the MLA row (kvlab.model.spec.ROPE_DIM): the latent is the rest
 TINY_SUFFIX = "-tiny"
+MODEL_SUFFIX = "-model"  # prefill=model's spec: the preset's own widths (``wide``)
 
 
 @dataclass(frozen=True)
@@ -101,11 +102,11 @@ def check_cache_dir() -> None:
                           f"point {CACHE_ENV} at a writable directory") from None
 
 
-def tiny(model):
+def tiny(model, suffix: str = TINY_SUFFIX):
     """The ModelSpec of ``model``'s decode model: the cache fields its ``decode`` node sets, the name marked.
     Idempotent: a spec already tiny comes back as it is (a recorded config builds the same Setup again)."""
     d = model.decode
-    if model.name.endswith(TINY_SUFFIX):
+    if model.name.endswith((TINY_SUFFIX, MODEL_SUFFIX)):
         return model
     if not d.family:
         raise ConfigError("check", "decode", f"model {model.name} names no decode model (model.decode.family); "
@@ -132,7 +133,7 @@ def tiny(model):
                                v_head_dim=d.v_head_dim if mla else 0, q_lora_rank=d.q_lora_rank if mla else 0,
                                attention_topk=d.indexer_topk if model.indexer else 0,
                                indexer_heads=d.indexer_heads if model.indexer else 0)
-    out = dataclasses.replace(model, name=model.name + TINY_SUFFIX, dims=dims, **set_)
+    out = dataclasses.replace(model, name=model.name + suffix, dims=dims, **set_)
     require(d.hidden_size % d.q_heads == 0, "model.decode.hidden_size", d.hidden_size,
             f"must be a multiple of model.decode.q_heads={d.q_heads}")
     if not mla:
@@ -142,6 +143,33 @@ def tiny(model):
         require(out.mla_dim > ROPE_DIM, "model.mla_dim", out.mla_dim,
                 f"the MLA row is the latent then {ROPE_DIM} RoPE elements; use > {ROPE_DIM}")
     return out
+
+
+def wide(model):
+    """The ModelSpec of ``prefill=model``: the preset's decode family at the preset's own width (``model.dims``:
+    hidden size, query heads, MLP and expert widths, MLA ranks and head dims, indexer heads and top-k) and its
+    own cache shape (kv heads, head dim, window, recurrent state), cut to ``model.run_layers`` leading layers
+    where set. What ``model.dims`` does not say stays the decode model's: the vocabulary (the prompts' ids and
+    the logits compared) and the number of routed experts. Idempotent, as ``tiny``."""
+    if model.name.endswith((TINY_SUFFIX, MODEL_SUFFIX)):
+        return model
+    d, dims = model.decode, model.dims
+    mla = model.attention.value == "mla" if hasattr(model.attention, "value") else model.attention == "mla"
+    require(dims.hidden_size > 0 and dims.q_heads > 0, "model.dims.hidden_size", dims.hidden_size,
+            f"prefill=model runs model {model.name} at its width: set model.dims.hidden_size and q_heads")
+    require(model.run_layers <= model.num_layers, "model.run_layers", model.run_layers,
+            f"model {model.name} has {model.num_layers} layers; use 0 (all) or fewer")
+    widths = dict(hidden_size=dims.hidden_size, q_heads=dims.q_heads,
+                  intermediate_size=dims.intermediate_size or d.intermediate_size,
+                  moe_intermediate_size=dims.moe_intermediate_size or d.moe_intermediate_size,
+                  q_lora_rank=dims.q_lora_rank or d.q_lora_rank, indexer_heads=dims.indexer_heads or d.indexer_heads,
+                  indexer_topk=dims.attention_topk or d.indexer_topk)
+    if mla:
+        widths |= dict(qk_nope_head_dim=max(1, (dims.qk_head_dim or ROPE_DIM + d.qk_nope_head_dim) - ROPE_DIM),
+                       v_head_dim=dims.v_head_dim or dims.qk_head_dim or d.v_head_dim)
+    at_width = DecodeModel(family=d.family, num_layers=model.run_layers or None, vocab_size=d.vocab_size,
+                           experts=d.experts, experts_per_token=d.experts_per_token, **widths)
+    return tiny(dataclasses.replace(model, decode=at_width), MODEL_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -170,20 +198,27 @@ class CheckSpec:
     def decode(self) -> bool:
         return self.kind == "decode"
 
-    def model_for(self, model):
-        """The model spec a run with this check moves the cache of."""
+    def model_for(self, model, prefill: str = "sim"):
+        """The model spec a run with this check (and this prefill kind) moves the cache of: prefill=model's at
+        the preset's width, check=decode's tiny one, else the preset."""
+        if prefill == "model":
+            return wide(model)
         return tiny(model) if self.decode else model
 
     def validate(self, setup) -> None:
         """What spans groups: the model runs in the cache's dtype, on the CPU."""
         if not self.decode:
+            require(setup.prefill.kind != "model", "prefill", setup.prefill.kind,
+                    "prefill=model writes the model's own cache, which the gen side checks against the reference: "
+                    "use it with check=decode")
             require(setup.fault.misplaced_run < 0, "fault.misplaced_run", setup.fault.misplaced_run,
                     "misplaces tokens in the decode check's gather; use it with check=decode")
             return
         require(setup.ctx.dtype == "bf16", "ctx.dtype", setup.ctx.dtype,
                 "check=decode runs the model in the cache's dtype; use bf16")
-        require(setup.prefill.kind == "sim", "prefill", setup.prefill.kind,
-                "check=decode writes the decode model's own cache; use prefill=sim")
+        require(setup.prefill.kind in ("sim", "model"), "prefill", setup.prefill.kind,
+                "check=decode writes the decode model's own cache; use prefill=sim, or prefill=model to time the "
+                "model's own forward")
         if setup.fault.window_trim:
             windows = [p.window for p in setup.model.pools(setup.ctx.dtype) if p.window]
             require(bool(windows), "fault.window_trim", setup.fault.window_trim,

@@ -36,12 +36,12 @@ from kvlab.core.errors import ConfigError, require
 from kvlab.model.spec import INDEXER_HEAD_DIM, ROPE_DIM, Attention, ModelSpec
 from kvlab.model.tokens import Tokens
 
-KINDS = ("sim", "gpu")
+KINDS = ("sim", "gpu", "model")
 
 
 @dataclass(frozen=True)
 class PrefillSpec:
-    kind: str = "sim"  # sim | gpu
+    kind: str = "sim"  # sim | gpu | model (the transformers model itself: kvlab.rank.prefill_model)
     # > 0: every layer takes this long (sim), whatever the prompt
     layer_ms: float = bounded(0.0, hi=60000.0, unit="ms", why="a minute a layer")
     # peak dense bf16 of the simulated accelerator (H200 SXM); far below any accelerator's: a silent run
@@ -49,7 +49,7 @@ class PrefillSpec:
     mfu: float = bounded(0.5, lo=1e-3, hi=1.0, why="0.1% of the peak")  # share of the peak a long prefill reaches
 
     def __post_init__(self):
-        require(self.kind in KINDS, "prefill", self.kind, "use prefill=sim or prefill=gpu")
+        require(self.kind in KINDS, "prefill", self.kind, "use prefill=sim, prefill=gpu or prefill=model")
         require(math.isfinite(self.layer_ms) and self.layer_ms >= 0, "prefill.layer_ms", self.layer_ms,
                 "must be >= 0 ms (0: timed from model.dims)")
         require(math.isfinite(self.tflops) and self.tflops > 0, "prefill.tflops", self.tflops,

@@ -168,6 +168,8 @@ class ModelSpec:
     state_dtype: str = "fp32"  # the recurrent state's dtype (the conv state is in the cache's dtype)
     dims: ModelDims = field(default_factory=ModelDims)  # what a layer computes: the prefill's time model needs it
     decode: DecodeModel = field(default_factory=DecodeModel)  # check=decode's model (kvlab.core.decode_spec)
+    # prefill=model: the first layers run, the same cut on both sides and in the reference; 0: the whole model
+    run_layers: int = 0
 
     def __post_init__(self):
         if isinstance(self.dims, dict):  # as a preset's YAML spells it
@@ -176,6 +178,8 @@ class ModelSpec:
             object.__setattr__(self, "decode", DecodeModel(**self.decode))
         require(bool(self.name), "model.name", self.name, "must be a non-empty name")
         positive("model.num_layers", self.num_layers)
+        require(isinstance(self.run_layers, int) and 0 <= self.run_layers, "model.run_layers", self.run_layers,
+                "must be 0 (the whole model) or a number of leading layers that prefill=model runs")
         require(self.attention in (Attention.gqa, Attention.mla), "model.attention", self.attention,
                 "use gqa or mla")
         object.__setattr__(self, "attention", Attention(self.attention))

@@ -144,13 +144,15 @@ class DecodeCheck:
         """Prefill (ctx) or load the references (gen) of this rank's requests; hook into its cache."""
         for r in self.requests:
             beat()
+            if self.side == "ctx" and self.setup.prefill.kind == "model":
+                self.planes[r.id] = {}  # filled on the clock, layer by layer (kvlab.rank.prefill_model)
+                continue
             ids = hf_models.prompt(self.check, self.model, r.id, r.isl)
             if self.side == "ctx":
                 net, cfg = hf_models.build(self.model, self.check.seed, str(cache.device))
                 out, last = hf_models.full_prefill(net, cfg, ids)
                 self.planes[r.id] = hf_models.pool_rows(self.model, out)
-                if self.coord.tp == 0 and self.coord.pp == 0:
-                    self.store.set(f"{KEY}first/{r.id}", str(int(last.argmax())))
+                self.post_first(r.id, int(last.argmax()))
             else:
                 ref = reference(self.model, self.check, ids, device=cache.device)
                 self.planes[r.id] = ref.planes
@@ -160,6 +162,12 @@ class DecodeCheck:
         cache.contents = self.expected
         if self.side == "gen":
             cache.after_verify = self.keep
+
+    def post_first(self, request: int, token: int) -> None:
+        """The prefill's greedy token, as the prefill instance hands it to the decode instance (the first TP
+        rank of the first stage posts it)."""
+        if self.coord.tp == 0 and self.coord.pp == 0:
+            self.store.set(f"{KEY}first/{request}", str(token))
 
     def expected(self, request: int, pool, rect, device="cpu", out: torch.Tensor | None = None) -> torch.Tensor:
         """kvlab.memory.fill.expected's counterpart: the model's bytes of ``rect`` in wire order."""

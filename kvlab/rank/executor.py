@@ -120,6 +120,8 @@ class Executor:
         held = [p.spec.layers[i] for p in cache.state.pools() for i in p.layers] if side == "ctx" else []
         self.held_layers = frozenset(held)  # global layers whose cache this (ctx) rank writes
         self.gpu_prefill = None  # kvlab.rank.prefill_gpu.GpuPrefill with prefill=gpu (set by the runner)
+        # prefill=model: (kvlab.rank.prefill_model.ModelPrefill, the rank's DecodeCheck), set by the runner
+        self.model_prefill = None
         self.prefill_alone: dict[int, float] = {}  # prompt tokens -> seconds of that prefill alone (prefill=gpu)
 
     def connect(self) -> None:

@@ -32,16 +32,12 @@ import functools
 import torch
 
 from kvlab.core.decode_spec import ROPE_DIM, CheckSpec
-from kvlab.core.errors import ConfigError
+from kvlab.model.hf_config import INIT_STD, MAX_POSITIONS, _model_class, hf_config  # noqa: F401 - used here and by callers
 from kvlab.model.layout import Rect
-from kvlab.model.spec import INDEXER_HEAD_DIM, LAYER_ATTENTION, LAYER_NONE, LAYER_STATE, Kind, ModelSpec, PoolSpec
+from kvlab.model.spec import Kind, ModelSpec, PoolSpec
 from kvlab.model.tokens import to_global
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
-MAX_POSITIONS = 32768
-# weights' spread: transformers' 0.02 leaves a random model's attention almost uniform, and a wrong key then
-# moves the logits less than bf16 resolves; wider weights make every cached row count
-INIT_STD = 0.1
 
 
 @contextlib.contextmanager
@@ -52,97 +48,6 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(n)
-
-
-def layer_types(model: ModelSpec) -> list[str]:
-    return ["sliding_attention" if model.layer_window(layer) else "full_attention" for layer in range(model.num_layers)]
-
-
-# transformers' layer type of each hybrid layer kind (kvlab.model.spec LAYER_*), per family
-HYBRID_TYPES = {"qwen3_next": {LAYER_STATE: "linear_attention", LAYER_ATTENTION: "full_attention"},
-                "nemotron_h": {LAYER_STATE: "mamba", LAYER_ATTENTION: "attention", LAYER_NONE: "mlp"}}
-
-
-def hybrid_types(model: ModelSpec) -> list[str]:
-    kinds = HYBRID_TYPES[model.decode.family]
-    out = []
-    for layer in range(model.num_layers):
-        k = model.layer_kind(layer)
-        if k not in kinds:
-            raise ConfigError("model.layer_pattern", model.layer_pattern,
-                              f"{model.decode.family} has no layer without a cache ('{k}'); use '*' and 'M'")
-        out.append(kinds[k])
-    return out
-
-
-def hf_config(model: ModelSpec):
-    """The transformers config of ``model``'s decode model (``model`` as ``kvlab.core.decode_spec.tiny`` made it)."""
-    import transformers as tf
-
-    tf.logging.set_verbosity_error()  # the tiny configs' RoPE notes are not the run's business
-    d = model.decode
-    common = dict(hidden_size=d.hidden_size, num_hidden_layers=model.num_layers, num_attention_heads=d.q_heads,
-                  intermediate_size=d.intermediate_size, vocab_size=d.vocab_size,
-                  max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
-                  initializer_range=INIT_STD)
-    gqa = dict(common, num_key_value_heads=model.kv_heads, head_dim=model.head_dim)
-    sliding = dict(sliding_window=model.window, layer_types=layer_types(model)) if model.window else {}
-    if d.family == "llama":
-        cfg = tf.LlamaConfig(**gqa)
-    elif d.family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(**gqa, num_experts=d.experts or 1, num_experts_per_tok=d.experts_per_token,
-                                moe_intermediate_size=d.moe_intermediate_size)
-    elif d.family == "gpt_oss":
-        cfg = tf.GptOssConfig(**gqa, num_local_experts=d.experts or 1, num_experts_per_tok=d.experts_per_token,
-                              **sliding)
-    elif d.family == "gemma3":
-        cfg = tf.Gemma3TextConfig(**gqa, **sliding)
-    elif d.family == "qwen3_next":
-        cfg = tf.Qwen3NextConfig(**gqa, layer_types=hybrid_types(model), linear_num_key_heads=model.state_groups,
-                                 linear_num_value_heads=model.state_heads, linear_key_head_dim=model.state_dim,
-                                 linear_value_head_dim=model.state_head_dim, linear_conv_kernel_dim=model.conv_kernel,
-                                 num_experts=d.experts or 1,
-                                 num_experts_per_tok=min(d.experts_per_token, d.experts or 1),
-                                 moe_intermediate_size=d.moe_intermediate_size,
-                                 shared_expert_intermediate_size=d.moe_intermediate_size)
-    elif d.family == "nemotron_h":
-        gqa.pop("num_hidden_layers")  # its layers_block_type says how many
-        cfg = tf.NemotronHConfig(**gqa, layers_block_type=hybrid_types(model), mamba_num_heads=model.state_heads,
-                                 mamba_head_dim=model.state_head_dim, n_groups=model.state_groups,
-                                 ssm_state_size=model.state_dim, conv_kernel=model.conv_kernel,
-                                 use_mamba_kernels=False)
-    else:  # deepseek_v3, deepseek_v32: the latent and its RoPE part make the MLA row
-        # transformers' DeepSeek attention wants as many kv heads as query heads (the latent is shared anyway)
-        mla = dict(common, num_key_value_heads=d.q_heads, kv_lora_rank=model.mla_dim - ROPE_DIM,
-                   qk_rope_head_dim=ROPE_DIM, q_lora_rank=d.q_lora_rank, qk_nope_head_dim=d.qk_nope_head_dim,
-                   v_head_dim=d.v_head_dim, n_routed_experts=d.experts or 1,
-                   num_experts_per_tok=min(d.experts_per_token, d.experts or 1), n_shared_experts=1,
-                   moe_intermediate_size=d.moe_intermediate_size, first_k_dense_replace=1, n_group=1, topk_group=1,
-                   rope_scaling=None)
-        if d.family == "deepseek_v3":
-            cfg = tf.DeepseekV3Config(**mla)
-        else:
-            from transformers.models.deepseek_v32 import DeepseekV32Config
-
-            cfg = DeepseekV32Config(**mla, index_n_heads=d.indexer_heads, index_head_dim=INDEXER_HEAD_DIM,
-                                    index_topk=d.indexer_topk)
-    # one attention path per family everywhere (none picked per machine): sdpa prefills a 1024-token prompt
-    # about ten times faster than eager on a CPU; gpt-oss's attention sinks have only the eager path
-    cfg._attn_implementation = "eager" if d.family == "gpt_oss" else "sdpa"
-    return cfg
-
-
-def _model_class(family: str):
-    import transformers as tf
-
-    if family == "deepseek_v32":
-        from transformers.models.deepseek_v32 import DeepseekV32ForCausalLM
-
-        return DeepseekV32ForCausalLM
-    return {"llama": tf.LlamaForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
-            "deepseek_v3": tf.DeepseekV3ForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
-            "gemma3": tf.Gemma3ForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM,
-            "nemotron_h": tf.NemotronHForCausalLM}[family]
 
 
 @functools.lru_cache(maxsize=2)
@@ -185,26 +90,32 @@ def round_trip(keys: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- model cache <-> pool planes
 
-def full_prefill(net, cfg, ids: torch.Tensor):
+def full_prefill(net, cfg, ids: torch.Tensor, on_cache=None):
     """Prefill ``ids``; returns (cache, last position's logits in fp32). Sliding-window layers keep every token
-    (``activate_past_recording``: the pool holds the whole window, the model's cache one token less)."""
+    (``activate_past_recording``: the pool holds the whole window, the model's cache one token less).
+    ``on_cache(cache)`` sees the cache before the forward fills it (prefill=model reads it layer by layer)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=cfg)
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
             layer.activate_past_recording()
+    if on_cache is not None:
+        on_cache(cache)
     with torch.no_grad(), one_thread():
         out = net(input_ids=ids.to(net.device), past_key_values=cache, use_cache=True)
     return cache, out.logits[0, -1].float().cpu()
 
 
-def pool_rows(model: ModelSpec, cache, dtype: str = "bf16") -> dict[str, list[torch.Tensor]]:
+def pool_rows(model: ModelSpec, cache, dtype: str = "bf16", only: int | None = None) -> dict[str, list[torch.Tensor]]:
     """Pool name -> per component uint8 ``[pool layers, heads, tokens, row bytes]`` in host memory, from a
-    prefill's cache."""
+    prefill's cache; of global layer ``only`` alone where given (``[1, heads, tokens, row]``, the pools that hold
+    it: prefill=model writes each layer when it is computed)."""
     out = {}
     for p in model.pools(dtype):
-        layers = [cache.layers[g] for g in p.layers]
+        layers = [cache.layers[g] for g in p.layers if only is None or g == only]
+        if not layers:
+            continue
         if p.kind == Kind.kv:
             for attr in ("keys", "values"):
                 out.setdefault(p.name, []).append(

@@ -23,6 +23,9 @@ Every mark is taken when its event happens:
   stream serves requests in the order they are queued: FCFS) with an event after each layer's
   cache write; the marks are those events, and the transfer stream waits for them on the
   device, so the host never waits for the GPU.
+- ``prefill=model``: at the request's arrival the model's forward runs (kvlab.rank.prefill_model); after each
+  decoder layer its real cache is written and the layer marked at its completion (on a GPU after its stream
+  is synchronised), so the marks are the forward's own per-layer times.
 """
 from __future__ import annotations
 
@@ -131,6 +134,8 @@ class Prefiller:
                 self._allocate(req)
                 if x.gpu_prefill is not None:
                     self._gpu(req, p)
+                elif x.model_prefill is not None:
+                    self._model(req, p)
                 else:
                     self._sim(req, p)
         except Halted:
@@ -202,6 +207,38 @@ class Prefiller:
             t = time.time()
         p.done = time.time()
         self._publish(p, len(seconds))
+
+    def _model(self, req, p: Progress) -> None:
+        x = self.x
+        net, check = x.model_prefill
+        last = self.held[-1]
+        cuda = x.device.type == "cuda"
+        p.start = time.time()
+        self._publish(p, 0)
+
+        def on_layer(layer: int) -> None:
+            if self.halt.is_set():
+                raise Halted()
+            if layer in x.held_layers and layer != x.faults.unwritten_layer:
+                t0 = time.perf_counter()
+                with x.untracked():
+                    x.cache.fill(req, x.ops, layer)
+                p.fill_s += time.perf_counter() - t0
+            if cuda:  # the layer's kernels and its write done: the mark is its completion
+                torch.cuda.current_stream().synchronize()
+            p.ready[layer] = time.time()
+            if layer < last:
+                self._publish(p, layer + 1)
+            elif layer == last:
+                self._in_step(req)
+                p.end = p.stepped = time.time()
+                self._publish(p, last + 1)
+
+        with self._on_fill_stream():
+            first = net.run(req.id, req.isl, check.planes.setdefault(req.id, {}), on_layer)
+        check.post_first(req.id, first)
+        p.done = time.time()
+        self._publish(p, x.setup.model.num_layers)
 
     def _on_fill_stream(self):
         return torch.cuda.stream(self.fill_stream) if self.fill_stream is not None else contextlib.nullcontext()

@@ -224,6 +224,10 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     executor = Executor(setup, run_plan, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat,
                         functools.partial(_died, setup, run_dir))
+    if side == "ctx" and setup.prefill.kind == "model":  # the model built before the clock, run on it
+        from kvlab.rank.prefill_model import ModelPrefill
+
+        executor.model_prefill = (ModelPrefill(setup, device), decode_check)
     if side == "gen" and setup.gen.prefix_cache_tokens:  # prefix reuse: which blocks it shares, what it saves
         cache.share(run_plan.requests)
         executor.skipped = prefix_skipped(setup, run_plan, rank)

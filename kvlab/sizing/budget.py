@@ -5,7 +5,9 @@ open at the worst moment plus the canaries, or ``cache.capacity_tokens``), the s
 (or the naive baseline's per-chunk buffers; none for a pulling transport), the block tables, the temporaries of fill and
 verify, the plan (every rank holds the whole global chunk order) and the process itself. On
 a CPU all of it comes from host memory; on a GPU the first four come from its device (plus
-NCCL's own buffers) and the rest from the host. The figures are upper bounds computed without
+NCCL's own buffers) and the rest from the host. With ``prefill=model`` every rank also holds the model
+(``model``: its bf16 weights, unsharded, and the activations and transformers cache of a forward over the
+longest prompt), on the device where the cache is. The figures are upper bounds computed without
 building the request list: at most ``workload.concurrency + transfer.slots`` requests are open
 on a rank at once (a request stays open until ``slots`` chunks after its last), each at most
 the longest prompt the workload can produce; its chunks are counted from one planned request
@@ -40,7 +42,7 @@ PROCESS_BYTES = 200 << 20  # a rank's own memory: interpreter, torch, gloo (meas
 FILL_PIECE_FACTOR = 16  # fill/verify temporaries per byte of a 16 MiB piece (measured: 229 MiB peak)
 FILL_PIECE_BYTES = 16 << 20
 NCCL_BYTES = 1 << 30  # NCCL's own device buffers per rank (measured on H200: about 0.8 GiB)
-DEVICE_PARTS = ("cache", "staging", "tables", "temps", "transport")  # on the GPU when there is one
+DEVICE_PARTS = ("cache", "staging", "tables", "temps", "transport", "model")  # on the GPU when there is one
 MARGIN_SHARE, MARGIN_MIN = 0.10, 512 << 20  # kept free: the kernel, other processes, estimates' slack
 # what a run writes into its run directory, upper bounds (measured on tiny_gqa, 4 layers: a results row 1.1 KB,
 # a part entry 1.1 KB a request and rank, 25 B of it per layer, a layerwise timeline row 135 B; 1000000 requests
@@ -62,10 +64,11 @@ class RankNeed:
     plan: int
     process: int = PROCESS_BYTES
     transport: int = 0  # NCCL's buffers on a GPU
+    model: int = 0  # prefill=model: weights and a forward's activations (``model_bytes``)
 
     def parts(self) -> dict[str, int]:
         return {"cache": self.cache, "staging": self.staging, "tables": self.tables, "temps": self.temps,
-                "transport": self.transport, "plan": self.plan, "process": self.process}
+                "transport": self.transport, "model": self.model, "plan": self.plan, "process": self.process}
 
     def on(self, memory: str) -> dict[str, int]:
         """The parts of this rank that come from ``memory``."""
@@ -95,6 +98,24 @@ class Budget:
         return {"ranks": [dict(rank=r.world_rank, name=r.name, memory=r.memory, **r.parts()) for r in self.ranks],
                 "open_requests": self.open_requests, "chunks_per_request": self.chunks_per_request,
                 "need": {m: sum(self.need(m).values()) for m in self.memories()}, "available": dict(self.available)}
+
+
+def model_bytes(setup: Setup, tokens: int) -> tuple[int, int]:
+    """(weights, activations) in bytes of prefill=model's forward over ``tokens`` (0, 0 for another prefill).
+    Activations: the residual stream and a layer's projections and MLP at once (bf16), the transformers cache of
+    every layer and its copy as pool planes, and the logits (fp32); eager attention (gpt-oss) adds its scores."""
+    if setup.prefill.kind != "model":
+        return 0, 0
+    from kvlab.model.hf_config import weight_bytes
+
+    m, d = setup.model, setup.model.dims
+    qk = d.qk_head_dim or m.head_dim
+    mlp = max(d.intermediate_size, d.experts_active * d.moe_intermediate_size)
+    layer = 2 * tokens * (4 * d.hidden_size + 3 * d.q_heads * qk + 3 * mlp)
+    cache = 2 * sum(sum(p.comp_row_bytes()) * p.heads * len(p.layers) * p.held_tokens(tokens)
+                    for p in m.pools("bf16"))
+    scores = 4 * d.q_heads * tokens * tokens if m.decode.family == "gpt_oss" else 0
+    return weight_bytes(m), layer + cache + scores + 4 * tokens * m.decode.vocab_size
 
 
 def _memory_of(setup: Setup, world_rank: int, gpus: int) -> str:
@@ -130,6 +151,7 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
     per_request = max(chunks(s) for s in samples)
     plan_bytes = w.requests * (per_request * CHUNK_BYTES + REQUEST_BYTES)
     capacity = setup.cache.capacity_tokens
+    weights, activations = model_bytes(setup, tokens)
     ranks = []
     for wr in range(setup.world_size):
         side, r = setup.side_of(wr)
@@ -156,7 +178,7 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
         piece = FILL_PIECE_BYTES if memory == "host" else verify_piece_bytes("cuda")
         temps = FILL_PIECE_FACTOR * min(piece, max(held, cache // max(1, open_requests)))
         ranks.append(RankNeed(wr, f"{side.name}{r}", memory, cache, staging, tables, temps, plan_bytes,
-                              transport=NCCL_BYTES if memory != "host" else 0))
+                              transport=NCCL_BYTES if memory != "host" else 0, model=weights + activations))
     return Budget(ranks, open_requests, longest, per_request)
 
 
@@ -189,6 +211,16 @@ def _culprit(setup: Setup, b: Budget, part: str, fraction: float) -> tuple[str, 
     what it needs being all that is left for it."""
     t = setup.transfer
     name, value, tokens = b.longest
+    if part == "model":
+        m = setup.model
+        name = m.name.removesuffix("-model")
+        layers = int(m.num_layers * fraction)
+        if layers == 0:
+            return "model", name, (f"prefill=model cannot hold even one layer of {name} beside the pools; use a "
+                                     "smaller model, shorter prompts or a device with more memory")
+        return "model.run_layers", m.run_layers or m.num_layers, \
+            f"prefill=model fits {layers} of the model's {m.num_layers} layers beside the pools: model.run_layers=" \
+            f"{layers}"
     if part == "plan":
         n = int(setup.workload.requests * fraction)
         return "workload.requests", setup.workload.requests, f"at most {n} requests fit ({b.chunks_per_request} " \
@@ -232,10 +264,12 @@ def check(setup: Setup, b: Budget) -> None:
         total = sum(need.values())
         if total <= have:
             continue
-        sizable = {k: v for k, v in need.items() if k in ("cache", "staging", "plan")}
+        sizable = {k: v for k, v in need.items() if k in ("cache", "staging", "plan", "model")}
         part = max(sizable, key=sizable.get)
+        if need.get("model") and total - need["model"] <= have:  # the pools fit: the model takes what is left
+            part = "model"
         # what grows with the culprit's field: block tables with the cache, and the naive buffers with the prompt
-        scales = {"cache": ("cache", "tables"), "staging": ("staging",), "plan": ("plan",)}[part]
+        scales = {"cache": ("cache", "tables"), "staging": ("staging",), "plan": ("plan",), "model": ("model",)}[part]
         if setup.transfer.strategy.staging == Staging.per_chunk and part in ("cache", "staging"):
             scales = ("cache", "tables", "staging")
         grows = sum(need.get(k, 0) for k in scales)
