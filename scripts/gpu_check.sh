@@ -6,6 +6,8 @@
 # --mooncake: also scripts/mooncake_bench.py --gpu (Mooncake's CUDA-13 wheel in .whl/, without NIXL's: carry limit)
 # --kernels: also scripts/rect_bench.py (copy_rect over engine layout pairs, both kernels, and gen fp8), into rect_bench_h200.json
 # --engines: also scripts/ipc_bench.py --engines (vLLM NHD ctx -> TensorRT-LLM gen, bf16 and gen fp8), into engines_h200.json
+# --caches: this year's caches on the GPU (hybrid state, context parallelism, prefill=model): check=decode of each,
+#   then Qwen3-Next TP2 -> TP1 and Llama CP2 -> DCP2 at 32k over ipc beside the in-run copy_, into caches_h200.json
 # --decode: also check=decode on the GPU for the six families (transformers' wheel in .whl/), into decode_h200.json
 # KVLAB_GPU_TESTS="tests/a.py tests/b.py": only those test files (all of tests/ by default)
 # --jobs N: the GPU tests in N pytest-xdist workers (the image has it), then the failed ones again alone
@@ -14,9 +16,9 @@
 # and, for the nixl tests and scripts/nixl_bench.py, NIXL's wheel for the GPU machine's Python (without it they skip):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
-serving=0; mooncake=0; decode=0; engines=0; kernels=0; rest=()
+serving=0; mooncake=0; decode=0; engines=0; kernels=0; caches=0; rest=()
 for a in "$@"; do
-  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; *) rest+=("$a");; esac
+  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --caches) caches=1;; *) rest+=("$a");; esac
 done
 set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
@@ -87,6 +89,36 @@ for d in sorted((out / "decode").iterdir()):
                                           "decode_max_logit_diff", "decode_first_divergent", "byte_check_failures")}
     rows[d.name]["device"] = s.get("provenance", {}).get("gpu") or s.get("device")
 (out / "decode_h200.json").write_text(json.dumps(rows, indent=1))
+print(json.dumps(rows, indent=1))
+PY
+fi
+true
+# this year's caches: check=decode of the hybrids over TP pairs that split the state differently, CP -> DCP, and
+# prefill=model (the transformers model on the clock), then the 32k transfers against the in-run copy_ reference
+if [ $caches = 1 ]; then
+  export KVLAB_DECODE_CACHE=$(mktemp -d)
+  run() {  # NAME SECONDS OVERRIDES...: one kvlab run into $out/caches/NAME, its check and figure lines
+    local name=$1 limit=$2; shift 2
+    timeout "$limit" python3 -m kvlab run device=cuda transport=ipc logger=quiet "hydra.run.dir=$out/caches/$name" "$@" \
+      2>&1 | grep -E "check=decode|kvlab: error|verified|link_ratio|GB/s|Error" | head -8 | sed "s/^/$name: /"
+  }
+  run qwen3_next_tp2_tp1 120 model=qwen3_next_80b ctx.tp=2 gen.tp=1 check=decode workload.requests=4
+  run nemotron_h_tp1_tp2 120 model=nemotron_h ctx.tp=1 gen.tp=2 check=decode workload.requests=4
+  run llama_cp2_dcp2 120 model=llama3_8b ctx.cp=2 gen.dcp=2 check=decode workload.requests=4
+  run llama_prefill_model 200 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=16384 \
+    workload.requests=2
+  run qwen3_next_32k 120 model=qwen3_next_80b ctx.tp=2 gen.tp=1 workload.isl=32768 workload.requests=6
+  run llama_cp2_dcp2_32k 120 model=llama3_8b ctx.cp=2 gen.dcp=2 workload.isl=32768 workload.requests=6
+  python3 - "$out" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+rows = {}
+for d in sorted((out / "caches").iterdir()):
+    if (d / "summary.json").exists():  # every scalar figure of the run, and its exposed transfer's percentiles
+        s = json.loads((d / "summary.json").read_text())
+        rows[d.name] = {k: v for k, v in s.items() if not isinstance(v, (list, dict))}
+        rows[d.name].update(exposed=s.get("serving", {}).get("exposed_s"), link=s.get("link"))
+(out / "caches_h200.json").write_text(json.dumps(rows, indent=1))
 print(json.dumps(rows, indent=1))
 PY
 fi
