@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvlab.core.bounds import bounded
 from kvlab.core.errors import ConfigError, install_hint, positive, require
+from kvlab.core.paths import unwritable
 
 CHECKS = ("bytes", "decode")
 CACHE_ENV = "KVLAB_DECODE_CACHE"  # where references are kept; ~/.cache/kvlab/decode by default
@@ -91,15 +92,10 @@ def check_cache_dir() -> None:
     it is acquired, in the parent before any rank starts (a rank found out only after its prefill)."""
     where = cache_dir()
     name = CACHE_ENV if os.environ.get(CACHE_ENV) else f"{CACHE_ENV} (unset: ~/.cache/kvlab/decode)"
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-        probe = where / f".probe.{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
-        raise ConfigError(name, str(where), f"cannot hold check=decode's reference caches ({why or type(e).__name__}); "
-                          f"point {CACHE_ENV} at a writable directory") from None
+    why = unwritable(where)
+    if why:
+        raise ConfigError(name, str(where), f"cannot hold check=decode's reference caches ({why}); "
+                          f"point {CACHE_ENV} at a writable directory")
 
 
 def tiny(model, suffix: str = TINY_SUFFIX):

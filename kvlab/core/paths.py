@@ -61,3 +61,21 @@ def provenance() -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     return {"commit": commit, "host": socket.gethostname(), "load_avg": list(os.getloadavg()), "versions": versions}
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why no file can be created in ``directory`` (made with its parents first), or None where one can: the one
+    probe behind every place kvlab writes (run directories, caches), so each names itself when it fails."""
+    import os
+
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write_probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        if isinstance(e, (FileExistsError, NotADirectoryError)) or (directory.exists() and not directory.is_dir()):
+            return "a file is in the way"
+        return e.strerror or type(e).__name__
+    return None

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from kvlab.core.errors import ConfigError
+from kvlab.core.paths import unwritable
 
 LOCK_NAME = "run.lock"
 CONFIG_ENV = "KVLAB_CONFIG_YAML"  # the resolved config of this run, handed to its workers
@@ -52,17 +53,10 @@ def ensure_writable(run_dir: Path, field: str = "hydra.run.dir") -> Path:
     if str(run_dir).strip() == "":
         raise ConfigError(field, "''", "an empty path; give a directory, e.g. hydra.run.dir=outputs/my_run")
     check_name_length(run_dir, field)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write_probe.{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        why = e.strerror or type(e).__name__
-        if isinstance(e, FileExistsError) or (run_dir.exists() and not run_dir.is_dir()):
-            why = "a file is in the way" if run_dir.exists() and not run_dir.is_dir() else why
+    why = unwritable(run_dir)
+    if why:
         raise ConfigError(field, run_dir, f"cannot create or write the run directory ({why}); "
-                          "use a writable directory path") from None
+                          "use a writable directory path")
     return run_dir
 
 
