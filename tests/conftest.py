@@ -40,6 +40,17 @@ E2E = dict(deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase
 settings.register_profile("quick", max_examples=10)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The fuzzers' longer budgets (marker ``fuzz``) run only when asked for (``pytest -m fuzz``): the default
+    suite keeps their quick draws."""
+    if "fuzz" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="the fuzzers' longer budget: pytest -m fuzz runs it")
+    for item in items:
+        if "fuzz" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if "not slow" in (config.getoption("markexpr") or "") and config.getoption("hypothesis_profile", None) is None:
         settings.load_profile("quick")
