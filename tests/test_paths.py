@@ -37,3 +37,21 @@ def test_the_kv_dtype_converts_in_one_pass_where_the_kernel_takes_the_rows():
     assert paths.convert_shape("kv", 128, "bf16", "bf16", "fp8").lanes == 16
     assert paths.convert_shape("mla", 576, "bf16", "fp8", "bf16").group == 128
     assert paths.convert_shape("kv", 128, "bf16", "bf16", "fp16") is None
+
+
+def test_a_recurrent_state_is_moved_by_the_reference():
+    """A hybrid model's state pool holds four components (three conv parts and the state): the kernels address two
+    (their strides come in pairs), so every pair with a state pool takes torch's runs, and kvlab plan says so."""
+    from kvlab.config.schema import build, compose
+    from kvlab.model.state import CacheState
+
+    setup = build(compose(["model=qwen3_next_80b", "ctx.tp=2", "gen.tp=1"]))
+    ctx = {p.name: p for p in CacheState(setup.model, setup.ctx, 0).pools()}
+    gen = {p.name: p for p in CacheState(setup.model, setup.gen, 0).pools()}
+    state = [n for n, p in ctx.items() if len(p.rows) > paths.KERNEL_COMPONENTS]
+    assert state, "the preset has a state pool of more than two components"
+    for name in state:
+        path, why = paths.copy_path(ctx[name], gen[name])
+        assert path == "reference" and f"{len(ctx[name].rows)} components" in why
+    for name in set(ctx) - set(state):  # its attention layers keep the kernels
+        assert paths.copy_path(ctx[name], gen[name])[0] in ("span", "runs")

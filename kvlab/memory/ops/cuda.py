@@ -320,10 +320,11 @@ def _comp_params(pool: RankPool, num_blocks: int) -> tuple:
 
 
 def _strided(pool: RankPool, rect: Rect) -> bool:
-    """A DCP rank's positions on a pool that keeps global tokens (kvlab.model.tokens): the kernels address a pool by
-    the rectangle's own token positions, so these go through the torch reference's runs (slower, not yet a kernel's
-    work)."""
-    return rect.local != pool.tokens.local
+    """Rectangles the kernels cannot address, moved by the torch reference's runs (slower, not yet a kernel's
+    work): a DCP rank's positions on a pool that keeps global tokens (kvlab.model.tokens: the kernels address a pool
+    by the rectangle's own token positions), and pools of more components than the kernels' two (a recurrent
+    state's conv parts and state: ``_comp_params`` passes two strides, so a third would be left unmoved)."""
+    return rect.local != pool.tokens.local or len(pool.rows) > paths.KERNEL_COMPONENTS
 
 
 def pack(pool_bytes, pool, num_blocks, rect, block_ids, block_base, out, *, ctas: int = DEFAULT_CTAS,

@@ -25,8 +25,16 @@ from kvlab.model.state import RankPool, pool_format
 LONG_RUN = 8192
 
 
+# components a kernel addresses (K and V; the indexer's values and scales): a pool of more (a recurrent state's
+# three conv parts and its state) is moved by the torch reference (kvlab.memory.ops.reference)
+KERNEL_COMPONENTS = 2
+
+
 def copy_path(src_pool: RankPool, dst_pool: RankPool) -> tuple[str, str]:
-    """(``span`` or ``runs``, why) for a rectangle between two pools of one format."""
+    """(``span``, ``runs`` or ``reference``, why) for a rectangle between two pools of one format."""
+    n = max(len(src_pool.rows), len(dst_pool.rows))
+    if n > KERNEL_COMPONENTS:
+        return "reference", f"{n} components, the kernels address {KERNEL_COMPONENTS}: torch's runs move them"
     for name, p in (("ctx", src_pool), ("gen", dst_pool)):
         for c, s in enumerate(p.comp_strides(1)):
             if s.row % 16:
