@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="the fuzzers' longer budget: pytest -m fuzz runs it")
     for item in items:
-        if "fuzz" in item.keywords:
+        if item.get_closest_marker("fuzz"):
             item.add_marker(skip)
 
 
