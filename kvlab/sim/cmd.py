@@ -136,6 +136,11 @@ def calibrate_main(argv: list[str]) -> None:
                    "a run directory keeps it beside its runs: cost=NAME finds it with hydra.searchpath=[file://DIR])")
     p.add_argument("--report", default=None, help="also write each run's figures and errors to this JSON file")
     a = p.parse_args(argv)
+    if not a.name or "/" in a.name or a.name in (".", "..") or len(f"{a.name}.yaml".encode()) > 255:
+        # the profile is a file named for it, read back as cost=NAME
+        print(f"kvlab: error: --name={a.name[:40]}{'...' if len(a.name) > 40 else ''}: a profile's name is its file's "
+              "name (NAME.yaml, at most 250 bytes, no '/'); use a short name such as --name my_fit", file=sys.stderr)
+        raise SystemExit(2)
     shipped = CONF_DIR / "cost" / f"{a.name}.yaml"
     if shipped.exists() and not a.out:  # the package's conf/ comes first on the searchpath: yours would be unread
         print(f"kvlab: error: --name={a.name}: cost={a.name} is a profile kvlab ships, which cost={a.name} keeps "

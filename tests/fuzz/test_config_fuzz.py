@@ -174,7 +174,7 @@ def _fuzzing() -> bool:
 
 def cli(command: str, overrides: list[str], cwd: Path, timeout: float = DRAW_S) -> tuple[subprocess.CompletedProcess,
                                                                                          float]:
-    from tests.conftest import kvlab_argv
+    from conftest import kvlab_argv
 
     start = time.monotonic()
     out = subprocess.run(kvlab_argv(*command.split(), *overrides), cwd=cwd, capture_output=True, text=True,
