@@ -13,8 +13,8 @@ import mkdocs_gen_files
 import yaml
 from omegaconf import OmegaConf
 
-from kvlab.cli.commands import group_options
 from kvlab.config import help as config_help
+from kvlab.config.groups import group_options
 from kvlab.config.schema import CONF_DIR, compose
 from kvlab.core import figures
 

@@ -79,9 +79,9 @@ def test_timeline_fifo_per_group():
     (["model.dims.hidden_size=0"], ["model.dims.hidden_size=0", "positive integer"]),
     (["model=qwen3_235b", "model.dims.moe_intermediate_size=0"], ["model.dims.moe_intermediate_size=0"]),
     (["model=tiny_mla", "model.dims.qk_head_dim=0"], ["model.dims.qk_head_dim=0", "192"]),
-    (["prefill.mfu=0"], ["prefill.mfu=0", "(0, 1]"]),
-    (["prefill.mfu=1.5"], ["prefill.mfu=1.5", "(0, 1]"]),
-    (["prefill.tflops=-1"], ["prefill.tflops=-1", "> 0"]),
+    (["prefill.mfu=0"], ["prefill.mfu=0", "[0.001, 1]"]),
+    (["prefill.mfu=1.5"], ["prefill.mfu=1.5", "[0.001, 1]"]),
+    (["prefill.tflops=-1"], ["prefill.tflops=-1", "[0.001, 1e+09]"]),
     (["prefill.layer_ms=-2"], ["prefill.layer_ms=-2", ">= 0"]),
     (["prefill=tpu"], ["prefill=tpu", "gpu, model, sim"]),
 ])

@@ -131,17 +131,6 @@ def _transport_option(key: str, value: str, overrides: list[str]) -> str | None:
     return None
 
 
-def group_options(group: str, search: list[str] = ()) -> list[str]:
-    """The options of a config group: its YAML files in conf/, in the user's (kvlab.core.paths.user_conf_dir)
-    and in the ``hydra.searchpath`` DIRs, which replace the user's as they do in Hydra."""
-    from kvlab.config.schema import CONF_DIR
-    from kvlab.core.paths import user_conf_dir
-
-    given = [Path(d) for s in search for d in re.findall(r"file://([^,\]\s'\"]+)", s)]
-    dirs = [CONF_DIR, *(given if search else [user_conf_dir()])]
-    return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
-
-
 def validate_overrides(overrides: list[str], search: list[str] = (), memory: bool = False,
                        command: str = "run", moves: bool = False) -> None:
     """Raise ConfigError (or Hydra's composition error) unless the overrides compose into a valid setup for
@@ -152,15 +141,8 @@ def validate_overrides(overrides: list[str], search: list[str] = (), memory: boo
     from kvlab.core.checks import check_overrides_shape
     from kvlab.sizing import budget
 
-    for ov in overrides:
-        m = re.fullmatch(r"\+?(\w+)=(.*)", ov)
-        if m and m.group(1) in GROUPS:
-            group, value = m.groups()
-            options = group_options(group, search)
-            if value not in options:
-                raise ConfigError(group, value, f"unknown {group}; choose one of {', '.join(options)}")
     check_overrides_shape(overrides)
-    cfg = compose([*search, *overrides])
+    cfg = compose([*search, *overrides])  # a group chosen by a name it lacks: one line (kvlab.config.groups)
     setup = build(cfg)
     if moves:
         setup.check_installed()
@@ -312,9 +294,10 @@ def _quoted(text: str) -> str:
 def help_overrides(command: str, search: list[str], overrides: list[str] = ()) -> list[str]:
     """Hydra's ``--help`` with kvlab's group list (the options a user can name, not the schemas behind them) and
     the config composed from ``overrides``, each field with its line of help (kvlab.config.help)."""
+    from kvlab.config.groups import group_options, search_dirs
     from kvlab.config.schema import CONF_DIR
 
-    dirs = [CONF_DIR] + [Path(d) for s in search for d in re.findall(r"file://([^,\]\s'\"]+)", s)]
+    dirs = [CONF_DIR, *search_dirs(search)]
     names = sorted({*GROUPS, *(g.name for d in dirs if d.is_dir() for g in d.iterdir() if g.is_dir())})
     lines = [f"{g}: {', '.join(opts)}" for g in names if (opts := group_options(g, search))]
     text = HELP_TEMPLATE.format(command=command, what=COMMANDS[command], groups="\n".join(lines))

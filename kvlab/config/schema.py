@@ -22,6 +22,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from kvlab.config.groups import check_group_choices
 from kvlab.core import paths, traces
 from kvlab.core.bounds import bounded, check_tree
 from kvlab.core.checks import check_config
@@ -498,11 +499,13 @@ def build(cfg: DictConfig) -> Setup:
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config",
             return_hydra_config: bool = False) -> DictConfig:
-    """Compose a config outside of a Hydra app (tests, notebooks, pre-checks)."""
+    """Compose a config outside of a Hydra app (tests, notebooks, pre-checks); a group chosen by a name that is
+    none of its options is a ConfigError naming them, not Hydra's words (kvlab.config.groups)."""
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    check_group_choices(overrides)
     quiet_user_searchpath()
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):

@@ -419,9 +419,13 @@ def columns() -> list[Figure]:
     return [f for f in TABLE if f.column]
 
 
-def field_type(default):
-    """The type of a record field holding a figure, from its default."""
-    return type(default) if default is not None else float | None
+def field_type(default, unit: str):
+    """The type of a record field holding a figure, from its default and unit: a figure that may be absent is
+    ``X | None``, true or false where its unit is ``bool`` (read back as written: kvlab.results.records), else a
+    number."""
+    if default is not None:
+        return type(default)
+    return bool | None if unit == "bool" else float | None
 
 
 def request_values(r: Parts) -> dict:

@@ -100,13 +100,13 @@ def _with_figures(level: str):
         own = dict(cls.__dict__.get("__annotations__", {}))
         schema = own.pop("schema")
         if level == "request":
-            figs = [(f.name, f.default) for f in figures.request_figures()]
+            figs = [(f.name, f.default, f.unit) for f in figures.request_figures()]
         else:
-            figs = [(f.summary_name, f.run_default) for f in figures.run_figures()]
-        for name, default in figs:
+            figs = [(f.summary_name, f.run_default, f.unit) for f in figures.run_figures()]
+        for name, default, unit in figs:
             if name in own:
                 raise TypeError(f"{cls.__name__}.{name}: a figure of kvlab.core.figures.TABLE, not a field of its own")
-            own[name] = figures.field_type(default)
+            own[name] = figures.field_type(default, unit)
             setattr(cls, name, default)
         cls.__annotations__ = {**own, "schema": schema}
         return dataclass(cls)
