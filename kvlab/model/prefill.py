@@ -49,7 +49,8 @@ class PrefillSpec:
     mfu: float = bounded(0.5, lo=1e-3, hi=1.0, why="0.1% of the peak")  # share of the peak a long prefill reaches
 
     def __post_init__(self):
-        require(self.kind in KINDS, "prefill", self.kind, "use prefill=sim, prefill=gpu or prefill=model")
+        require(self.kind in KINDS, "prefill.kind", self.kind,
+                f"use one of {', '.join(sorted(KINDS))} (the prefill group's options: prefill=sim, ...)")
         require(math.isfinite(self.layer_ms) and self.layer_ms >= 0, "prefill.layer_ms", self.layer_ms,
                 "must be >= 0 ms (0: timed from model.dims)")
         require(math.isfinite(self.tflops) and self.tflops > 0, "prefill.tflops", self.tflops,
