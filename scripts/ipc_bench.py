@@ -41,6 +41,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvlab.core.clock import median_launches_s  # noqa: E402
+
 GiB = 2**30
 MODELS = [("llama3_8b", 32768), ("llama3_8b", 131072), ("deepseek_v32", 131072)]
 SIDES = [("TP1 -> TP1", ["ctx.tp=1", "gen.tp=1"]),
@@ -91,18 +93,10 @@ def copy_gbps(n: int, reps: int = 3) -> float:
     """Bytes delivered per second by one ``copy_`` of ``n`` bytes on this GPU (median of ``reps``)."""
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    b.copy_(a)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
+    seconds = median_launches_s(lambda src=a, dst=b: dst.copy_(src), trials=reps, warmup=1)
     del a, b
     torch.cuda.empty_cache()
-    return n / sorted(times)[len(times) // 2] / 1e9
+    return n / seconds / 1e9
 
 
 def run_case(model: str, isl: int, label: str, overrides: list[str], keep: Path | None = None,
@@ -128,7 +122,9 @@ def run_case(model: str, isl: int, label: str, overrides: list[str], keep: Path 
             # kvlab's clock (ctx's first chunk to the gen rank's last) = the copy kernels (unpack_s: their
             # events on the gen stream) + the rest: the hand-off from the ctx process and the gaps between
             # kernels (scripts/ipc_handoff.py, run last, measures the hand-off alone)
-            "requests": [{"seconds": r["seconds"], "gbps": r["gbps"], "kernel_s": r["unpack_s"],
+            # gbps is bytes over busy_s (kvlab.core.figures), not over seconds: both kept, so gbps x busy_s = bytes
+            "requests": [{"seconds": r["seconds"], "busy_s": r["busy_s"], "bytes": r["bytes"], "gbps": r["gbps"],
+                          "kernel_s": r["unpack_s"],
                           "other_s": r["seconds"] - r["unpack_s"]} for r in rows],
             "peak_staging_bytes": s["peak_staging_bytes"], "peak_extra_device_bytes": s["peak_extra_device_bytes"],
             "wall_s": time.time() - t0}
@@ -162,17 +158,7 @@ def kernel_vs_engine(isl: int = 32768) -> dict:
     n = seg.rect.nbytes(sp.rows)
 
     def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return sorted(times)[2]
+        return median_launches_s(fn, trials=5, warmup=1)
 
     copy = copy_gbps(n)
     # the expected pool through the pack and unpack kernels (tested against the torch reference elsewhere)

@@ -20,6 +20,7 @@ import platform
 
 import torch
 
+from kvlab.core.clock import median_launches_s
 from kvlab.memory.ops import cuda as cuda_ops
 from kvlab.memory.ops import reference
 from kvlab.model.layout import Rect
@@ -53,19 +54,7 @@ def long_run_pool() -> RankPool:
 
 def time_ms(fn, iters: int, trials: int = 5) -> float:
     """Median over trials of the mean time per call, from CUDA events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    return sorted(times)[len(times) // 2]
+    return median_launches_s(fn, iters, trials, warmup=3) * 1e3
 
 
 def gbps(nbytes: int, ms: float) -> float:

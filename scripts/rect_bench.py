@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvlab.core.clock import launches_s  # noqa: E402
 from kvlab.memory.ops import cuda as cuda_ops  # noqa: E402
 from kvlab.memory.ops import paths, reference  # noqa: E402
 from kvlab.model.engine_layouts import LAYOUTS, EngineLayout, Layout  # noqa: E402
@@ -71,19 +72,7 @@ def time_pair(kernel, copy, iters: int, repeats: int) -> list[tuple[float, float
         kernel()
         copy()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        ts = []
-        for fn in (kernel, copy):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(iters):
-                fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) / iters)
-        out.append(tuple(ts))
-    return out
+    return [(launches_s(kernel, iters) * 1e3, launches_s(copy, iters) * 1e3) for _ in range(repeats)]
 
 
 def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: int, repeats: int,

@@ -156,7 +156,7 @@ def test_predictions_come_from_each_runs_config(sweep):
     for _, row in df.iterrows():
         isl = row["workload.isl"]
         s = build(compose([f"transfer={row['strategy']}", f"workload.isl={isl}", "workload.requests=2"]))
-        p = predict(s, [row["workload.isl"]] * 2, backend="gloo")
+        p = predict(s, [row["workload.isl"]] * 2, backend="gloo", with_prefill=True)
         assert row["predicted_s"] == pytest.approx(p.seconds)
     # runs with four times the prompt take longer
     for s in ("naive", "layerwise"):

@@ -213,3 +213,23 @@ def test_plan_command_writes_the_prediction(tmp_path, capsys):
     assert out["predicted"]["profile"] == "h200"
     assert 0 < out["predicted"]["gbps"] <= H200.peak_link_gbps
     assert "predicted (h200 rates)" in capsys.readouterr().out
+
+
+def test_a_runs_prediction_waits_for_its_prefill_timeline_and_starts_at_its_first_chunk():
+    """predict_run's view (``with_prefill``): chunks go when the prefill timeline lets them, requests of one ctx
+    DP group prefill one after the other, and the run's time starts at its first chunk free to go, as a measured
+    makespan does; the prefill's cache writes pace a layer where they outlast it (``fill_gbps``)."""
+    from dataclasses import replace
+
+    s = setup_of("prefill.layer_ms=5", "transfer=chunked")
+    layers = s.model.num_layers
+    p = predict(s, [1024, 1024], rates=H200, with_prefill=True)
+    first, second = p.requests
+    assert first.ready_s == pytest.approx(layers * 0.005)  # chunked: after its whole prefill
+    assert second.ready_s == pytest.approx(2 * layers * 0.005)  # queued behind the first one's prefill
+    assert second.end_s > second.ready_s
+    assert p.seconds == pytest.approx(max(r.end_s for r in p.requests) - first.ready_s)
+    written = first.bytes / s.ctx.size  # tp2 -> tp1: each ctx rank writes and sends half of a request
+    slow = replace(H200, fill_gbps=written / (layers * 0.05) / 1e9)  # 50 ms a layer: ten times the layer's 5 ms
+    q = predict(s, [1024, 1024], rates=slow, with_prefill=True)
+    assert q.requests[0].ready_s == pytest.approx(layers * 0.05, rel=1e-6)

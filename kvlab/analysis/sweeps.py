@@ -325,7 +325,7 @@ def predict_dir(run_dir: str | Path) -> Prediction:
     setup = build(cfg)
     summary = records.read_summary(run_dir)
     reqs = [request(setup, r.request, r.isl) for r in sorted(records.read_rows(run_dir), key=lambda r: r.request)]
-    return predict(setup, reqs or None, backend=summary.backend if summary else None)
+    return predict(setup, reqs or None, backend=summary.backend if summary else None, with_prefill=True)
 
 
 def add_predictions(df: pd.DataFrame) -> pd.DataFrame:
@@ -590,8 +590,8 @@ def plot_plan(plan: Any, ax=None) -> Figure:
 def plot_prediction(df: pd.DataFrame, measured: str = "makespan_s", predicted: str = "predicted_s",
                     ax=None) -> Figure:
     """Predicted against measured seconds per run (log-log), one colour per strategy; on the diagonal is exact.
-    The cost model predicts the whole workload, first request opened to last byte unpacked: the run's
-    ``makespan_s``."""
+    The cost model predicts the whole workload on its prefill timeline, first chunk free to go to last byte
+    unpacked: the run's ``makespan_s``."""
     if predicted not in df or df[predicted].isna().any():
         df = add_predictions(df)
     fig, ax = _fig_ax(ax, figsize=(5, 5))

@@ -40,3 +40,31 @@ class Clock:
 
     def span(self, a, b) -> float:
         return self.seconds(b) - self.seconds(a)
+
+
+def launches_s(fn, iters: int = 1) -> float:
+    """Seconds per call of ``fn`` called ``iters`` times back to back: on a GPU from CUDA events recorded around
+    the calls on the current stream (the device's time for the work they queue, not the host's time to queue it),
+    on a CPU from the wall clock. The benchmarks' one timer (scripts/*_bench.py)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / iters
+
+
+def median_launches_s(fn, iters: int = 1, trials: int = 5, warmup: int = 2) -> float:
+    """The median over ``trials`` of ``launches_s``, after ``warmup`` calls (compiles, first-touch allocations)."""
+    for _ in range(warmup):
+        fn()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    times = sorted(launches_s(fn, iters) for _ in range(trials))
+    return times[len(times) // 2]

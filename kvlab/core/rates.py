@@ -32,6 +32,9 @@ class CostRates:
     devices: int = 0  # devices the ranks share (0: one per rank; -1: this machine's CPU cores)
     host_us: float = 0.0  # host time per staged copy (block table to copy runs, launch); unmeasured on GPUs
     blocking: bool = False  # copies and host work share one core and the host waits for them (CPU)
+    # the prefill's writes of a ctx rank's cache (prefill=sim's fill: contents made and written), bytes per second;
+    # 0: not modelled (a GPU writes them on a stream of its own, microseconds beside a layer's compute)
+    fill_gbps: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "link_mib", tuple(float(x) for x in self.link_mib))
@@ -44,8 +47,9 @@ class CostRates:
         for name in ("copy_gbps", "copy_efficiency"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cost.{name}={getattr(self, name)}: must be > 0")
-        if self.host_us < 0 or self.devices < -1 or self.copy_gbps_per_cta < 0:
-            raise ValueError("cost.host_us and cost.copy_gbps_per_cta must be >= 0, cost.devices >= -1")
+        if self.host_us < 0 or self.devices < -1 or self.copy_gbps_per_cta < 0 or self.fill_gbps < 0:
+            raise ValueError("cost.host_us, cost.copy_gbps_per_cta and cost.fill_gbps must be >= 0, "
+                             "cost.devices >= -1")
         if self.alpha_us < 0 or any(g <= 0 for g in self.link_gbps):
             raise ValueError("cost.alpha_us must be >= 0 and cost.link_gbps > 0")
         for n, g in zip(self.link_mib, self.link_gbps, strict=True):
@@ -84,6 +88,10 @@ class CostRates:
             rate = min(rate, self.copy_gbps_per_cta * ctas)
         return 2 * nbytes / (rate * 1e9)
 
+    def fill_s(self, nbytes: float) -> float:
+        """Seconds for a ctx rank's prefill to write ``nbytes`` of its cache (0 where not modelled)."""
+        return nbytes / (self.fill_gbps * 1e9) if self.fill_gbps else 0.0
+
 
 PROFILES = {
     "h200": CostRates(),
@@ -112,6 +120,7 @@ class CostSpec:
     devices: int | None = None  # devices the ranks share (0: one per rank; -1: this machine's CPU cores)
     host_us: float | None = None  # host time per staged copy, us
     blocking: bool | None = None  # copies and host work share one core and the host waits for them (CPU)
+    fill_gbps: float | None = None  # the prefill's cache writes on a ctx rank, GB/s (0: not modelled)
     fitted: Any = None  # a calibrated profile's terms (kvlab.core.sim_terms; written by kvlab sim calibrate)
 
     def __post_init__(self):

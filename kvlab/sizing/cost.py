@@ -44,6 +44,7 @@ time is within about 0.5-1.5x.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from kvlab.config.devices import gpu_index, pair_backend
 from kvlab.config.workload import as_requests, interleave
 from kvlab.core.rates import CostRates
 from kvlab.model.plan import Request, conversion_bytes, plan
+from kvlab.model.prefill import layer_seconds, ready_s, timeline
 from kvlab.model.schedule import Chunk, Ready, Staging, schedule
 
 if TYPE_CHECKING:
@@ -75,6 +77,7 @@ class RequestCost:
     wire_s: float  # message time, summed over its messages
     unpack_s: float  # copy time on gen ranks
     layer_done_s: dict[int, float] = field(default_factory=dict)  # global layer -> its last send done
+    ready_s: float = math.inf  # its first chunk is free to go (the prefill has written its layer): its start
 
     @property
     def seconds(self) -> float:
@@ -97,7 +100,8 @@ class RequestCost:
 class Prediction:
     profile: str
     strategy: str
-    seconds: float  # the whole workload: first request opened to last byte unpacked
+    seconds: float  # the whole workload: first request opened (or, with the prefill, first chunk free) to last
+    # byte unpacked
     total_bytes: int
     messages: int
     extra_bytes: int  # largest extra device memory of any rank
@@ -164,8 +168,29 @@ def _order(setup: Setup, reqs: list[Request], concurrency: int) -> list[Chunk]:
     return interleave(schedules, concurrency)
 
 
+def prefill_times(setup: Setup, reqs: list[Request], order: list[Chunk], rates: CostRates) -> dict:
+    """The run's prefill timeline (kvlab.model.prefill.timeline: first come first served per ctx DP group, what
+    the ranks plan from), each layer lasting its configured time or, where longer, the time its ctx ranks take to
+    write their cache of it (``fill_gbps``: on a CPU the writes, not the simulated compute, pace the prefill)."""
+    sent: dict[tuple[int, int], int] = {}
+    for c in order:
+        sent[(c.request, c.src)] = sent.get((c.request, c.src), 0) + c.nbytes
+    isl_of = {r.id: r.isl for r in reqs}
+    most: dict[int, int] = {}  # a prompt length -> the most bytes one ctx rank writes of it
+    for (req, _), n in sent.items():
+        most[isl_of[req]] = max(most.get(isl_of[req], 0), n)
+    cp = setup.ctx.tokens(0, setup.model)
+
+    def seconds_of(isl: int) -> list[float]:
+        sim = layer_seconds(setup.model, setup.prefill, setup.ctx.tp, isl, cp)
+        fill = rates.fill_s(most.get(isl, 0)) / max(1, len(sim))
+        return [max(s, fill) for s in sim]
+
+    return timeline(reqs, seconds_of)
+
+
 def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates: CostRates | None = None,
-            backend: str | None = None, concurrency: int | None = None) -> Prediction:
+            backend: str | None = None, concurrency: int | None = None, with_prefill: bool = False) -> Prediction:
     """Place every chunk of the workload on the clock, in the executor's order and under its rules.
 
     Each rank walks its chunks of the global order with at most ``slots`` in flight: chunk
@@ -176,6 +201,11 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     host ``host_us`` first. With ``blocking`` rates (CPU) a rank's core does that work and the
     copies itself, one after the other, shared with the ranks on the same core; on GPUs
     copies queue on the rank's stream and only the copy engine and the window order them.
+
+    ``with_prefill``: chunks go when the run's prefill timeline (``prefill_times``: arrivals, queueing and
+    the cache writes included) lets them, and the workload's time runs from its first chunk free to go, as a
+    run's makespan does (kvlab.core.figures); without it, the transfer alone (``kvlab plan``) with a fixed
+    ``prefill.layer_ms`` if set.
     """
     rates = rates or setup.cost.rates_for(backend or pair_backend(setup), setup.transport.name)
     reqs = as_requests(setup, requests)
@@ -204,6 +234,8 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     # from the ctx pool on its device (the whole device's copy rate) after one control round trip
     pulls = setup.transport.cls().pulls
     order = _order(setup, reqs, concurrency)
+    times = prefill_times(setup, reqs, order, rates) if with_prefill else None
+    per_layer = strategy.ready == Ready.layer
     for c in order:
         n = c.nbytes
         sd, dd = ctx_dev[c.src], gen_dev[c.dst]
@@ -220,12 +252,18 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
             host_c[c.src] = max(host_c[c.src], slot_ready)
         key = (c.request, c.src)
         if key not in prefill:
-            prefill[key] = host_c[c.src]
+            prefill[key] = times[c.request].start if times is not None else host_c[c.src]
         if rc is None:
             rc = costs[c.request] = RequestCost(c.request, by_id[c.request].isl, 0, 0, 0,
                                                 min(prefill[key], recv_ready), prefill[key], 0.0, 0.0, 0.0, 0.0)
-        if layer_s:
-            layer = c.ready_layer if strategy.ready == Ready.layer else last_layer
+        if times is not None:
+            pt = times[c.request]
+            ready = ready_s(pt, c.ready_layer, per_layer)
+            host_c[c.src] = max(host_c[c.src], ready)
+            rc.prefill_end_s = pt.end
+            rc.ready_s = min(rc.ready_s, ready)
+        elif layer_s:
+            layer = c.ready_layer if per_layer else last_layer
             host_c[c.src] = max(host_c[c.src], prefill[key] + (layer + 1) * layer_s)
             rc.prefill_end_s = max(rc.prefill_end_s, prefill[key] + (last_layer + 1) * layer_s)
         t = max(host_c[c.src], slot_ready)
@@ -272,7 +310,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
 
     ec, eg = extra(sizes_c), extra(sizes_g)
     done = [costs[r.id] for r in reqs if r.id in costs]
-    start = min((r.start_s for r in done), default=0.0)
+    start = min((r.ready_s if times is not None else r.start_s for r in done), default=0.0)
     total = sum(r.bytes for r in done)
     raw = sum(rates.message_s(r.bytes) for r in done if r.bytes)
     return Prediction(rates.profile, strategy.name, max((r.end_s for r in done), default=0.0) - start, total,
@@ -283,7 +321,7 @@ def predict_run(setup: Setup, requests: Iterable[Request | int] | None = None, b
                 ) -> float | None:
     """Predicted seconds of a run, for its summary; never raises (a missing estimate must not lose a run)."""
     try:
-        return predict(setup, requests, backend=backend).seconds
+        return predict(setup, requests, backend=backend, with_prefill=True).seconds
     except Exception as e:  # noqa: BLE001
         import warnings
 
