@@ -39,8 +39,9 @@ Against the 2xH200 benchmark (scripts/bench.py, results/bench_h200x2.json: Llama
 4k-128k and DeepSeek-V3.2 at 128k, every strategy) the extra memory is exact and the time
 within 8% for naive, zerocopy and chunked with 2 x 128 MiB slots from 32k tokens on (median
 ratio 0.94 over all 28 transfers); 4k requests take up to 2x, and layerwise at 4k 4x, longer
-than predicted (per-request and per-layer host costs are not modelled). On a 2-core CPU the
-time is within about 0.5-1.5x.
+than predicted (per-request and per-layer host costs are not modelled). On a 2-core CPU, a run's makespan on its
+prefill timeline (``predict_run``) is within 0.62-1.87x over the seven runs scripts/cpu_profile.py fits the ``cpu``
+profile to (docs/results/cpu.md).
 """
 from __future__ import annotations
 
