@@ -162,7 +162,7 @@ WRONG_BYTES = (r"request (\d+): \d+ wrong bytes from ctx\d, first at pool (\w+) 
 
 
 @pytest.mark.slow
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @example(case=("p2p", None, "reused_block", "ctx"))
 @given(case=st.sampled_from(CASES))
 def test_an_injected_class_ends_the_run_with_its_request_named(case, tmp_path_factory, kvlab_cli):

@@ -79,7 +79,7 @@ def _verified(over: list[str], mode: str, run_dir: Path) -> dict:
 
 @needs_engine
 @pytest.mark.slow
-@settings(max_examples=4, **E2E)
+@settings(max_examples=2, **E2E)
 @given(strategy=st.sampled_from(STRATEGIES), mode=st.sampled_from(MODES), case=st.sampled_from(CASES),
        slot_mib=st.sampled_from([0.1, 0.25, 1, None]), fragmentation=st.sampled_from([0.0, 0.7]),
        concurrency=st.integers(1, 3))

@@ -74,7 +74,7 @@ def check_run(over: list[str], tmp: Path) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(over=runs())
 @example(over=["workload.requests=8", "workload.concurrency=8"])
 @example(over=["workload.requests=8", "workload.concurrency=8", "transfer=layerwise"])
