@@ -73,9 +73,9 @@ extern "C" __global__ void kv_quantize_rows(const unsigned short* __restrict__ i
 // dtype to nearest even (kvlab.model.kv_dtype.to_values then from_values). A team of L lanes (a power of two,
 // 8 * L >= group) takes a row: each lane holds 8 values of a group (one 16-byte load on the values' side, two
 // 4-byte words on the codes' side), the group's amax is a shuffle within the team, and each team keeps
-// KV_ROWS rows in flight (loads before the first store). The launcher takes this path only where groups and
-// the quantized part hold whole 8-value pieces, group <= 256, and both sides are aligned (16 bytes on the
-// values' side, 4 on the codes'); the rest goes the staged way.
+// KV_ROWS rows in flight (loads before the first store; kvlab.memory.ops.cuda.CONVERT_ROWS sets it). The
+// launcher takes this path only where groups and the quantized part hold whole 8-value pieces, group <= 256, and
+// both sides are aligned (16 bytes on the values' side, 4 on the codes'); the rest goes the staged way.
 #ifndef KV_ROWS
 #define KV_ROWS 4
 #endif
@@ -128,19 +128,21 @@ __device__ __forceinline__ float e4m3_value(unsigned c) {
   const void *P##ids, int P##ids64, int P##tpb, i64 P##base, i64 P##off, i64 P##bs, i64 P##ls, i64 P##hs, \
       i64 P##ns, int P##loff, int P##hoff, int P##wire, i64 P##wbpl, i64 P##wcomp, i64 P##wrow
 
-// Where the item's rows lie on one side: row (h, k) at B + h * HS + k * NS, for the span of g tokens from ss of
-// layer l. A wire's span is one wire tile (g = the rectangle's tile): [tile][layer][component][head][token rows],
-// the first and last tiles cut to [t0, t1).
-#define CSIDE_ITEM(P, ss, l, B, HS, NS)                                                                 \
+// Where the item's rows lie on one side: row (layer l + i, h, k) at B + i * LS + h * HS + k * NS, for the span of
+// g tokens from ss. A wire's span is one wire tile (g = the rectangle's tile): [tile][layer][component][head][token
+// rows], the first and last tiles cut to [t0, t1).
+#define CSIDE_ITEM(P, ss, l, B, LS, HS, NS)                                                             \
   if (P##wire) {                                                                                        \
     const int a_ = (ss) > t0 ? (ss) : t0, e_ = (ss) + g < t1 ? (ss) + g : t1;                          \
     NS = P##wrow;                                                                                       \
     HS = (i64)(e_ - a_) * P##wrow;                                                                      \
+    LS = (i64)(e_ - a_) * P##wbpl;                                                                      \
     B = (i64)(a_ - t0) * nl * P##wbpl + (i64)(e_ - a_) * ((i64)(l) * P##wbpl + P##wcomp) -              \
         (i64)(a_ - (ss)) * P##wrow;                                                                     \
   } else {                                                                                              \
     NS = P##ns;                                                                                         \
     HS = P##hs;                                                                                         \
+    LS = P##ls;                                                                                         \
     B = (P##ids64 ? ((const i64*)P##ids)[(ss) / P##tpb - P##base]                                       \
                   : (i64)((const int*)P##ids)[(ss) / P##tpb - P##base]) * P##bs +                       \
         (i64)((l) + P##loff) * P##ls + P##off + (i64)P##hoff * P##hs + (i64)((ss) % P##tpb) * P##ns;   \
@@ -148,26 +150,33 @@ __device__ __forceinline__ float e4m3_value(unsigned c) {
 
 #define FDIV(n, M, l) ((int)((__umulhi((unsigned)(n), (M)) + (unsigned)(n)) >> (l)))
 
-// Items: a span of g tokens (one block on each pool side, one wire tile on a wire side) by every head of one
-// layer; a warp takes an item, reads the block tables and computes both sides' bases once, and its teams walk
-// the item's rows (head, token) with multiplications by precomputed reciprocals (FDIV), not divisions.
+// Items: a span of g tokens (one block on each pool side, one wire tile on a wire side) by every head of lm
+// consecutive layers (lm > 1 where one layer's rows would leave a warp's teams idle: kvlab.memory.ops.cuda.
+// layers_per_item); a warp takes an item, reads the block tables and computes both sides' bases once, and its
+// teams walk the item's rows (layer, head, token) with multiplications by precomputed reciprocals (FDIV).
+// x / s is IEEE's quotient without a division per value: with y = 1/s correctly rounded, q0 = x * y, and two
+// residual corrections q += (x - s * q) * y (Markstein: the second is the correctly rounded quotient where s, 1/s
+// and the quotient are normal floats; a quotient below the normals is zero in e4m3 either way, its sign kept); a
+// scale outside that range divides. (A form that flattened (row, group) units and held 8 or 16 of them in flight
+// per team ran at 0.34-0.49 of copy_ where this one runs at 0.49-0.60: docs/results/kernels.md.)
 extern "C" __global__ void __launch_bounds__(256)
 kv_convert_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, CSIDE(s_), CSIDE(d_),
                 int g, int t0, int t1, int nl, int nh, int elems, int q, int group, int L, int to_fp8, int fp16,
-                unsigned gM, int gL, unsigned nlM, int nlL, int items) {
+                unsigned gM, int gL, int lm, unsigned hgM, int hgL, unsigned nlgM, int nlgL, int items) {
   const int lane = threadIdx.x & 31, team = lane / L, j = lane % L, teams = 32 / L;
   const int ngroups = (q + group - 1) / group;
   const int rope = elems - q;  // values after the quantized part, kept as they are (MLA's RoPE part)
-  const int rows = nh * g, s0 = t0 / g;
+  const int hg = nh * g, s0 = t0 / g, nlg = (nl + lm - 1) / lm;
   const int nwarps = (gridDim.x * blockDim.x) >> 5;
 #pragma unroll 1
   for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < items; item += nwarps) {
-    const int qq = FDIV(item, nlM, nlL);
-    const int l = item - qq * nl, ss = (qq + s0) * g;
+    const int qq = FDIV(item, nlgM, nlgL);
+    const int l = (item - qq * nlg) * lm, ss = (qq + s0) * g;
+    const int ml = nl - l < lm ? nl - l : lm, rows = ml * hg;
     const int klo = t0 - ss > 0 ? t0 - ss : 0, khi = t1 - ss < g ? t1 - ss : g;
-    i64 sB, sH, sN, dB, dH, dN;
-    CSIDE_ITEM(s_, ss, l, sB, sH, sN);
-    CSIDE_ITEM(d_, ss, l, dB, dH, dN);
+    i64 sB, sL, sH, sN, dB, dL, dH, dN;
+    CSIDE_ITEM(s_, ss, l, sB, sL, sH, sN);
+    CSIDE_ITEM(d_, ss, l, dB, dL, dH, dN);
 #pragma unroll 1
     for (int r0 = 0; r0 < rows; r0 += teams * KV_ROWS) {
       const unsigned char* sp[KV_ROWS];
@@ -175,12 +184,13 @@ kv_convert_rect(const unsigned char* __restrict__ src, unsigned char* __restrict
 #pragma unroll
       for (int r = 0; r < KV_ROWS; ++r) {
         const int row = r0 + r * teams + team;  // the warp's teams on neighbouring rows at each r
-        const int h = FDIV(row, gM, gL), k = row - h * g;
+        const int li = ml > 1 ? FDIV(row, hgM, hgL) : 0, lr = row - li * hg;
+        const int h = FDIV(lr, gM, gL), k = lr - h * g;
         sp[r] = 0;
         dp[r] = 0;
         if (row < rows && k >= klo && k < khi) {
-          sp[r] = src + sB + h * sH + k * sN;
-          dp[r] = dst + dB + h * dH + k * dN;
+          sp[r] = src + sB + li * sL + h * sH + k * sN;
+          dp[r] = dst + dB + li * dL + h * dH + k * dN;
         }
       }
 #pragma unroll 1
@@ -215,9 +225,20 @@ kv_convert_rect(const unsigned char* __restrict__ src, unsigned char* __restrict
             if (!(sp[r] && mine)) continue;
             const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
             unsigned c[4];
+            if (s >= 0x1p-125f && s <= 0x1p125f) {  // s and 1/s normal: the quotients by reciprocal and residuals
+              const float y = __frcp_rn(s);
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              c[e] = e4m3x2(CLAMP448(x[2 * e] / s), CLAMP448(x[2 * e + 1] / s));
+              for (int e = 0; e < 8; ++e) {
+                float t = x[e] * y;
+                t = fmaf(fmaf(-s, t, x[e]), y, t);
+                x[e] = copysignf(fmaf(fmaf(-s, t, x[e]), y, t), x[e]);  // a residual's +0 would lose -0's sign
+              }
+            } else {
+#pragma unroll
+              for (int e = 0; e < 8; ++e) x[e] = x[e] / s;
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[e] = e4m3x2(CLAMP448(x[2 * e]), CLAMP448(x[2 * e + 1]));
             unsigned* o = (unsigned*)(dp[r] + g0 + 8 * j);
             o[0] = c[0] | (c[1] << 16);
             o[1] = c[2] | (c[3] << 16);

@@ -208,17 +208,34 @@ kv_copy_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ 
 // neighbouring lanes on neighbouring bytes of a row on both sides, KV_SPAN vectors in flight per lane; a vector's
 // row and head come from multiplications by precomputed reciprocals (FDIV), not divisions. Runs of one row (vLLM
 // NHD into TensorRT-LLM HND: 256 bytes) and runs of one block of one head (4 KiB) then cost what long runs cost:
-// no per-run decode and no lanes idle at a run's end. The launcher takes this path where rows, strides and both
-// pools are 16-byte aligned (kvlab.memory.ops.paths); the rest takes kv_copy_rect above.
+// no per-run decode and no lanes idle at a run's end. Where one layer's span holds fewer vectors than a warp keeps
+// in flight (DeepSeek's one 1152-byte MLA row per token into SGLang's one-token blocks: 72 vectors for 160 lane
+// slots), an item takes lm consecutive layers (row addresses are affine in the layer too), so a warp's loads are
+// not left half empty. The launcher takes this path where rows, strides and both pools are 16-byte aligned
+// (kvlab.memory.ops.paths); the rest takes kv_copy_rect above.
+// A side's il, id, ir: where the rectangle counts a decode-context-parallel rank's local positions (vLLM's DCP:
+// runs of il tokens dealt over id ranks, this one ir) and this side keeps global tokens (the prefill's pool), the
+// span at local position u lies at global token u / il * il * id + ir * il + u % il (kvlab.model.tokens); a span
+// divides il, so its tokens stay consecutive. il = 0: the side counts the rectangle's own positions.
 #define SPAN_SIDE(P)                                                                                    \
   const void *P##ids, int P##ids64, int P##tpb, i64 P##base, i64 P##off, i64 P##bs, i64 P##ls, i64 P##hs, \
-      i64 P##ns, int P##loff, int P##hoff
+      i64 P##ns, int P##loff, int P##hoff, int P##il, int P##id, int P##ir
 
-// where token ts (a span's first) of layer l, head 0 of the rectangle lies on one side
-#define SPAN_BASE(P, ts, l)                                                                            \
-  ((P##ids64 ? ((const i64*)P##ids)[(ts) / P##tpb - P##base]                                          \
-             : (i64)((const int*)P##ids)[(ts) / P##tpb - P##base]) * P##bs +                           \
-   (i64)((l) + P##loff) * P##ls + P##off + (i64)P##hoff * P##hs + (i64)((ts) % P##tpb) * P##ns)
+__device__ __forceinline__ int span_token(int u, int il, int id, int ir) {
+  return il ? u / il * il * id + ir * il + u % il : u;
+}
+
+// where token ts (a span's first, in the rectangle's positions) of layer l, head 0 of the rectangle lies on one side
+#define SPAN_BASE(P, ts, l) span_base((ts), (l), P##ids, P##ids64, P##tpb, P##base, P##off, P##bs, P##ls, P##hs, \
+                                      P##ns, P##loff, P##hoff, P##il, P##id, P##ir)
+
+__device__ __forceinline__ i64 span_base(int ts, int l, const void* ids, int ids64, int tpb, i64 base, i64 off,
+                                         i64 bs, i64 ls, i64 hs, i64 ns, int loff, int hoff, int il, int id,
+                                         int ir) {
+  const int t = span_token(ts, il, id, ir);
+  const i64 blk = ids64 ? ((const i64*)ids)[t / tpb - base] : (i64)((const int*)ids)[t / tpb - base];
+  return blk * bs + (i64)(l + loff) * ls + off + (i64)hoff * hs + (i64)(t % tpb) * ns;
+}
 
 // n / d for 0 <= n < 2^31 from d's magic (M, l) (kvlab.memory.ops.cuda.fast_div): the quotient without a division
 #define FDIV(n, M, l) ((int)((__umulhi((unsigned)(n), (M)) + (unsigned)(n)) >> (l)))
@@ -230,16 +247,18 @@ kv_copy_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ 
 
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MIN_BLOCKS)
 kv_copy_span(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, SPAN_SIDE(s_), SPAN_SIDE(d_),
-             int g, int t0, int t1, int nl, int nh, int m, unsigned mM, int mL, unsigned gM, int gL, unsigned nlM,
-             int nlL, int items) {
+             int g, int t0, int t1, int nl, int nh, int m, unsigned mM, int mL, unsigned gM, int gL, int lm,
+             unsigned hgM, int hgL, unsigned nlgM, int nlgL, int items) {
   const int lane = threadIdx.x & 31;
   const int nwarps = (gridDim.x * blockDim.x) >> 5;
-  const int V = nh * g * m;  // vectors of an item (< 2^31: the launcher)
+  const int nlg = (nl + lm - 1) / lm, hg = nh * g;  // layer groups of lm layers; rows of one layer's span
   const int s0 = t0 / g;
 #pragma unroll 1
   for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < items; item += nwarps) {
-    const int q = FDIV(item, nlM, nlL);
-    const int l = item - q * nl, ts = (q + s0) * g;
+    const int q = FDIV(item, nlgM, nlgL);
+    const int l = (item - q * nlg) * lm, ts = (q + s0) * g;
+    const int ml = nl - l < lm ? nl - l : lm;
+    const int V = ml * hg * m;  // vectors of an item (< 2^31: the launcher)
     const int klo = t0 - ts > 0 ? t0 - ts : 0, khi = t1 - ts < g ? t1 - ts : g;
     const unsigned char* sb = src + SPAN_BASE(s_, ts, l);
     unsigned char* db = dst + SPAN_BASE(d_, ts, l);
@@ -253,10 +272,11 @@ kv_copy_span(const unsigned char* __restrict__ src, unsigned char* __restrict__ 
         to[u] = 0;
         if (w < V) {
           const int row = FDIV(w, mM, mL), o = w - row * m;
-          const int h = FDIV(row, gM, gL), k = row - h * g;
+          const int li = ml > 1 ? FDIV(row, hgM, hgL) : 0, lr = row - li * hg;
+          const int h = FDIV(lr, gM, gL), k = lr - h * g;
           if (k >= klo && k < khi) {
-            v[u] = ((const uint4*)(sb + h * s_hs + k * s_ns))[o];
-            to[u] = (uint4*)(db + h * d_hs + k * d_ns) + o;
+            v[u] = ((const uint4*)(sb + li * s_ls + h * s_hs + k * s_ns))[o];
+            to[u] = (uint4*)(db + li * d_ls + h * d_hs + k * d_ns) + o;
           }
         }
       }

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [--serving] [--no-tests] [--no-bench] [--jobs N] [--quick]   (from the repository root)
 # --serving: also scripts/serving_bench.py, alone and under a CUDA MPS daemon
 # --mooncake: also scripts/mooncake_bench.py --gpu (Mooncake's CUDA-13 wheel in .whl/, without NIXL's: carry limit)
-# --kernels: also scripts/rect_bench.py (copy_rect over engine layout pairs, both kernels, and gen fp8), into rect_bench_h200.json
+# --kernels: also scripts/rect_bench.py (copy_rect over engine layout pairs on the span kernel and gen fp8, each with
+#   a layer per work item and with layers grouped), into rect_bench_h200.json
 # --engines: also scripts/ipc_bench.py --engines (vLLM NHD ctx -> TensorRT-LLM gen, bf16 and gen fp8), into engines_h200.json
 # --caches: this year's caches on the GPU (hybrid state, context parallelism, prefill=model): check=decode of each,
 #   then Qwen3-Next TP2 -> TP1 and Llama CP2 -> DCP2 at 32k over ipc beside the in-run copy_, into caches_h200.json
@@ -60,8 +61,8 @@ if [ $serving = 1 ]; then
   fi
 fi
 true
-[ $kernels = 1 ] && timeout 300 python3 scripts/rect_bench.py --out "$out/rect_bench_h200.json" --pairs engines \
-  --fp8-pairs 3 2>&1 | tee "$out/rect_bench.log" | grep "^|"
+[ $kernels = 1 ] && timeout 420 python3 scripts/rect_bench.py --out "$out/rect_bench_h200.json" --pairs engines \
+  --fp8-pairs 3 --paths span --layer-passes 0 4 --convert-rows 4 8 2>&1 | tee "$out/rect_bench.log" | grep "^|"
 true
 [ $engines = 1 ] && timeout 500 python3 scripts/ipc_bench.py --engines --no-handoff --requests 6 --repeats 3 --out "$out/engines_h200.json" \
   2>&1 | tee "$out/engines.log" | tail -12

@@ -11,6 +11,8 @@ is the copy's time over the kernel's, per repeat (median and range). ``gen fp8``
 bytes, as scripts/ipc_bench.py does. Every case is checked against the torch reference on its first 96 tokens.
 
     python scripts/rect_bench.py --out rect_bench.json [--models llama3_8b deepseek_v32] [--pairs all|engines]
+        [--layer-passes 0 4]   (0: one layer per work item, the kernels' earlier form; see cuda.LAYER_PASSES)
+        [--convert-rows 4 8]  (gen fp8 cases: rows in flight per lane team, cuda.CONVERT_ROWS)
 """
 from __future__ import annotations
 
@@ -115,6 +117,10 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
     return r
 
 
+def variant(r: dict) -> str:
+    return f" ({r['convert_rows']})" if r["gen_fp8"] else ""
+
+
 def pairs_for(model: str, which: str) -> list[tuple[str, str]]:
     kind = MODELS[model][0].value
     ok = [n for n in LAYOUTS if LAYOUTS[n].holds(kind)]
@@ -134,6 +140,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--paths", nargs="+", default=["span", "runs"], help="the same-format kernels to time")
     ap.add_argument("--fp8-pairs", type=int, default=3, help="the first N pairs again with gen fp8")
+    ap.add_argument("--layer-passes", type=int, nargs="+", default=[cuda_ops.LAYER_PASSES],
+                    help="kvlab.memory.ops.cuda.LAYER_PASSES values to time each case with (0: a layer per item)")
+    ap.add_argument("--convert-rows", type=int, nargs="+", default=[cuda_ops.CONVERT_ROWS],
+                    help="kvlab.memory.ops.cuda.CONVERT_ROWS values to time each gen fp8 case with")
     a = ap.parse_args()
     env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
@@ -142,23 +152,28 @@ def main() -> None:
     for model in a.models:
         pairs = pairs_for(model, a.pairs)
         todo = [(p, False, path) for p in pairs for path in a.paths] + [(p, True, None) for p in pairs[:a.fp8_pairs]]
-        for (ctx, gen), fp8, path in todo:
+        variants = [(t, lp, rows) for t in todo for lp in a.layer_passes
+                    for rows in (a.convert_rows if t[1] else [cuda_ops.CONVERT_ROWS])]
+        for ((ctx, gen), fp8, path), lp, rows in variants:
+            cuda_ops.LAYER_PASSES, cuda_ops.CONVERT_ROWS = lp, rows
             try:
                 r = case(model, ctx, gen, fp8, a.tokens, a.iters, a.repeats, path)
             except Exception as e:  # one case's failure is a row of the table, not the end of the bench
                 r = {"model": model, "ctx": ctx, "gen": gen, "gen_fp8": fp8, "error": f"{type(e).__name__}: {e}"}
+            r["layer_passes"], r["convert_rows"] = lp, rows if fp8 else None
             torch.cuda.empty_cache()
             out["runs"].append(r)
             a.out.write_text(json.dumps(out, indent=1))
             print(json.dumps({k: v for k, v in r.items() if k != "repeats"}), flush=True)
-    print("| model | ctx -> gen | tile | path | gen fp8 | GB/s of source bytes | copy_ GB/s | ratio (median) | range "
-          "| verified |")
-    print("| --- | --- | ---: | --- | --- | ---: | ---: | ---: | --- | --- |")
+    print("| model | ctx -> gen | tile | path | layer passes (rows in flight) | gen fp8 | GB/s of source bytes "
+          "| copy_ GB/s | ratio (median) | range | verified |")
+    print("| --- | --- | ---: | --- | ---: | --- | ---: | ---: | ---: | --- | --- |")
     for r in out["runs"]:
         if "error" in r:
             print(f"| {r['model']} | {r['ctx']} -> {r['gen']} | | {r['gen_fp8']} | failed: {r['error'][:120]} |")
             continue
         print(f"| {r['model']} | {r['ctx']} -> {r['gen']} | {r['tile']} | {r['path']} | "
+              f"{r['layer_passes']}{variant(r)} | "
               f"{'yes' if r['gen_fp8'] else ''} | "
               f"{r['gbps']:,.0f} | {r['copy_gbps']:,.0f} | {r['ratio']:.3f} | {r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
               f" | {'yes' if r['verified'] else 'NO'} |")

@@ -40,10 +40,13 @@ def cuda_ops():
 
 
 def values(n: int, elems: int, base: str, gen: torch.Generator) -> torch.Tensor:
-    """fp32 values exact in ``base``: rows over forty binades, one all-zero row, zeros within rows."""
+    """fp32 values exact in ``base``: rows over forty binades, one all-zero row, zeros and negative zeros within
+    rows, and a row of bf16 subnormals (a scale below the normal floats: the kernel's dividing branch)."""
     x = torch.randn(n, elems, generator=gen) * torch.exp2(torch.randint(-30, 10, (n, 1), generator=gen).float())
     x[0] = 0
     x[1::7, ::3] = 0
+    x[3::5, 1::4] = -0.0
+    x[2::11] *= 2.0**-128 / x[2::11].abs().amax(1, keepdim=True).clamp_min(1e-30)
     return x.to({"bf16": torch.bfloat16, "fp16": torch.float16}[base]).float()
 
 

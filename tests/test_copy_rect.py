@@ -146,12 +146,15 @@ def test_kernel_input_checks(cuda_ops):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1),
-       rows=st.sampled_from([(16,), (256, 256), (128, 128), (1152,), (48, 48), (64, 32), (4, 4)]),
+       rows=st.sampled_from([(16,), (256, 256), (128, 128), (1152,), (48, 48), (64, 32), (4, 4),
+                             (48, 48, 96, 1024), (12, 12, 24, 64)]),
        path=st.sampled_from(["span", "runs"]), ids64=st.booleans())
 def test_both_paths_match_reference_over_engine_layouts(cuda_ops, seed, rows, path, ids64):
     """kv_copy_span and kv_copy_rect, each forced, against the definition over the engines' layouts on both sides
     (NHD into HND and back, K and V interleaved or apart), block sizes, partial first and last spans, head and
-    layer slices and both block-table dtypes; rows or strides that are not 16-byte aligned fall back to the runs."""
+    layer slices and both block-table dtypes; rows or strides that are not 16-byte aligned fall back to the runs.
+    Four components (a recurrent state's pool): the span kernel launches per component; kv_copy_rect, which
+    addresses two, and unaligned rows leave them to the torch reference."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     src_pool, dst_pool, rect = random_pair(rng, ENGINE_AND_OWN, rows)
@@ -164,5 +167,55 @@ def test_both_paths_match_reference_over_engine_layouts(cuda_ops, seed, rows, pa
     got = torch.full_like(want, 0xA5)
     cuda_ops.copy_rect(*src_args, got, dst_pool, d_nb, d_ids, d_base, rect, path=path,
                        ctas=rng.choice([None, 1, 7]))
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), f"{(got != want).sum().item()} bytes differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([(256, 256), (128, 128), (1152,), (48, 48)]),
+       dcp=st.sampled_from([2, 4]), interleave=st.sampled_from([1, 2, 4, 16]), ids64=st.booleans())
+def test_a_dcp_ranks_positions_take_the_span_kernel(cuda_ops, seed, rows, dcp, interleave, ids64):
+    """A decode-context-parallel rank's rectangle (its local positions) from a pool of global tokens, on the span
+    kernel (the torch reference is patched to fail there), byte for byte the reference's: each span mapped to the
+    global tokens it holds, over layouts, block sizes (the DCP side's a multiple of the interleave, as vLLM
+    requires), ranks, partial first and last runs and head and layer slices."""
+    from dataclasses import replace
+    from unittest import mock
+
+    from kvlab.memory.ops import paths
+    from kvlab.model.tokens import Tokens, to_global
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    heads, layers = rng.randint(1, 4), rng.randint(1, 3)
+    h0, l0 = rng.randrange(heads), rng.randrange(layers)
+    h1, l1 = rng.randint(h0 + 1, heads), rng.randint(l0 + 1, layers)
+    rank = rng.randrange(dcp)
+    src_pool = side(rows, heads, layers, range(heads), range(layers), rng.choice([1, 2, 4, 16, 32, 64]),
+                    rng.choice(ENGINE_AND_OWN))
+    dst_pool = replace(side(rows, heads, layers, range(heads), range(layers), interleave * rng.choice([1, 2, 4]),
+                            rng.choice(ENGINE_AND_OWN)), tokens=Tokens("interleaved", dcp, rank, interleave))
+    assert paths.copy_path(src_pool, dst_pool)[0] == "span"
+    t0 = rng.randrange(0, 100)
+    local = (dcp, rank, interleave)
+    tile = rng.choice([d for d in range(1, interleave + 1) if interleave % d == 0
+                       and src_pool.tokens_per_block % d == 0 and dst_pool.tokens_per_block % d == 0])
+    rect = Rect("p", l0, l1, h0, h1, t0, t0 + rng.randint(1, 200), tile, local=local)
+    dtype = torch.int64 if ids64 else torch.int32
+    first, last = (int(t) for t in to_global(local, torch.tensor([rect.t0, rect.t1 - 1])))
+    s_tpb = src_pool.tokens_per_block
+    s_base = max(0, first // s_tpb - rng.randint(0, 2))
+    s_nb = last // s_tpb - s_base + 1 + rng.randint(0, 2)
+    s_ids = torch.randperm(s_nb, generator=gen)[:last // s_tpb - s_base + 1].to(dtype=dtype, device="cuda")
+    d_ids, d_base, d_nb = table(dst_pool, rect, gen, dtype, "cuda", rng.randint(0, 2))
+    src = torch.randint(0, 256, (src_pool.pool_bytes(s_nb),), dtype=torch.uint8, generator=gen).cuda()
+    want = torch.full((dst_pool.pool_bytes(d_nb),), 0xA5, dtype=torch.uint8, device="cuda")
+    reference.copy_rect(src, src_pool, s_nb, s_ids, s_base, want, dst_pool, d_nb, d_ids, d_base, rect)
+    got = torch.full_like(want, 0xA5)
+    with mock.patch.object(cuda_ops.reference, "copy_rect", side_effect=AssertionError("the reference ran")):
+        cuda_ops.copy_rect(src, src_pool, s_nb, s_ids, s_base, got, dst_pool, d_nb, d_ids, d_base, rect,
+                           ctas=rng.choice([None, 1, 7]))
     torch.cuda.synchronize()
     assert torch.equal(got, want), f"{(got != want).sum().item()} bytes differ"

@@ -105,14 +105,15 @@ def test_rect_copy_compiles_without_spills(cuda_ops, tuning):
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_fp8_rows_compiles_without_spills(cuda_ops, arch):
-    """kernels/fp8_rows.cu (the GPU's bf16 -> fp8 rows) builds where the copy kernels do, in registers."""
+@pytest.mark.parametrize("arch,rows", [("sm_80", 4), ("sm_90", 4), ("sm_90", 8)])
+def test_fp8_rows_compiles_without_spills(cuda_ops, arch, rows):
+    """kernels/fp8_rows.cu (the GPU's bf16 -> fp8 rows) builds where the copy kernels do, in registers, at each
+    number of rows in flight the bench compares (scripts/rect_bench.py --convert-rows)."""
     import io
 
     from cuda.core import Program
 
-    opts = cuda_ops._options(arch, cuda_ops.DEFAULT_TUNING, "fp8_rows")
+    opts = cuda_ops._options(arch, cuda_ops.ConvertTuning(rows=rows), "fp8_rows")
     opts.ptxas_options = "-v"
     log = io.StringIO()
     cubin = bytes(Program(cuda_ops._source(cuda_ops.FP8_ROWS_SOURCE), "c++", options=opts)

@@ -39,9 +39,11 @@ def test_the_kv_dtype_converts_in_one_pass_where_the_kernel_takes_the_rows():
     assert paths.convert_shape("kv", 128, "bf16", "bf16", "fp16") is None
 
 
-def test_a_recurrent_state_is_moved_by_the_reference():
-    """A hybrid model's state pool holds four components (three conv parts and the state): the kernels address two
-    (their strides come in pairs), so every pair with a state pool takes torch's runs, and kvlab plan says so."""
+def test_a_recurrent_state_takes_the_span_kernel_a_launch_per_component():
+    """A hybrid model's state pool holds four components (three conv parts and the state): kv_copy_rect addresses
+    two (its strides come in pairs), the span kernel one per launch, so an aligned state pool takes the span kernel,
+    and kvlab plan says why; an unaligned one would take torch's runs (not kv_copy_rect, which would leave parts
+    unmoved)."""
     from kvlab.config.schema import build, compose
     from kvlab.model.state import CacheState
 
@@ -52,6 +54,10 @@ def test_a_recurrent_state_is_moved_by_the_reference():
     assert state, "the preset has a state pool of more than two components"
     for name in state:
         path, why = paths.copy_path(ctx[name], gen[name])
-        assert path == "reference" and f"{len(ctx[name].rows)} components" in why
+        assert path == "span" and f"{len(ctx[name].rows)} components" in why
     for name in set(ctx) - set(state):  # its attention layers keep the kernels
         assert paths.copy_path(ctx[name], gen[name])[0] in ("span", "runs")
+    odd = RankPool(PoolSpec("s", Kind.state, (0,), 0, 2, (12, 12, 20, 64), ("bf16",) * 4), range(1), range(2), 1,
+                   Layout.block_major)
+    path, why = paths.copy_path(odd, odd)
+    assert path == "reference" and "4 components" in why and "not a multiple of 16" in why

@@ -31,7 +31,7 @@ from kvlab.memory.ops import convert, paths, reference
 from kvlab.memory.ops.paths import ConvertShape
 from kvlab.memory.ops.reference import check_buffers, check_rect_pair
 from kvlab.model import kv_dtype
-from kvlab.model.layout import Rect, as_stored, converts
+from kvlab.model.layout import Rect, as_stored, converts, mem_tokens
 from kvlab.model.state import RankPool, in_format, pool_format
 
 KERNEL_SOURCE = KERNELS_DIR / "kv_copy.cu"
@@ -232,7 +232,9 @@ def _work_items(tile: int, rows: tuple[int, ...], runs_per_tile: int, ntiles: in
 
 
 def _check_cuda(pool_bytes: torch.Tensor, pool: RankPool, rect: Rect, block_ids: torch.Tensor, block_base: int,
-                buf: torch.Tensor) -> None:
+                buf: torch.Tensor, comps: int | None = paths.KERNEL_COMPONENTS) -> None:
+    """``rect`` lies in the pool's held layers, heads and block table, within the kernels' limits (``comps``:
+    the components the kernel addresses; None: the span kernel's launch per component)."""
     dev = pool_bytes.device
     if dev.type != "cuda":
         raise ValueError(f"CUDA pack/unpack need CUDA tensors; the pool is on {dev}")
@@ -248,16 +250,22 @@ def _check_cuda(pool_bytes: torch.Tensor, pool: RankPool, rect: Rect, block_ids:
         raise ValueError(f"rect layers [{rect.l0}, {rect.l1}) outside the held layers {pool.layers}")
     if not (pool.heads.start <= rect.h0 and rect.h1 <= pool.heads.stop):
         raise ValueError(f"rect heads [{rect.h0}, {rect.h1}) outside the held heads {pool.heads}")
-    if rect.t0 < block_base * tpb:
-        raise ValueError(f"rect starts at token {rect.t0}, before the block table's first block {block_base}")
-    need = (rect.t1 - 1) // tpb - block_base + 1
+    # the pool's own positions of the rectangle's first and last tokens (global ones for a DCP rank's rectangle)
+    first, last = rect.t0, rect.t1 - 1
+    if rect.local != pool.tokens.local:
+        first, last = (int(t) for t in mem_tokens(pool, rect, torch.tensor([first, last])))
+    if first < block_base * tpb:
+        raise ValueError(f"rect starts at token {first}, before the block table's first block {block_base}")
+    need = last // tpb - block_base + 1
     if block_ids.numel() < need:
-        raise ValueError(f"block table has {block_ids.numel()} blocks, tokens [{rect.t0}, {rect.t1}) need {need}")
+        raise ValueError(f"block table has {block_ids.numel()} blocks, tokens [{first}, {last + 1}) need {need}")
     ntiles = (rect.t1 - 1) // T - rect.t0 // T + 1
     nruns = ntiles * rect.n_layers * len(pool.rows) * rect.n_heads * _sub_runs(pool, T)
     # pieces of a run may overshoot it by up to 15 bytes each: 2^30-byte runs keep their offsets in int
-    if nruns > _INT_MAX or T * max(pool.rows) > 2**30 or tpb > _INT_MAX or len(pool.rows) > 2:
-        raise ValueError(f"rect {rect} exceeds the kernel's limits (2^31 runs, 2^30-byte runs, 2 components)")
+    too_many = comps is not None and len(pool.rows) > comps
+    if nruns > _INT_MAX or T * max(pool.rows) > 2**30 or max(tpb, last) > _INT_MAX or too_many:
+        raise ValueError(f"rect {rect} exceeds the kernel's limits (2^31 runs and tokens, 2^30-byte runs, "
+                         f"{comps} components)")
 
 
 def _launch(pack_dir: bool, pool_bytes, pool, num_blocks, rect, block_ids, block_base, buf, ctas, tuning):
@@ -320,10 +328,11 @@ def _comp_params(pool: RankPool, num_blocks: int) -> tuple:
 
 
 def _strided(pool: RankPool, rect: Rect) -> bool:
-    """Rectangles the kernels cannot address, moved by the torch reference's runs (slower, not yet a kernel's
-    work): a DCP rank's positions on a pool that keeps global tokens (kvlab.model.tokens: the kernels address a pool
-    by the rectangle's own token positions), and pools of more components than the kernels' two (a recurrent
-    state's conv parts and state: ``_comp_params`` passes two strides, so a third would be left unmoved)."""
+    """Rectangles the pack/unpack kernels cannot address, moved by the torch reference's runs (slower, not yet a
+    kernel's work): a DCP rank's positions on a pool that keeps global tokens (kvlab.model.tokens: the kernels
+    address a pool by the rectangle's own token positions), and pools of more components than the kernels' two (a
+    recurrent state's conv parts and state: ``_comp_params`` passes two strides, so a third would be left unmoved).
+    ``copy_rect`` takes such pools on the span kernel, a launch per component, where they are aligned."""
     return rect.local != pool.tokens.local or len(pool.rows) > paths.KERNEL_COMPONENTS
 
 
@@ -387,7 +396,10 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     destination pool in one launch, both sides' addresses computed on the device from their block tables
     (no index tensors, no host sync). ``src_bytes`` may be another process's pool opened through CUDA IPC."""
     dev = dst_bytes.device
-    if _strided(src_pool, rect) or _strided(dst_pool, rect):
+    # a DCP rank's positions on one side, global tokens on the other: the span kernel maps them, others do not
+    dcp = rect.local != src_pool.tokens.local or rect.local != dst_pool.tokens.local
+    path = path or paths.copy_path(src_pool, dst_pool)[0]
+    if dcp and (path != "span" or pool_format(src_pool.spec) != pool_format(dst_pool.spec)):
         return reference.copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool,
                                    dst_num_blocks, dst_ids, dst_base, rect)
     if pool_format(src_pool.spec) != pool_format(dst_pool.spec):  # another KV dtype: converted in the copy
@@ -403,7 +415,7 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
         if pool_bytes.device != dev:
             raise ValueError(f"copy_rect needs both pools on one CUDA device: the {side} is on {pool_bytes.device}, "
                              f"the destination on {dev}")
-        _check_cuda(pool_bytes, pool, rect, ids, base, dst_bytes)
+        _check_cuda(pool_bytes, pool, rect, ids, base, dst_bytes, comps=None)
     if not (src_ids.is_contiguous() and dst_ids.is_contiguous()):
         raise ValueError("copy_rect needs contiguous block tables")
     T = rect.tile
@@ -418,10 +430,12 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     # the kernel indexes tokens with int too (_check_cuda bounds the runs and their lengths)
     if rect.t1 > _INT_MAX:
         raise ValueError(f"rect {rect} exceeds the rectangle copy's limits (2^31 tokens)")
-    path = path or paths.copy_path(src_pool, dst_pool)[0]
     if path == "span" and _copy_spans(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool,
                                       dst_num_blocks, dst_ids, dst_base, rect, ctas, tuning):
         return
+    if dcp or max(len(src_pool.rows), len(dst_pool.rows)) > paths.KERNEL_COMPONENTS:  # what the span kernel left
+        return reference.copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool,
+                                   dst_num_blocks, dst_ids, dst_base, rect)
     from cuda.core import Device, LaunchConfig, Stream, launch
 
     Device(dev.index).set_current()
@@ -441,9 +455,11 @@ def _span_side(pool: RankPool, num_blocks: int, rect: Rect, ids: torch.Tensor, b
     """One side's ``SPAN_SIDE`` parameters for component ``c`` (kernels/run_copy.cu)."""
     i32, i64 = np.int32, np.int64
     s = pool.comp_strides(num_blocks)[c]
+    # a DCP rank's local positions on a side that keeps global tokens: the kernel maps them (kvlab.model.tokens)
+    dcp, rank, il = rect.local if rect.local is not None and pool.tokens.local is None else (1, 0, 0)
     return (ids.data_ptr(), i32(ids.dtype == torch.int64), i32(pool.tokens_per_block), i64(base), i64(s.offset),
             i64(s.block), i64(s.layer), i64(s.head), i64(s.token), i32(rect.l0 - pool.layers.start),
-            i32(rect.h0 - pool.heads.start))
+            i32(rect.h0 - pool.heads.start), i32(il), i32(dcp), i32(rank))
 
 
 def _copy_spans(src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_pool, dst_nb, dst_ids, dst_base, rect,
@@ -455,9 +471,12 @@ def _copy_spans(src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_p
     for s in src_pool.comp_strides(src_nb) + dst_pool.comp_strides(dst_nb):
         if math.gcd(s.offset, s.block, s.layer, s.head, s.token, s.row) % 16:
             return False
-    g = math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block)
-    items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * rect.n_layers
-    if items > _INT_MAX or rect.n_heads * g * max(src_pool.rows) // 16 > _INT_MAX - (1 << 16):
+    # a span lies in one block on each side and, for a DCP rank's positions, in one run of the interleave
+    g = math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block, rect.local[2] if rect.local else 0)
+    lm = layers_per_item(rect.n_layers, rect.n_heads * g * max(src_pool.rows) // 16, 32 * min(tuning.unroll, 5))
+    nlg = -(-rect.n_layers // lm)
+    items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * nlg
+    if items > _INT_MAX or lm * rect.n_heads * g * max(src_pool.rows) // 16 > _INT_MAX - (1 << 16):
         return False
     from cuda.core import Device, LaunchConfig, Stream, launch
 
@@ -473,9 +492,24 @@ def _copy_spans(src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_p
         launch(stream, LaunchConfig(grid=grid, block=tuning.threads), kernel, src_bytes.data_ptr(),
                dst_bytes.data_ptr(), *_span_side(src_pool, src_nb, rect, src_ids, src_base, c),
                *_span_side(dst_pool, dst_nb, rect, dst_ids, dst_base, c), i32(g), i32(rect.t0), i32(rect.t1),
-               i32(rect.n_layers), i32(rect.n_heads), i32(m), *fast_div(m), *fast_div(g), *fast_div(rect.n_layers),
-               i32(items))
+               i32(rect.n_layers), i32(rect.n_heads), i32(m), *fast_div(m), *fast_div(g), i32(lm),
+               *fast_div(rect.n_heads * g), *fast_div(nlg), i32(items))
     return True
+
+
+# An item (a span of tokens by every head of one layer) whose rows fill fewer than LAYER_PASSES passes of a warp's
+# loads in flight takes several consecutive layers (kv_copy_span, kv_convert_rect): DeepSeek's one MLA row per token
+# into SGLang's one-token blocks otherwise leaves most of a warp's loads empty. 0: one layer per item (the bench's
+# comparison, scripts/rect_bench.py --layer-passes).
+LAYER_PASSES = 4
+
+
+def layers_per_item(n_layers: int, per_layer: int, per_pass: int) -> int:
+    """Layers an item takes: ``per_layer`` units of work (vectors, rows) per layer, ``per_pass`` a warp's units in
+    flight at once."""
+    if LAYER_PASSES <= 0 or per_layer <= 0:
+        return 1
+    return min(n_layers, max(1, -(-LAYER_PASSES * per_pass // per_layer)))
 
 
 def fast_div(d: int) -> tuple:
@@ -558,12 +592,13 @@ def _wire_cside(rows: tuple[int, ...], rect: Rect, ids: torch.Tensor, c: int):
 
 
 @lru_cache(maxsize=8)
-def _convert_kernel(index: int):
-    """(kernel, CTAs resident at once, ObjectCode) of ``kv_convert_rect``."""
+def _convert_kernel(index: int, rows: int):
+    """(kernel, CTAs resident at once, ObjectCode) of ``kv_convert_rect`` with ``rows`` rows in flight per
+    team."""
     from cuda.core import Device, ObjectCode
 
     Device(index).set_current()
-    obj = ObjectCode.from_cubin(compile_for_arch(device_arch(index), DEFAULT_TUNING, source=FP8_ROWS_SOURCE),
+    obj = ObjectCode.from_cubin(compile_for_arch(device_arch(index), ConvertTuning(rows=rows), source=FP8_ROWS_SOURCE),
                                 name="fp8_rows")
     kernel = obj.get_kernel("kv_convert_rect")
     per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(CONVERT_THREADS, 0)
@@ -571,6 +606,22 @@ def _convert_kernel(index: int):
 
 
 CONVERT_THREADS = 256  # the kernel's launch bound
+CONVERT_ROWS = 4  # rows in flight per team (KV_ROWS in kernels/fp8_rows.cu): scripts/rect_bench.py --convert-rows
+
+
+@dataclass(frozen=True)
+class ConvertTuning(Tuning):
+    """The compile-time constants of ``kv_convert_rect``: ``Tuning``'s, and its rows in flight per team."""
+
+    rows: int = CONVERT_ROWS
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 1 <= self.rows <= 16:  # each row in flight holds a 16-byte load and two pointers in registers
+            raise ValueError(f"ConvertTuning.rows={self.rows}: use 1 to 16")
+
+    def defines(self) -> tuple[tuple[str, str], ...]:
+        return super().defines() + (("KV_ROWS", str(self.rows)),)
 
 
 def _convert_sides(spec_src, spec_dst, rect: Rect) -> list[ConvertShape] | None:
@@ -596,19 +647,23 @@ def _convert_launch(src_bytes, src_sides, dst_bytes, dst_sides, rect: Rect, shap
 
     dev = dst_bytes.device
     Device(dev.index).set_current()
-    kernel, resident, _ = _convert_kernel(dev.index)
+    kernel, resident, _ = _convert_kernel(dev.index, CONVERT_ROWS)
     stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
     i32 = np.int32
-    # items: a span of g tokens (one block on a pool side, one wire tile on a wire side) by every head of a layer
-    items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * rect.n_layers
-    if items > _INT_MAX or rect.n_heads * g > _INT_MAX // 2:
+    # items: a span of g tokens (one block on a pool side, one wire tile on a wire side) by every head of lm layers;
+    # a warp's teams keep KV_ROWS rows each in flight (the teams are the fewest lanes of any component)
+    lm = layers_per_item(rect.n_layers, rect.n_heads * g, 32 // min(sh.lanes for sh in shapes) * CONVERT_ROWS)
+    nlg = -(-rect.n_layers // lm)
+    items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * nlg
+    if items > _INT_MAX or lm * rect.n_heads * g > _INT_MAX // 2:
         return False
     grid = max(1, min(ctas or resident, -(-items // (CONVERT_THREADS // 32))))
     for c, sh in enumerate(shapes):
         launch(stream, LaunchConfig(grid=grid, block=CONVERT_THREADS), kernel, src_bytes.data_ptr(),
                dst_bytes.data_ptr(), *src_sides[c][0], *dst_sides[c][0], i32(g), i32(rect.t0), i32(rect.t1),
                i32(rect.n_layers), i32(rect.n_heads), i32(sh.elems), i32(sh.q), i32(sh.group), i32(sh.lanes),
-               i32(sh.to_fp8), i32(sh.base == "fp16"), *fast_div(g), *fast_div(rect.n_layers), i32(items))
+               i32(sh.to_fp8), i32(sh.base == "fp16"), *fast_div(g), i32(lm), *fast_div(rect.n_heads * g),
+               *fast_div(nlg), i32(items))
     return True
 
 

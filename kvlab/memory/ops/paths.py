@@ -6,7 +6,9 @@ address is not aligned).
   gcd(tokens_per_block) tokens by every head, where every row and stride is 16-byte aligned and the runs are
   short: single rows on one side (vLLM's NHD into TensorRT-LLM's HND) or runs below ``LONG_RUN`` (Gemma-3's
   4 KiB of one block of one head). Else ``runs`` (``kv_copy_rect``: a warp per long run, lane groups per short
-  one, any alignment).
+  one, any alignment). Pools of more than two components (a recurrent state) and a DCP rank's positions against
+  global tokens take ``span`` where aligned (a launch per component; spans mapped to the global tokens), else the
+  torch reference.
 - Another KV dtype, ``convert`` (``kv_convert_rect`` in kernels/fp8_rows.cu): read, convert, write in one pass,
   where the rows are bf16/fp16 <-> fp8 in groups of whole 8-value pieces of at most 256 values; else ``staged``
   (kvlab.memory.ops.convert: the rows moved into scratch, converted, moved out).
@@ -25,22 +27,31 @@ from kvlab.model.state import RankPool, pool_format
 LONG_RUN = 8192
 
 
-# components a kernel addresses (K and V; the indexer's values and scales): a pool of more (a recurrent state's
-# three conv parts and its state) is moved by the torch reference (kvlab.memory.ops.reference)
+# components kv_copy_rect and the pack/unpack kernels address (K and V; the indexer's values and scales: their
+# strides come in pairs); kv_copy_span takes one component per launch, so a pool of more (a recurrent state's three
+# conv parts and its state) takes it where its rows are aligned, else the torch reference (kvlab.memory.ops.reference)
 KERNEL_COMPONENTS = 2
 
 
 def copy_path(src_pool: RankPool, dst_pool: RankPool) -> tuple[str, str]:
     """(``span``, ``runs`` or ``reference``, why) for a rectangle between two pools of one format."""
     n = max(len(src_pool.rows), len(dst_pool.rows))
-    if n > KERNEL_COMPONENTS:
-        return "reference", f"{n} components, the kernels address {KERNEL_COMPONENTS}: torch's runs move them"
+    # one side keeps a DCP rank's local positions, the other global tokens: only the span kernel maps them
+    dcp = src_pool.tokens.local != dst_pool.tokens.local
     for name, p in (("ctx", src_pool), ("gen", dst_pool)):
         for c, s in enumerate(p.comp_strides(1)):
-            if s.row % 16:
-                return "runs", f"{name} rows of component {c} are {s.row} bytes, not a multiple of 16"
-            if math.gcd(s.offset, s.block, s.layer, s.head, s.token) % 16:
-                return "runs", f"{name} strides of component {c} are not 16-byte aligned"
+            bad = (f"{name} rows of component {c} are {s.row} bytes, not a multiple of 16" if s.row % 16 else
+                   f"{name} strides of component {c} are not 16-byte aligned"
+                   if math.gcd(s.offset, s.block, s.layer, s.head, s.token) % 16 else "")
+            if bad and (n > KERNEL_COMPONENTS or dcp):
+                why = f"{n} components" if n > KERNEL_COMPONENTS else "a DCP rank's positions"
+                return "reference", f"{why} and {bad}: torch's runs move them"
+            if bad:
+                return "runs", bad
+    if n > KERNEL_COMPONENTS:
+        return "span", f"{n} components, one span launch each (kv_copy_rect addresses {KERNEL_COMPONENTS})"
+    if dcp:
+        return "span", "a DCP rank's positions: each span mapped to the global tokens it holds"
     g = math.gcd(src_pool.tokens_per_block, dst_pool.tokens_per_block)
     if src_pool.token_runs and dst_pool.token_runs:
         run = g * min(src_pool.rows)
