@@ -108,7 +108,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     def last_words(signame: str) -> None:
         if read_part(run_dir, world_rank) is None:
             write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
-                f"rank {world_rank}: stopped by {signame}{_orphaned()} before its transfers"]))
+                f"rank {world_rank}: stopped by {signame}{_orphaned() or stop.dead()} before its transfers"]))
 
     at_once = AtOnce(last_words)
     ready()
