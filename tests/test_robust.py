@@ -438,6 +438,64 @@ def test_interrupt_before_the_ranks_start_is_one_line(tmp_path, kvlab_cli):
     assert _one_line(err).startswith("kvlab: interrupted by SIGINT")
 
 
+def _handling_signals(pid: int, timeout: float = 60.0) -> None:
+    """Wait until process ``pid`` catches SIGTERM (Python alone does not): the command has started and set its
+    own handlers (kvlab.core.interrupt.as_exit)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(next(ln for ln in status.splitlines() if ln.startswith("SigCgt:")).split()[1], 16)
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.005)
+    raise AssertionError("the command never set its signal handlers")
+
+
+@pytest.mark.parametrize("moment", ["starting", "ending"])
+def test_sim_interrupted_is_one_line_or_nothing_once_done(moment, tmp_path, kvlab_cli):
+    """Ctrl-C to kvlab sim while it composes and checks its jobs (seconds of Hydra: a KeyboardInterrupt traceback
+    there) is one line, exit 130; once its results are written (the last line printed) it is one line saying
+    where they are, or, in Python's teardown (a quarter of a second with torch loaded), nothing: exit 0, not
+    130 without a word."""
+    run_dir = tmp_path / "sim"
+    p = _start(kvlab_cli.argv("sim", f"hydra.run.dir={run_dir}"), tmp_path)
+    if moment == "starting":
+        _handling_signals(p.pid)
+    else:
+        for line in p.stdout:
+            if line.startswith("results in"):
+                break
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    _no_process_left(p.pid)
+    assert "Traceback" not in err, err
+    if moment == "starting":
+        assert p.returncode == 130, err
+        assert _one_line(err) == "kvlab: interrupted by SIGINT before the simulation started; nothing was " \
+                                 "simulated or written"
+        assert not (run_dir / "summary.json").exists()
+    else:
+        assert (p.returncode, err) == (0, "") or p.returncode == 130 and _one_line(err) == \
+            f"kvlab: interrupted by SIGINT as the simulation ended; its results are in {run_dir}", err
+        assert json.loads((run_dir / "summary.json").read_text())["requests"] > 0
+    assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_link_interrupted_while_its_ranks_start_is_one_line(tmp_path, kvlab_cli):
+    """Ctrl-C reaches the ranks too (the whole group), then the launcher's SIGTERM: a rank still starting ends
+    on the first and, before, printed an "Exception ignored ... signal wakeup fd" traceback for the second."""
+    run_dir = tmp_path / "link"
+    p = _start(kvlab_cli.argv("link", f"hydra.run.dir={run_dir}"), tmp_path)
+    _workers(p.pid, 3)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    _no_process_left(p.pid)
+    assert p.returncode == 130, err
+    assert re.fullmatch(r"kvlab: interrupted by SIGINT: \d of \d+ message sizes measured(, in \S+)?", _one_line(err))
+    assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
 @pytest.mark.parametrize("lost", ["swallowed", "turned into another error"])
 def test_a_signal_lost_inside_a_library_still_ends_the_block(lost, capsys):
     """torch imports numpy under ``try``: Ctrl-C at that moment raised inside the import and was swallowed

@@ -15,6 +15,7 @@ package's conf/), or PATH (a ``.yaml`` file, or a directory such as a run direct
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -66,11 +67,11 @@ def hydra_main(cfg: DictConfig) -> None:
     if s.sim.search:
         r.summary.update(max_rate=found["max_rate"], max_rate_bound=found["bound"])
     _print_result(s, r, which)
-    (out / "summary.json").write_text(json.dumps(r.summary, indent=1))
     if s.sim.write_requests:
         with open(out / "requests.jsonl", "w") as f:
             for row in report.rows(r.outcome, s.sim.slo):
                 f.write(json.dumps(row) + "\n")
+    (out / "summary.json").write_text(json.dumps(r.summary, indent=1))  # last: a summary means the rest is there
     print(f"results in {out}")
 
 
@@ -178,6 +179,15 @@ def calibrate_main(argv: list[str]) -> None:
     print(f"profile written to {out} (cost={out.stem}{how})")
 
 
+def _kept(held: Path | None, multirun: bool) -> str:
+    """What an interrupted simulation leaves: its summary is written last, so it is there only complete."""
+    if multirun:
+        return "while simulating a sweep; the jobs that ended kept their summaries"
+    if held is not None and (held / "summary.json").exists():
+        return f"as the simulation ended; its results are in {held}"
+    return "while simulating; no summary was written"
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["calibrate"]:
         return calibrate_main(argv[1:])
@@ -185,33 +195,37 @@ def main(argv: list[str]) -> None:
     only_looks = any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or a.startswith("--cfg")
                      for a in argv)
     overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.startswith("hydra.")]
-    if not only_looks:
-        problem = _check(overrides, multirun)
-        if problem:
-            print(f"kvlab: error: {problem}", file=sys.stderr)
-            raise SystemExit(2)
     from kvlab.core import interrupt
     from kvlab.results import rundir
 
-    held = None
-    if not only_looks and not multirun:  # one command per directory: a kvlab run there holds it, or this does
-        given = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), None)
-        held = Path(given) if given is not None else Path(
-            compose(overrides, config_name="sim", return_hydra_config=True).hydra.run.dir)
-        if given is None:
-            argv = [*argv, f"hydra.run.dir={held}"]  # pinned: the directory Hydra makes is the one held
-        try:
-            rundir.acquire(held)
-        except ConfigError as e:
-            print(f"kvlab: error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-    sys.argv = ["kvlab sim", *argv]
+    held = locked = None
     try:
-        with interrupt.as_exit("while simulating; no summary was written"):
+        # composing every job to check it takes seconds of Hydra, where a Ctrl-C was a KeyboardInterrupt traceback
+        with interrupt.as_exit("before the simulation started; nothing was simulated or written"):
+            if not only_looks:
+                problem = _check(overrides, multirun)
+                if problem:
+                    interrupt.check_pending()  # a Ctrl-C inside Hydra may surface as its error: the signal is the cause
+                    print(f"kvlab: error: {problem}", file=sys.stderr)
+                    raise SystemExit(2)
+            if not only_looks and not multirun:  # one command per directory: a kvlab run there holds it, or this does
+                given = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), None)
+                held = Path(given) if given is not None else Path(
+                    compose(overrides, config_name="sim", return_hydra_config=True).hydra.run.dir)
+                if given is None:
+                    argv = [*argv, f"hydra.run.dir={held}"]  # pinned: the directory Hydra makes is the one held
+                try:
+                    rundir.acquire(held)
+                    locked = held
+                except ConfigError as e:
+                    print(f"kvlab: error: {e}", file=sys.stderr)
+                    raise SystemExit(2) from None
+        sys.argv = ["kvlab sim", *argv]
+        with interrupt.as_exit(functools.partial(_kept, held, multirun), last=True):
             hydra_main()
     except ConfigError as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     finally:
-        if held is not None:
-            rundir.release(held)
+        if locked is not None:
+            rundir.release(locked)
