@@ -5,6 +5,7 @@ errors under ``-m``, run directories that cannot be written). Through the real `
 process group: the exit code, exactly one line on stderr, no traceback, no process left behind."""
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -348,14 +349,103 @@ def test_a_run_directory_without_room_for_what_the_run_writes_is_one_line_before
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
     m = re.fullmatch(rf"kvlab: error: hydra\.run\.dir={re.escape(str(run_dir))}: the run writes up to [\d.]+ MiB "
-                     r"there \(400 requests\), [\d.]+ MiB free; free some space or give another directory, or lower "
-                     r"workload\.requests \(at most (\d+) fit\)\n", err)
+                     r"there \(400 requests\), [\d.]+ MiB free; free some space on its file system, or give a "
+                     r"directory elsewhere: hydra\.run\.dir=DIR, or lower workload\.requests \(at most (\d+) fit\)\n",
+                     err)
     assert m and 0 < int(m[1]) < 400, err
     fits = build(compose(QUIET + [f"workload.requests={m[1]}"]))
     assert budget.run_dir_bytes(fits) <= free["bytes"] < budget.run_dir_bytes(setup)
     assert not (run_dir / "parts").exists() and not (run_dir / "summary.json").exists()
     free["bytes"] = need
     budget.check_run_dir(setup, run_dir)  # exactly enough
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB file system of its own (tmpfs), to be filled: mounting one needs root, as CI and the dev machine
+    run; elsewhere the test is skipped, and the file-size limit's test below covers the writers."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to fill needs root")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _fill(disk: Path) -> None:
+    """Write into ``disk`` until its file system has no byte left."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    for n in range(64):  # the pages a partial last write could not take, in files of a byte each
+        try:
+            (disk / f"filler{n}").write_bytes(b"\0")
+        except OSError:
+            break
+
+
+ROOM_FIX = "free some space on its file system, or give a directory elsewhere: hydra.run.dir=DIR"
+
+
+def _no_half_file(run_dir: Path) -> None:
+    """Nothing half-written: no summary, and no temporary file of a write that failed."""
+    assert not (run_dir / "summary.json").exists()
+    assert not [q for q in run_dir.rglob("*.tmp")], list(run_dir.rglob("*"))
+
+
+@pytest.mark.parametrize("command", ["run", "sim", "link"])
+def test_a_full_disk_at_start_is_one_line(command, small_disk, kvlab_cli):
+    _fill(small_disk)
+    run_dir = small_disk / "run"
+    line = _refused(kvlab_cli.argv(command, f"hydra.run.dir={run_dir}", *QUIET), small_disk.parent)
+    assert line == f"kvlab: error: hydra.run.dir={run_dir}: cannot create or write the run directory (No space " \
+                   f"left on device); {ROOM_FIX}"
+    assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_a_disk_filling_up_during_the_run_is_one_line(small_disk, kvlab_cli):
+    """Full once the ranks run: each rank's part, then the summary, find no room (63 lines of ENOSPC tracebacks
+    from the ranks before, and no summary)."""
+    run_dir = small_disk / "run"
+    p = _start(kvlab_cli.argv("run", f"hydra.run.dir={run_dir}", *QUIET), small_disk.parent)
+    _workers(p.pid, 3)
+    _fill(small_disk)
+    _, err = p.communicate(timeout=120)
+    _no_process_left(p.pid)
+    assert p.returncode == 2, err
+    line = _one_line(err)
+    file = line.removeprefix(f"kvlab: error: hydra.run.dir={run_dir}: no room to write ").removesuffix(
+        f" (No space left on device); {ROOM_FIX}")
+    assert re.fullmatch(r"parts/rank\d\.json|results\.jsonl|timeline\.jsonl|summary\.json", file), line
+    _no_half_file(run_dir)
+    assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+def test_a_file_past_the_file_size_limit_is_one_line(tmp_path, kvlab_cli):
+    """The writers' failure without root: RLIMIT_FSIZE (EFBIG, Python ignoring SIGXFSZ) at the sim's requests.jsonl
+    (tens of KiB; Hydra's own records of the job take 4 KiB each at most)."""
+    import resource
+
+    run_dir = tmp_path / "sim"
+    p = subprocess.Popen(kvlab_cli.argv("sim", f"hydra.run.dir={run_dir}"), cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192)))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2, err
+    assert _one_line(err) == f"kvlab: error: hydra.run.dir={run_dir}: cannot write requests.jsonl (File too large): " \
+                             "it is larger than this process's file-size limit; raise the limit (ulimit -f unlimited)"
+    _no_half_file(run_dir)
+    assert not (run_dir / "requests.jsonl").exists()
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from kvlab.config.schema import CONF_DIR, compose
 from kvlab.core.errors import ConfigError
-from kvlab.core.paths import user_conf_dir
+from kvlab.core.paths import user_conf_dir, write_whole
 from kvlab.sim import report
 from kvlab.sim.run import build_sim, compose_sim, max_rate, run
 
@@ -49,6 +49,14 @@ def _print_result(s, r, which: str = "") -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="sim", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
+    try:
+        simulate(cfg)
+    except ConfigError as e:  # here, not in main: Hydra would report it as a job's failure, in ten lines
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def simulate(cfg: DictConfig) -> None:
     import dataclasses
 
     s = build_sim(cfg)
@@ -57,7 +65,7 @@ def hydra_main(cfg: DictConfig) -> None:
     which = ""
     if s.sim.search:
         found = max_rate(s)
-        (out / "search.json").write_text(json.dumps(found, indent=2))
+        write_whole(out / "search.json", json.dumps(found, indent=2))
         print(search_line(s, found))
         shown = found["max_rate"] or min(t["rate"] for t in found["tried"])
         which = (": the highest rate found" if found["bound"] == "=" else ": the highest rate tried"
@@ -68,10 +76,9 @@ def hydra_main(cfg: DictConfig) -> None:
         r.summary.update(max_rate=found["max_rate"], max_rate_bound=found["bound"])
     _print_result(s, r, which)
     if s.sim.write_requests:
-        with open(out / "requests.jsonl", "w") as f:
-            for row in report.rows(r.outcome, s.sim.slo):
-                f.write(json.dumps(row) + "\n")
-    (out / "summary.json").write_text(json.dumps(r.summary, indent=1))  # last: a summary means the rest is there
+        rows = report.rows(r.outcome, s.sim.slo)
+        write_whole(out / "requests.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    write_whole(out / "summary.json", json.dumps(r.summary, indent=1))  # last: a summary means the rest is there
     print(f"results in {out}")
 
 
@@ -167,10 +174,14 @@ def calibrate_main(argv: list[str]) -> None:
               f"prefill_slowdown {t.prefill_slowdown:.3g}")
     pre = fitted.prefill
     print(f"prefill: scale {pre.scale:.4g}, byte_ns {pre.byte_ns:.4g}, fixed_ms {pre.fixed_ms:.4g}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    calibrate.write_profile(out, fitted, a.base, rep)
-    if a.report:
-        Path(a.report).write_text(json.dumps(rep, indent=1))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        calibrate.write_profile(out, fitted, a.base, rep)
+        if a.report:
+            write_whole(Path(a.report), json.dumps(rep, indent=1), "--report")
+    except ConfigError as e:  # no room left since the check above
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     found = out.parent.parent
     if out.parent.name != "cost":  # a file of its own: a config group's file lies in a cost/ directory
         print(f"profile written to {out} (as cost=NAME from a DIR/cost/NAME.yaml with hydra.searchpath=[file://DIR])")
