@@ -68,7 +68,7 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
     to stop as after a death. Every rank that died or had to be stopped is named on
     stderr, except after an interruption (the caller says it in one line).
     """
-    from kvlab.core.interrupt import SIGNALS, check_pending, die_with_parent
+    from kvlab.core.interrupt import SIGNALS, check_pending, start_rank
     from kvlab.results import records
 
     check_pending()  # a Ctrl-C taken while composing, and lost there, starts no rank
@@ -94,7 +94,7 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
 
                 env[CONFIG_ENV] = config_yaml
             procs.append(subprocess.Popen([sys.executable, "-m", "kvlab.cli.worker", str(run_dir)], env=env,
-                                          preexec_fn=functools.partial(die_with_parent, os.getpid())))
+                                          preexec_fn=functools.partial(start_rank, os.getpid())))
         first, deadline, stopped, died, told, nudge_at, exit_at = None, None, [], [], None, None, None
         frozen_killed: list[int] = []
         frozen_since: dict[int, float] = {}

@@ -122,6 +122,16 @@ def ready() -> None:
         _starting = None
 
 
+def start_rank(parent: int) -> None:
+    """In a rank the local launcher starts, before exec: SIGINT ignored, which Python keeps when it starts with
+    it so, until the rank sets its own handlers (``quiet_until_ready``, its first step). A Ctrl-C to the group
+    in the rank's first tenth of a second (the interpreter importing site, the worker its first modules) raised
+    KeyboardInterrupt there: "Fatal Python error: init_import_site" and a traceback on the run's stderr. The
+    launcher takes that Ctrl-C itself and stops every rank with SIGTERM. Then ``die_with_parent``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
+
+
 def die_with_parent(parent: int) -> None:
     """In a child before exec: SIGTERM when the parent (pid ``parent``) dies, however it dies (Linux
     prctl), so that no rank outlives the launcher; if the parent is already gone, now."""
