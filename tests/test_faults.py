@@ -155,26 +155,33 @@ def _rank_pids(parent: int) -> dict[int, int]:
 
 
 @pytest.mark.slow
-def test_rank_0_frozen_while_the_ranks_start_ends_the_run(tmp_path, kvlab_cli):
-    """Frozen before any transfer (its peers wait on the store it hosts, in calls of torch.distributed
-    without a deadline of kvlab's): the launcher kills it once it has been frozen ``transfer.timeout_s``,
-    and every other rank stops."""
+@pytest.mark.parametrize("rank", [0, 2], ids=["ctx0-hosting-the-store", "gen0"])
+def test_a_rank_frozen_while_the_ranks_start_ends_the_run(rank, tmp_path, kvlab_cli):
+    """Frozen before any transfer (its peers wait on it in calls of torch.distributed without a deadline of
+    kvlab's: joining the others, or on the store rank 0 hosts): the launcher kills it once it has been frozen
+    ``transfer.timeout_s``, stops every other rank as after a death, and names the frozen rank as the cause."""
     p = subprocess.Popen(kvlab_cli.argv("run", f"hydra.run.dir={tmp_path}", *QUIET, *FAULTY), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
-        while 0 not in (pids := _rank_pids(p.pid)) and p.poll() is None:
+        while rank not in (pids := _rank_pids(p.pid)) and p.poll() is None:
             time.sleep(0.01)
-        os.kill(pids[0], signal.SIGSTOP)  # still starting: importing torch, or joining the others
+        os.kill(pids[rank], signal.SIGSTOP)  # still starting: importing torch, or joining the others
         _, err = p.communicate(timeout=HANG_S)
     finally:
         p.kill()
     assert p.returncode == 1, err
-    assert f"kvlab: rank 0 (ctx0) was frozen (stopped by a signal, its connections open) for {TIMEOUT_S} s; " \
-           "killed it" in err.splitlines(), err
+    name = {0: "ctx0", 2: "gen0"}[rank]
+    assert [ln for ln in err.splitlines() if "was frozen" in ln] == [
+        f"kvlab: rank {rank} ({name}) was frozen (stopped by a signal, its connections open) for {TIMEOUT_S} s; "
+        "killed it"], err
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["failed_requests"] == list(range(6)) and not summary["verified"], summary
-    assert json.loads((tmp_path / "parts" / "rank0.json").read_text())["errors"] == [
-        "rank 0: frozen (stopped by a signal); killed by the launcher"]
+    assert json.loads((tmp_path / "parts" / f"rank{rank}.json").read_text())["errors"] == [
+        f"rank {rank}: frozen (stopped by a signal); killed by the launcher"]
+    for r in {0, 1, 2} - {rank}:  # stopped because of it, and saying so (or gone by themselves with the store)
+        (why,) = json.loads((tmp_path / "parts" / f"rank{r}.json").read_text())["errors"]
+        assert why == f"rank {r}: stopped by SIGTERM after {name} (rank {rank}) died before its transfers" or \
+            re.fullmatch(rf"rank {r}: lost the others \(Dist\w*Error\) before its transfers", why), why
     assert not any(Path(f"/proc/{q}").exists() for q in pids.values())  # no rank outlived the run
 
 

@@ -5,6 +5,7 @@ errors under ``-m``, run directories that cannot be written). Through the real `
 process group: the exit code, exactly one line on stderr, no traceback, no process left behind."""
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -348,14 +349,103 @@ def test_a_run_directory_without_room_for_what_the_run_writes_is_one_line_before
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
     m = re.fullmatch(rf"kvlab: error: hydra\.run\.dir={re.escape(str(run_dir))}: the run writes up to [\d.]+ MiB "
-                     r"there \(400 requests\), [\d.]+ MiB free; free some space or give another directory, or lower "
-                     r"workload\.requests \(at most (\d+) fit\)\n", err)
+                     r"there \(400 requests\), [\d.]+ MiB free; free some space on its file system, or give a "
+                     r"directory elsewhere: hydra\.run\.dir=DIR, or lower workload\.requests \(at most (\d+) fit\)\n",
+                     err)
     assert m and 0 < int(m[1]) < 400, err
     fits = build(compose(QUIET + [f"workload.requests={m[1]}"]))
     assert budget.run_dir_bytes(fits) <= free["bytes"] < budget.run_dir_bytes(setup)
     assert not (run_dir / "parts").exists() and not (run_dir / "summary.json").exists()
     free["bytes"] = need
     budget.check_run_dir(setup, run_dir)  # exactly enough
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB file system of its own (tmpfs), to be filled: mounting one needs root, as CI and the dev machine
+    run; elsewhere the test is skipped, and the file-size limit's test below covers the writers."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to fill needs root")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _fill(disk: Path) -> None:
+    """Write into ``disk`` until its file system has no byte left."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    for n in range(64):  # the pages a partial last write could not take, in files of a byte each
+        try:
+            (disk / f"filler{n}").write_bytes(b"\0")
+        except OSError:
+            break
+
+
+ROOM_FIX = "free some space on its file system, or give a directory elsewhere: hydra.run.dir=DIR"
+
+
+def _no_half_file(run_dir: Path) -> None:
+    """Nothing half-written: no summary, and no temporary file of a write that failed."""
+    assert not (run_dir / "summary.json").exists()
+    assert not [q for q in run_dir.rglob("*.tmp")], list(run_dir.rglob("*"))
+
+
+@pytest.mark.parametrize("command", ["run", "sim", "link"])
+def test_a_full_disk_at_start_is_one_line(command, small_disk, kvlab_cli):
+    _fill(small_disk)
+    run_dir = small_disk / "run"
+    line = _refused(kvlab_cli.argv(command, f"hydra.run.dir={run_dir}", *QUIET), small_disk.parent)
+    assert line == f"kvlab: error: hydra.run.dir={run_dir}: cannot create or write the run directory (No space " \
+                   f"left on device); {ROOM_FIX}"
+    assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_a_disk_filling_up_during_the_run_is_one_line(small_disk, kvlab_cli):
+    """Full once the ranks run: each rank's part, then the summary, find no room (63 lines of ENOSPC tracebacks
+    from the ranks before, and no summary)."""
+    run_dir = small_disk / "run"
+    p = _start(kvlab_cli.argv("run", f"hydra.run.dir={run_dir}", *QUIET), small_disk.parent)
+    _workers(p.pid, 3)
+    _fill(small_disk)
+    _, err = p.communicate(timeout=120)
+    _no_process_left(p.pid)
+    assert p.returncode == 2, err
+    line = _one_line(err)
+    file = line.removeprefix(f"kvlab: error: hydra.run.dir={run_dir}: no room to write ").removesuffix(
+        f" (No space left on device); {ROOM_FIX}")
+    assert re.fullmatch(r"parts/rank\d\.json|results\.jsonl|timeline\.jsonl|summary\.json", file), line
+    _no_half_file(run_dir)
+    assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+def test_a_file_past_the_file_size_limit_is_one_line(tmp_path, kvlab_cli):
+    """The writers' failure without root: RLIMIT_FSIZE (EFBIG, Python ignoring SIGXFSZ) at the sim's requests.jsonl
+    (tens of KiB; Hydra's own records of the job take 4 KiB each at most)."""
+    import resource
+
+    run_dir = tmp_path / "sim"
+    p = subprocess.Popen(kvlab_cli.argv("sim", f"hydra.run.dir={run_dir}"), cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192)))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2, err
+    assert _one_line(err) == f"kvlab: error: hydra.run.dir={run_dir}: cannot write requests.jsonl (File too large): " \
+                             "it is larger than this process's file-size limit; raise the limit (ulimit -f unlimited)"
+    _no_half_file(run_dir)
+    assert not (run_dir / "requests.jsonl").exists()
 
 
 @pytest.mark.slow
@@ -379,14 +469,14 @@ LONG = ["workload.requests=400", "transfer.slot_mib=1"]  # minutes of transfers 
 STALLED = [*LONG, "fault.stall_rank=0", "fault.stall_at_chunk=2", "fault.stall_s=600", "transfer.timeout_s=600"]
 
 
-def _workers(pgid: int, n: int, timeout: float = 120.0) -> list[int]:
+def _workers(pgid: int, n: int, timeout: float = 120.0, every_s: float = 0.2) -> list[int]:
     """Pids of the run's ranks once all ``n`` have started (the launcher's children)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         kids = sorted(pid for pid in _group(pgid) if pid != pgid)
         if len(kids) >= n:
             return kids
-        time.sleep(0.2)
+        time.sleep(every_s)
     raise AssertionError("the ranks did not start")
 
 
@@ -436,6 +526,70 @@ def test_interrupt_before_the_ranks_start_is_one_line(tmp_path, kvlab_cli):
     _no_process_left(p.pid)
     assert p.returncode == 130
     assert _one_line(err).startswith("kvlab: interrupted by SIGINT")
+
+
+def _handling_signals(pid: int, timeout: float = 60.0) -> None:
+    """Wait until process ``pid`` catches SIGTERM (Python alone does not): the command has started and set its
+    own handlers (kvlab.core.interrupt.as_exit). Until it has exec'd, the child has this process's handlers and
+    command line: its own command line is read first, so the status read after it is the command's."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if Path(f"/proc/{pid}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes():
+            time.sleep(0.005)
+            continue
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(next(ln for ln in status.splitlines() if ln.startswith("SigCgt:")).split()[1], 16)
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.005)
+    raise AssertionError("the command never set its signal handlers")
+
+
+@pytest.mark.parametrize("moment", ["starting", "ending"])
+def test_sim_interrupted_is_one_line_or_nothing_once_done(moment, tmp_path, kvlab_cli):
+    """Ctrl-C to kvlab sim while it composes and checks its jobs (seconds of Hydra: a KeyboardInterrupt traceback
+    there) is one line, exit 130; once its results are written (the last line printed) it is one line saying
+    where they are, or, in Python's teardown (a quarter of a second with torch loaded), nothing: exit 0, not
+    130 without a word."""
+    run_dir = tmp_path / "sim"
+    p = _start(kvlab_cli.argv("sim", f"hydra.run.dir={run_dir}"), tmp_path)
+    if moment == "starting":
+        _handling_signals(p.pid)
+    else:
+        for line in p.stdout:
+            if line.startswith("results in"):
+                break
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    _no_process_left(p.pid)
+    assert "Traceback" not in err, err
+    if moment == "starting":
+        assert p.returncode == 130, err
+        assert _one_line(err) == "kvlab: interrupted by SIGINT before the simulation started; nothing was " \
+                                 "simulated or written"
+        assert not (run_dir / "summary.json").exists()
+    else:
+        assert (p.returncode, err) == (0, "") or p.returncode == 130 and _one_line(err) == \
+            f"kvlab: interrupted by SIGINT as the simulation ended; its results are in {run_dir}", err
+        assert json.loads((run_dir / "summary.json").read_text())["requests"] > 0
+    assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_link_interrupted_while_its_ranks_start_is_one_line(tmp_path, kvlab_cli):
+    """Ctrl-C reaches the ranks too (the whole group), the moment they exist, then the launcher's SIGTERM. A rank
+    whose interpreter was starting died of the first in its site import ("Fatal Python error", 9 of 10 tries);
+    one past it, in its first imports, printed an "Exception ignored ... signal wakeup fd" traceback for the
+    second."""
+    run_dir = tmp_path / "link"
+    p = _start(kvlab_cli.argv("link", f"hydra.run.dir={run_dir}"), tmp_path)
+    _workers(p.pid, 3, every_s=0.005)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    _no_process_left(p.pid)
+    assert p.returncode == 130, err
+    assert re.fullmatch(r"kvlab: interrupted by SIGINT: \d of \d+ message sizes measured(, in \S+)?", _one_line(err))
+    assert not (run_dir / rundir.LOCK_NAME).exists()
 
 
 @pytest.mark.parametrize("lost", ["swallowed", "turned into another error"])

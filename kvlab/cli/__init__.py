@@ -11,4 +11,9 @@ def main(argv: list[str] | None = None) -> None:
     guard()  # a closed or full stdout does not fail a run (kvlab.core.streams)
     from kvlab.cli.commands import main as commands_main
 
+    if argv is None:  # the process's own command line: the process ends with it
+        from kvlab.core.interrupt import ends_with_command
+
+        ends_with_command()
+
     commands_main(argv)

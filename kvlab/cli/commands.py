@@ -219,6 +219,9 @@ def _run_dir(rest: list[str]) -> Path:
 
 
 def _fail(problem: str, code: int = 2):
+    from kvlab.core.interrupt import check_pending
+
+    check_pending()  # a Ctrl-C that broke a library mid-call made this problem: the interruption is the one line
     print(f"kvlab: error: {problem}", file=sys.stderr)
     raise SystemExit(code)
 
@@ -433,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [f"kvlab {command}", *hydra_argv(command, args, given)]
     hydra_main = _hydra_main(command)
     try:
-        with interrupt.as_exit():  # outside the launcher's watch: composing, or merging after it
+        with interrupt.as_exit(last=True):  # outside the launcher's watch: composing, or merging after it
             hydra_main()
     except ConfigError as e:  # checks that need more than the config (e.g. the handshake)
         _fail(str(e))

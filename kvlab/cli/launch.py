@@ -18,6 +18,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# How long the others get, once a frozen rank is killed, to end by themselves before they are stopped. It
+# was killed only after ``frozen_s`` (the transfer timeout) without a sign of life, so a rank whose own
+# deadline runs on it is giving up already, and one blocked joining it (a rendezvous, a process group's
+# creation) would sit out the whole ``death_grace_s`` on top of that timeout for nothing
+FROZEN_NUDGE_S = 2.0
+
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
@@ -58,10 +64,11 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
     ``stop_wait_s`` later is killed. The ranks die with this process in any case (``PR_SET_PDEATHSIG``).
     A rank frozen (stopped by a signal: its sockets stay open, so no peer sees it go) for ``frozen_s`` seconds
     is killed and treated as dead, in any phase: its peers may be blocked on it in a call without a deadline
-    (a process group's creation on rank 0's store). Every rank that died or had to be stopped is named on
+    (a process group's creation on rank 0's store), so those still running ``FROZEN_NUDGE_S`` later are told
+    to stop as after a death. Every rank that died or had to be stopped is named on
     stderr, except after an interruption (the caller says it in one line).
     """
-    from kvlab.core.interrupt import SIGNALS, check_pending, die_with_parent
+    from kvlab.core.interrupt import SIGNALS, check_pending, start_rank
     from kvlab.results import records
 
     check_pending()  # a Ctrl-C taken while composing, and lost there, starts no rank
@@ -87,7 +94,7 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
 
                 env[CONFIG_ENV] = config_yaml
             procs.append(subprocess.Popen([sys.executable, "-m", "kvlab.cli.worker", str(run_dir)], env=env,
-                                          preexec_fn=functools.partial(die_with_parent, os.getpid())))
+                                          preexec_fn=functools.partial(start_rank, os.getpid())))
         first, deadline, stopped, died, told, nudge_at, exit_at = None, None, [], [], None, None, None
         frozen_killed: list[int] = []
         frozen_since: dict[int, float] = {}
@@ -109,7 +116,7 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                 if _died(c) and r not in died:
                     died.append(r)
                     records.mark_dead(run_dir, r)  # rank 0 stops waiting for its part
-                    nudge_at = now + death_grace_s
+                    nudge_at = now + (FROZEN_NUDGE_S if r in frozen_killed else death_grace_s)
             if all(c is not None for c in codes):
                 break
             if first is not None and codes[0] in (0, 1):

@@ -25,6 +25,7 @@ from kvlab.config import devices
 from kvlab.config.schema import CONF_DIR, Setup, build
 from kvlab.config.workload import plan_requests
 from kvlab.core.errors import ConfigError
+from kvlab.core.paths import write_whole
 from kvlab.memory.ops import paths
 from kvlab.model import kv_dtype
 from kvlab.model.engine_layouts import LAYOUTS
@@ -247,5 +248,5 @@ def hydra_main(cfg: DictConfig) -> None:
         summary["memory"]["fits"] = False
         print(f"kvlab run would stop here: {e}")
     out = Path(HydraConfig.get().runtime.output_dir) / "plan.json"
-    out.write_text(json.dumps(summary, indent=2))
+    write_whole(out, json.dumps(summary, indent=2))
     print(f"plan written to {out}")

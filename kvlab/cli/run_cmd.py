@@ -22,6 +22,7 @@ from kvlab.config.schema import AUTO_DEFAULT, AUTO_TRANSPORT, CONF_DIR, build
 from kvlab.config.workload import plan_run
 from kvlab.core import interrupt
 from kvlab.core.errors import ConfigError
+from kvlab.core.paths import write_whole
 from kvlab.rank import report
 from kvlab.rank.runner import worker_main
 from kvlab.results import records, rundir
@@ -83,7 +84,7 @@ def prepare(cfg: DictConfig, run_dir: Path, setup=None, resolve: bool = True) ->
             cfg.transport = (setup or build(cfg)).to_dict()["transport"]
     text = OmegaConf.to_yaml(cfg, resolve=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(text)
+    write_whole(run_dir / "config.yaml", text)
     return text
 
 

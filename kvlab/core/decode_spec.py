@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvlab.core.bounds import bounded
 from kvlab.core.errors import ConfigError, install_hint, positive, require
-from kvlab.core.paths import unwritable
+from kvlab.core.paths import NO_ROOM, room_fix, unwritable
 
 CHECKS = ("bytes", "decode")
 CACHE_ENV = "KVLAB_DECODE_CACHE"  # where references are kept; ~/.cache/kvlab/decode by default
@@ -95,7 +95,7 @@ def check_cache_dir() -> None:
     why = unwritable(where)
     if why:
         raise ConfigError(name, str(where), f"cannot hold check=decode's reference caches ({why}); "
-                          f"point {CACHE_ENV} at a writable directory")
+                          f"{room_fix(CACHE_ENV) if why in NO_ROOM else f'point {CACHE_ENV} at a writable directory'}")
 
 
 def tiny(model, suffix: str = TINY_SUFFIX):

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PR_SET_PDEATHSIG = 1
@@ -42,16 +43,30 @@ def name(signum: int) -> str:
 
 
 _pending: list[int] = []  # signals as_exit's handler took, kept in case what it raised was swallowed
+_process_ends = [False]  # set by ends_with_command
+
+
+def ends_with_command() -> None:
+    """This process ends when its command does (kvlab's own command line, not a caller's ``main([...])``
+    in-process): the command's last ``as_exit`` block may leave the signals ignored behind it."""
+    _process_ends[0] = True
 
 
 @contextlib.contextmanager
-def as_exit(what: str = ""):
+def as_exit(what: str | Callable[[], str] = "", last: bool = False):
     """Within the block, SIGINT/SIGTERM end the process with one line and exit code 128 + signal.
 
+    ``what`` says what was kept, and where, at the moment of the signal (a callable is asked then).
     The handler raises where the main thread happens to be, which may be inside a library's import
     that catches it (torch imports numpy under ``try``) or fails differently for it (a C extension half
     loaded): a signal that came is remembered, and the block ends as interrupted however it ends,
-    at the latest at ``check_pending`` (the launcher's, before any rank starts) or at its own end."""
+    at the latest at ``check_pending`` (the launcher's, before any rank starts) or at its own end.
+
+    ``last``: the command's last step. Once it has ended, however it ended, a signal can change nothing the
+    command wrote, and in a process that ends with the command the signals are then ignored: Python's
+    teardown (a quarter of a second with torch loaded) puts their default action back, and a Ctrl-C there
+    ended a command that had done its work with exit 130 and not a word (or a KeyboardInterrupt traceback
+    from releasing the run directory)."""
     def raise_it(signum, frame):
         for s in SIGNALS:
             signal.signal(s, ignore)  # one is enough
@@ -67,12 +82,14 @@ def as_exit(what: str = ""):
         if not (_pending or isinstance(e, KeyboardInterrupt)):
             raise
         signum = _pending[0] if _pending else signal.SIGINT
-        print(f"kvlab: interrupted by {name(signum)}{' ' + what if what else ''}", file=sys.stderr)
+        said = what() if callable(what) else what
+        print(f"kvlab: interrupted by {name(signum)}{' ' + said if said else ''}", file=sys.stderr)
         raise SystemExit(128 + signum) from None
     finally:
         _pending.clear()
+        settled = last and _process_ends[0]
         for s, h in previous.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if settled else h)
 
 
 def check_pending() -> None:
@@ -103,6 +120,16 @@ def ready() -> None:
     if _starting is not None:
         _starting.end()
         _starting = None
+
+
+def start_rank(parent: int) -> None:
+    """In a rank the local launcher starts, before exec: SIGINT ignored, which Python keeps when it starts with
+    it so, until the rank sets its own handlers (``quiet_until_ready``, its first step). A Ctrl-C to the group
+    in the rank's first tenth of a second (the interpreter importing site, the worker its first modules) raised
+    KeyboardInterrupt there: "Fatal Python error: init_import_site" and a traceback on the run's stderr. The
+    launcher takes that Ctrl-C itself and stops every rank with SIGTERM. Then ``die_with_parent``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
 
 
 def die_with_parent(parent: int) -> None:
@@ -142,9 +169,12 @@ class AtOnce:
     def _watch(self, r: int) -> None:
         while (data := os.read(r, 1)) and data[0] not in SIGNALS:  # a signal's number; b"": end() closed it
             pass
-        os.close(r)
         if not data or not self.active.is_set():
+            os.close(r)
             return
+        # r stays open until the process ends: a second signal (Ctrl-C to the group, then the launcher's
+        # SIGTERM) is written to the pipe by the C handler, and a closed reader made that an "Exception
+        # ignored when trying to write to the signal wakeup fd" traceback per signal on the rank's stderr
         try:
             for clean in self.cleanups:
                 with contextlib.suppress(Exception):

@@ -4,6 +4,9 @@
 and a wheel, which carries the files themselves under ``kvlab/_data`` (``[tool.setuptools.package-data]``)."""
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # kvlab/, above kvlab/core/
@@ -24,8 +27,6 @@ USER_CONF_ENV = "XDG_CONFIG_HOME"
 
 def user_conf_dir() -> Path:
     """``$XDG_CONFIG_HOME/kvlab`` (``~/.config/kvlab`` without it), as the configs' ``hydra.searchpath`` names it."""
-    import os
-
     base = os.environ.get(USER_CONF_ENV) or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "kvlab"
 KERNELS_DIR = shipped("kernels")
@@ -37,7 +38,6 @@ def provenance() -> dict:
     it has uncommitted changes; None from a wheel), the host, its load average when the run ended, and the
     versions of what moved the bytes."""
     import importlib.metadata
-    import os
     import platform
     import socket
     import subprocess
@@ -63,19 +63,54 @@ def provenance() -> dict:
     return {"commit": commit, "host": socket.gethostname(), "load_avg": list(os.getloadavg()), "versions": versions}
 
 
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # the file system is full, or the user's quota on it is spent
+NO_ROOM = frozenset(os.strerror(code) for code in _NO_ROOM)  # unwritable's reasons for them
+
+
+def room_fix(field: str) -> str:
+    """What would work where a place kvlab writes has no room left."""
+    return f"free some space on its file system, or give a directory elsewhere: {field}=DIR"
+
+
 def unwritable(directory: Path) -> str | None:
     """Why no file can be created in ``directory`` (made with its parents first), or None where one can: the one
-    probe behind every place kvlab writes (run directories, caches), so each names itself when it fails."""
-    import os
-
+    probe behind every place kvlab writes (run directories, caches), so each names itself when it fails. A full
+    file system gives one of ``NO_ROOM``."""
     directory = Path(directory)
+    probe = directory / f".write_probe.{os.getpid()}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write_probe.{os.getpid()}"
-        probe.write_bytes(b"")
+        probe.write_bytes(b"\0")  # one byte: an empty file takes no block, so a full file system still makes one
         probe.unlink()
     except OSError as e:
+        with contextlib.suppress(OSError):
+            probe.unlink()
         if isinstance(e, (FileExistsError, NotADirectoryError)) or (directory.exists() and not directory.is_dir()):
             return "a file is in the way"
         return e.strerror or type(e).__name__
     return None
+
+
+def write_whole(path: Path, text: str, field: str = "hydra.run.dir", root: Path | None = None) -> None:
+    """Write ``path`` whole or not at all: a temporary file of this process's own beside it, renamed over it, so
+    that a reader, an interrupted run or a full disk never leaves half a file (a summary cut mid-figure). A file
+    system without room is a ConfigError naming ``field`` as the directory ``root`` it sets (``path``'s own by
+    default) and the file (one line, exit 2), the file as it was before (or none) left in place."""
+    from kvlab.core.errors import ConfigError
+
+    path = Path(path)
+    root = path.parent if root is None else Path(root)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # hidden: no reader's glob (parts/rank*.json) takes it
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        name = path.relative_to(root) if path.is_relative_to(root) else path.name
+        if e.errno in _NO_ROOM:
+            raise ConfigError(field, root, f"no room to write {name} ({e.strerror}); {room_fix(field)}") from None
+        if e.errno == errno.EFBIG:  # Python ignores SIGXFSZ, so a write past RLIMIT_FSIZE fails instead of killing
+            raise ConfigError(field, root, f"cannot write {name} ({e.strerror}): it is larger than this process's "
+                              "file-size limit; raise the limit (ulimit -f unlimited)") from None
+        raise

@@ -23,6 +23,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
+from kvlab.core.errors import ConfigError
 from kvlab.model.parallel import label
 from kvlab.rank import linkrate
 from kvlab.results import records
@@ -112,8 +113,13 @@ def run(setup, transport, world_rank: int, order, run_dir, device) -> int:
     """A rank of ``kvlab link``: the curve over the run's own (ctx, gen) pairs; rank 0 writes and prints it."""
     pairs = sorted({(c.src, c.dst) for c in order})
     points = measure(setup, transport, world_rank, pairs, device.type)
+    refused = None
     if world_rank == 0:
-        records.write_link(run_dir, points)
+        try:
+            records.write_link(run_dir, points)
+        except ConfigError as e:  # no room: raised after the barrier, which the others would leave with a traceback
+            refused = e
+    if world_rank == 0 and refused is None:
         c, g = setup.ctx, setup.gen
         title = (f"kvlab link: transport={setup.transport.name} ({points[0].reference if points else '-'} reference), "
                  f"ctx {label(c)} -> gen {label(g)}, {len(pairs)} pairs at once, "
@@ -121,4 +127,6 @@ def run(setup, transport, world_rank: int, order, run_dir, device) -> int:
         print(table(points, title), flush=True)
         print(f"results in {run_dir}", flush=True)
     dist.barrier()
+    if refused is not None:
+        raise refused
     return 0 if all(p.wrong in (0, None) for p in points) else 1

@@ -108,7 +108,12 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     def last_words(signame: str) -> None:
         if read_part(run_dir, world_rank) is None:
             write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
-                f"rank {world_rank}: stopped by {signame}{_orphaned()} before its transfers"]))
+                f"rank {world_rank}: stopped by {signame}{_orphaned() or stop.dead()} before its transfers"]))
+
+    def refused(e: ConfigError) -> int:  # every rank meets it alike (a value, a full run directory): one says it
+        if world_rank == 0:
+            print(f"kvlab: error: {e}", file=sys.stderr)
+        return 2
 
     at_once = AtOnce(last_words)
     ready()
@@ -119,23 +124,22 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
             setup.check_installed()
             world_rank, device = transport.init(setup, setup.transfer.timeout_s)
         except ConfigError as e:
-            if world_rank == 0:
-                print(f"kvlab: error: {e}", file=sys.stderr)
-            return 2
+            return refused(e)
         try:
             return _worker(setup, run_dir, world_rank, device, at_once)
         except ConfigError as e:
-            if world_rank == 0:
-                print(f"kvlab: error: {e}", file=sys.stderr)
-            return 2
+            return refused(e)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
     except (Stopped, dist.DistError) as e:  # stopped, or a peer gone while joining: an empty part says so
         if read_part(run_dir, world_rank) is None:
             why = e if isinstance(e, Stopped) else f"lost the others ({type(e).__name__})"
-            write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
-                f"rank {world_rank}: {why} before its transfers"]))
+            try:
+                write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
+                    f"rank {world_rank}: {why} before its transfers"]))
+            except ConfigError as full:
+                return refused(full)
         return 1
     finally:
         at_once.end()

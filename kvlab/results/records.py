@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from kvlab.core import figures
+from kvlab.core.paths import write_whole
 
 # bump when a field changes meaning or is removed (adding one with a default needs no bump); 2: delivered GB/s
 # and link_ratio over the time in flight (busy_s), the run's span named makespan_s, rows' wire_s named busy_s,
@@ -352,13 +352,7 @@ def part_path(run_dir: Path, world_rank: int) -> Path:
 def write_part(run_dir: Path, part: PartFile) -> None:
     path = part_path(run_dir, part.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # this process's own: no other writer renames it
-    try:
-        tmp.write_text(json.dumps(to_dict(part)))
-        tmp.replace(path)  # a reader never sees half a file
-    except OSError:  # a full disk: no half-written file left behind
-        tmp.unlink(missing_ok=True)
-        raise
+    write_whole(path, json.dumps(to_dict(part)), root=run_dir)  # rank 0 reads it while the others write theirs
 
 
 def mark_dead(run_dir: Path, world_rank: int) -> None:
@@ -398,17 +392,16 @@ def _read_jsonl(path: Path, cls: type[R]) -> list[R]:
 
 
 def _write_jsonl(path: Path, records: list) -> None:
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps(to_dict(r)) + "\n")
+    write_whole(path, "".join(json.dumps(to_dict(r)) + "\n" for r in records))
 
 
 def write_run(run_dir: Path, rows: list[RequestRow], timeline: list[TimelineRow], summary: Summary) -> None:
+    """The run's files, each whole, the summary last: a summary says the rows it counts are there."""
     run_dir = Path(run_dir)
     _write_jsonl(run_dir / RESULTS, rows)
     if timeline:
         _write_jsonl(run_dir / TIMELINE, timeline)
-    (run_dir / SUMMARY).write_text(json.dumps(to_dict(summary), indent=2))
+    write_whole(run_dir / SUMMARY, json.dumps(to_dict(summary), indent=2))
 
 
 def read_rows(run_dir: Path) -> list[RequestRow]:
@@ -503,8 +496,8 @@ class BenchReport:
     schema: int = SCHEMA
 
 
-def write_bench(path: Path, report: BenchReport) -> None:
-    Path(path).write_text(json.dumps(to_dict(report), indent=2))
+def write_bench(path: Path, report: BenchReport, field: str = "--out") -> None:
+    write_whole(Path(path), json.dumps(to_dict(report), indent=2), field)
 
 
 def read_bench(path: Path) -> BenchReport:

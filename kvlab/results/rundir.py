@@ -13,15 +13,19 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
 from pathlib import Path
 
 from kvlab.core.errors import ConfigError
-from kvlab.core.paths import unwritable
+from kvlab.core.paths import NO_ROOM, room_fix, unwritable
 
 LOCK_NAME = "run.lock"
+# what a command writes into its directory before its own results: Hydra's record of the job (.hydra/, the log:
+# about 8 KiB), the lock and config.yaml; with less free, Hydra's own write failed with its 10-line error
+START_BYTES = 64 << 10
 CONFIG_ENV = "KVLAB_CONFIG_YAML"  # the resolved config of this run, handed to its workers
 _held: dict[Path, int] = {}  # run dir -> fd of its lock, in this process (re-entrant)
 
@@ -56,7 +60,11 @@ def ensure_writable(run_dir: Path, field: str = "hydra.run.dir") -> Path:
     why = unwritable(run_dir)
     if why:
         raise ConfigError(field, run_dir, f"cannot create or write the run directory ({why}); "
-                          "use a writable directory path")
+                          f"{room_fix(field) if why in NO_ROOM else 'use a writable directory path'}")
+    free = shutil.disk_usage(run_dir).free
+    if free < START_BYTES:
+        raise ConfigError(field, run_dir, f"has {free:,} bytes free on its file system, fewer than the "
+                          f"{START_BYTES:,} a command needs there to start; {room_fix(field)}")
     return run_dir
 
 
@@ -97,10 +105,18 @@ def acquire(run_dir: Path, field: str = "hydra.run.dir") -> None:
             print(f"kvlab: {run_dir / LOCK_NAME} was left by run pid {old['pid']} on {old.get('host', '?')}, "
                   "which is no longer running; taking it over", file=sys.stderr)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, json.dumps(me).encode())
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, json.dumps(me).encode())
+            os.fsync(fd)
+        except OSError as e:  # the file system filled up since the probe: no empty lock left behind
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            os.close(fd)
+            why = e.strerror or type(e).__name__
+            raise ConfigError(field, run_dir, f"cannot write its lock file {LOCK_NAME} ({why}); "
+                              f"{room_fix(field) if why in NO_ROOM else 'use a writable directory path'}") from None
         _held[run_dir] = fd
         return
     raise ConfigError(field, run_dir, "its lock file keeps changing hands; give another hydra.run.dir")

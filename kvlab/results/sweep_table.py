@@ -10,6 +10,7 @@ for plots; this is the terminal's view, with no dependency beyond the run's reco
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from kvlab.core.paths import write_whole
 from kvlab.results import records
 
 CSV = "sweep.csv"
@@ -95,11 +97,12 @@ def collect(sweep_dir: Path) -> tuple[list[str], list[dict]]:
 
 def write_csv(sweep_dir: Path, varied: list[str], rows: list[dict]) -> Path:
     path = Path(sweep_dir) / CSV
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["job", *varied, *(c.name for c in COLUMNS), "status"])
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: "" if v is None else v for k, v in r.items()})
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=["job", *varied, *(c.name for c in COLUMNS), "status"])
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: "" if v is None else v for k, v in r.items()})
+    write_whole(path, text.getvalue(), "hydra.sweep.dir")
     return path
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import yaml
 
 from kvlab.core.errors import ConfigError
+from kvlab.core.paths import write_whole
 from kvlab.core.sim_terms import Fitted, PrefillTerms, TransportTerms
 from kvlab.sim import plans
 from kvlab.sim.cluster import ClusterSpec, LinkSpec, LinksSpec
@@ -353,4 +354,4 @@ def write_profile(path: Path, fitted: Fitted, base: str, report: list[dict]) -> 
         errs = " ".join("n/a" if r[f"{k}_error"] is None else f"{r[f'{k}_error']:+.0%}" for k in FIGS)
         lines.append(f"#   {r['run']}: {errs}")
     body = {"profile": base, "fitted": fitted.to_dict()}
-    path.write_text("\n".join(lines) + "\n" + yaml.safe_dump(body, sort_keys=False))
+    write_whole(path, "\n".join(lines) + "\n" + yaml.safe_dump(body, sort_keys=False), "--out")

@@ -15,6 +15,7 @@ package's conf/), or PATH (a ``.yaml`` file, or a directory such as a run direct
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -26,7 +27,7 @@ from omegaconf import DictConfig
 
 from kvlab.config.schema import CONF_DIR, compose
 from kvlab.core.errors import ConfigError
-from kvlab.core.paths import user_conf_dir
+from kvlab.core.paths import user_conf_dir, write_whole
 from kvlab.sim import report
 from kvlab.sim.run import build_sim, compose_sim, max_rate, run
 
@@ -48,6 +49,14 @@ def _print_result(s, r, which: str = "") -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="sim", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
+    try:
+        simulate(cfg)
+    except ConfigError as e:  # here, not in main: Hydra would report it as a job's failure, in ten lines
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def simulate(cfg: DictConfig) -> None:
     import dataclasses
 
     s = build_sim(cfg)
@@ -56,7 +65,7 @@ def hydra_main(cfg: DictConfig) -> None:
     which = ""
     if s.sim.search:
         found = max_rate(s)
-        (out / "search.json").write_text(json.dumps(found, indent=2))
+        write_whole(out / "search.json", json.dumps(found, indent=2))
         print(search_line(s, found))
         shown = found["max_rate"] or min(t["rate"] for t in found["tried"])
         which = (": the highest rate found" if found["bound"] == "=" else ": the highest rate tried"
@@ -66,11 +75,10 @@ def hydra_main(cfg: DictConfig) -> None:
     if s.sim.search:
         r.summary.update(max_rate=found["max_rate"], max_rate_bound=found["bound"])
     _print_result(s, r, which)
-    (out / "summary.json").write_text(json.dumps(r.summary, indent=1))
     if s.sim.write_requests:
-        with open(out / "requests.jsonl", "w") as f:
-            for row in report.rows(r.outcome, s.sim.slo):
-                f.write(json.dumps(row) + "\n")
+        rows = report.rows(r.outcome, s.sim.slo)
+        write_whole(out / "requests.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    write_whole(out / "summary.json", json.dumps(r.summary, indent=1))  # last: a summary means the rest is there
     print(f"results in {out}")
 
 
@@ -166,16 +174,29 @@ def calibrate_main(argv: list[str]) -> None:
               f"prefill_slowdown {t.prefill_slowdown:.3g}")
     pre = fitted.prefill
     print(f"prefill: scale {pre.scale:.4g}, byte_ns {pre.byte_ns:.4g}, fixed_ms {pre.fixed_ms:.4g}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    calibrate.write_profile(out, fitted, a.base, rep)
-    if a.report:
-        Path(a.report).write_text(json.dumps(rep, indent=1))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        calibrate.write_profile(out, fitted, a.base, rep)
+        if a.report:
+            write_whole(Path(a.report), json.dumps(rep, indent=1), "--report")
+    except ConfigError as e:  # no room left since the check above
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     found = out.parent.parent
     if out.parent.name != "cost":  # a file of its own: a config group's file lies in a cost/ directory
         print(f"profile written to {out} (as cost=NAME from a DIR/cost/NAME.yaml with hydra.searchpath=[file://DIR])")
         return
     how = "" if found.resolve() == user_conf_dir().resolve() else f" hydra.searchpath=[file://{found.resolve()}]"
     print(f"profile written to {out} (cost={out.stem}{how})")
+
+
+def _kept(held: Path | None, multirun: bool) -> str:
+    """What an interrupted simulation leaves: its summary is written last, so it is there only complete."""
+    if multirun:
+        return "while simulating a sweep; the jobs that ended kept their summaries"
+    if held is not None and (held / "summary.json").exists():
+        return f"as the simulation ended; its results are in {held}"
+    return "while simulating; no summary was written"
 
 
 def main(argv: list[str]) -> None:
@@ -185,33 +206,37 @@ def main(argv: list[str]) -> None:
     only_looks = any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or a.startswith("--cfg")
                      for a in argv)
     overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.startswith("hydra.")]
-    if not only_looks:
-        problem = _check(overrides, multirun)
-        if problem:
-            print(f"kvlab: error: {problem}", file=sys.stderr)
-            raise SystemExit(2)
     from kvlab.core import interrupt
     from kvlab.results import rundir
 
-    held = None
-    if not only_looks and not multirun:  # one command per directory: a kvlab run there holds it, or this does
-        given = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), None)
-        held = Path(given) if given is not None else Path(
-            compose(overrides, config_name="sim", return_hydra_config=True).hydra.run.dir)
-        if given is None:
-            argv = [*argv, f"hydra.run.dir={held}"]  # pinned: the directory Hydra makes is the one held
-        try:
-            rundir.acquire(held)
-        except ConfigError as e:
-            print(f"kvlab: error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-    sys.argv = ["kvlab sim", *argv]
+    held = locked = None
     try:
-        with interrupt.as_exit("while simulating; no summary was written"):
+        # composing every job to check it takes seconds of Hydra, where a Ctrl-C was a KeyboardInterrupt traceback
+        with interrupt.as_exit("before the simulation started; nothing was simulated or written"):
+            if not only_looks:
+                problem = _check(overrides, multirun)
+                if problem:
+                    interrupt.check_pending()  # a Ctrl-C inside Hydra may surface as its error: the signal is the cause
+                    print(f"kvlab: error: {problem}", file=sys.stderr)
+                    raise SystemExit(2)
+            if not only_looks and not multirun:  # one command per directory: a kvlab run there holds it, or this does
+                given = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), None)
+                held = Path(given) if given is not None else Path(
+                    compose(overrides, config_name="sim", return_hydra_config=True).hydra.run.dir)
+                if given is None:
+                    argv = [*argv, f"hydra.run.dir={held}"]  # pinned: the directory Hydra makes is the one held
+                try:
+                    rundir.acquire(held)
+                    locked = held
+                except ConfigError as e:
+                    print(f"kvlab: error: {e}", file=sys.stderr)
+                    raise SystemExit(2) from None
+        sys.argv = ["kvlab sim", *argv]
+        with interrupt.as_exit(functools.partial(_kept, held, multirun), last=True):
             hydra_main()
     except ConfigError as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     finally:
-        if held is not None:
-            rundir.release(held)
+        if locked is not None:
+            rundir.release(locked)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvlab.config.schema import Setup
 from kvlab.core.errors import ConfigError
+from kvlab.core.paths import room_fix
 from kvlab.memory.cache import verify_piece_bytes
 from kvlab.model.plan import Request, plan
 from kvlab.model.schedule import Cut, Staging
@@ -344,7 +345,7 @@ def check_run_dir(setup: Setup, run_dir, field: str = "hydra.run.dir") -> None:
         fits = int((free - RUN_DIR_FIXED_BYTES) / (need - RUN_DIR_FIXED_BYTES) * setup.workload.requests)
         fewer = f", or lower workload.requests (at most {fits} fit)" if fits > 0 else ""
         raise ConfigError(field, run_dir, f"the run writes up to {fmt(need)} there ({setup.workload.requests} "
-                          f"requests), {fmt(free)} free; free some space or give another directory{fewer}")
+                          f"requests), {fmt(free)} free; {room_fix(field)}{fewer}")
 
 
 def check_plan(setup: Setup, b: Budget) -> None:
