@@ -9,6 +9,10 @@
 # --engines: also scripts/ipc_bench.py --engines (vLLM NHD ctx -> TensorRT-LLM gen, bf16 and gen fp8), into engines_h200.json
 # --caches: this year's caches on the GPU (hybrid state, context parallelism, prefill=model): check=decode of each,
 #   then Qwen3-Next TP2 -> TP1 and Llama CP2 -> DCP2 at 32k over ipc beside the in-run copy_, into caches_h200.json
+# --model-prefill: prefill=model (the transformers model on the clock) decode-checked over ipc: Llama-3.1-8B TP1 -> TP1
+#   at 8k and 32k layer-wise and chunked, TP2 -> TP1 at 16k, DeepSeek-V3.2 into gen PP2 layer-wise, and prefill=gpu
+#   on the same 32k shapes (the approximation's prefill against the model's), into model_prefill_h200.json
+#   (up to 15 minutes: 80-100 s per run stopped every 32k model forward before its transfers on one H200)
 # --decode: also check=decode on the GPU for the six families (transformers' wheel in .whl/), into decode_h200.json
 # KVLAB_GPU_TESTS="tests/a.py tests/b.py": only those test files (all of tests/ by default)
 # --jobs N: the GPU tests in N pytest-xdist workers (the image has it), then the failed ones again alone
@@ -17,9 +21,9 @@
 # and, for the nixl tests and scripts/nixl_bench.py, NIXL's wheel for the GPU machine's Python (without it they skip):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
-serving=0; mooncake=0; decode=0; engines=0; kernels=0; caches=0; rest=()
+serving=0; mooncake=0; decode=0; engines=0; kernels=0; caches=0; mprefill=0; rest=()
 for a in "$@"; do
-  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --caches) caches=1;; *) rest+=("$a");; esac
+  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --caches) caches=1;; --model-prefill) mprefill=1;; *) rest+=("$a");; esac
 done
 set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
@@ -120,6 +124,40 @@ for d in sorted((out / "caches").iterdir()):
         rows[d.name] = {k: v for k, v in s.items() if not isinstance(v, (list, dict))}
         rows[d.name].update(exposed=s.get("serving", {}).get("exposed_s"), link=s.get("link"))
 (out / "caches_h200.json").write_text(json.dumps(rows, indent=1))
+print(json.dumps(rows, indent=1))
+PY
+fi
+true
+# prefill=model on the clock, decoded by the same run (issue: the model itself as the prefill)
+if [ $mprefill = 1 ]; then
+  export KVLAB_DECODE_CACHE=$(mktemp -d)
+  mrun() {  # NAME SECONDS OVERRIDES...
+    local name=$1 limit=$2; shift 2
+    timeout "$limit" python3 -m kvlab run device=cuda transport=ipc logger=quiet "hydra.run.dir=$out/model_prefill/$name" \
+      "$@" 2>&1 | grep -E "check=decode|kvlab: error|run_layers|layers of|Error" | head -4 | sed "s/^/$name: /"
+  }
+  mrun llama_tp1_8k_layerwise 150 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=8192 workload.requests=3
+  mrun llama_tp1_32k_layerwise 180 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=32768 workload.requests=2
+  mrun llama_tp1_32k_chunked 180 model=llama3_8b prefill=model check=decode transfer=chunked workload.isl=32768 workload.requests=2
+  mrun llama_tp1_32k_gpu 60 model=llama3_8b prefill=gpu transfer=layerwise workload.isl=32768 workload.requests=2
+  mrun llama_tp2_16k_layerwise 180 model=llama3_8b prefill=model check=decode transfer=layerwise ctx.tp=2 workload.isl=16384 workload.requests=2
+  mrun dsv32_pp2_8k_layerwise 100 model=deepseek_v32 prefill=model check=decode transfer=layerwise gen.pp=2 workload.isl=8192 workload.requests=2
+  python3 - "$out" <<'PY'
+import json, pathlib, statistics, sys
+out = pathlib.Path(sys.argv[1])
+rows = {}
+for d in sorted((out / "model_prefill").iterdir()):
+    if not (d / "summary.json").exists():
+        rows[d.name] = {"ended": "no summary"}
+        continue
+    s = json.loads((d / "summary.json").read_text())
+    reqs = [json.loads(x) for x in (d / "results.jsonl").read_text().splitlines() if x.strip()] \
+        if (d / "results.jsonl").exists() else []
+    pre = [r["prefill_s"] for r in reqs if isinstance(r, dict) and r.get("prefill_s") is not None]
+    rows[d.name] = {k: s.get(k) for k in ("verified", "requests", "completed", "decode_tokens", "decode_tokens_equal",
+                                          "decode_max_logit_diff", "byte_check_failures", "gbps", "link_ratio")}
+    rows[d.name].update(exposed=s.get("exposed"), prefill_s_median=statistics.median(pre) if pre else None)
+(out / "model_prefill_h200.json").write_text(json.dumps(rows, indent=1))
 print(json.dumps(rows, indent=1))
 PY
 fi
