@@ -398,8 +398,8 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     dev = dst_bytes.device
     # a DCP rank's positions on one side, global tokens on the other: the span kernel maps them, others do not
     dcp = rect.local != src_pool.tokens.local or rect.local != dst_pool.tokens.local
-    path = path or paths.copy_path(src_pool, dst_pool)[0]
-    if dcp and (path != "span" or pool_format(src_pool.spec) != pool_format(dst_pool.spec)):
+    if dcp and ((path or paths.copy_path(src_pool, dst_pool)[0]) != "span"
+                or pool_format(src_pool.spec) != pool_format(dst_pool.spec)):
         return reference.copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool,
                                    dst_num_blocks, dst_ids, dst_base, rect)
     if pool_format(src_pool.spec) != pool_format(dst_pool.spec):  # another KV dtype: converted in the copy
@@ -430,6 +430,7 @@ def copy_rect(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes,
     # the kernel indexes tokens with int too (_check_cuda bounds the runs and their lengths)
     if rect.t1 > _INT_MAX:
         raise ValueError(f"rect {rect} exceeds the rectangle copy's limits (2^31 tokens)")
+    path = path or paths.copy_path(src_pool, dst_pool)[0]
     if path == "span" and _copy_spans(src_bytes, src_pool, src_num_blocks, src_ids, src_base, dst_bytes, dst_pool,
                                       dst_num_blocks, dst_ids, dst_base, rect, ctas, tuning):
         return
