@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvlab.cli.commands import hydra_message
-from kvlab.cli.run_cmd import launch, prepare
+from kvlab.cli.run_cmd import launch, prepare, with_depth
 from kvlab.config.schema import build, compose
 from kvlab.core.errors import ConfigError
 from kvlab.results import records, rundir
@@ -26,7 +26,7 @@ def run_transfer(overrides: list[str] | tuple[str, ...] = (), run_dir: str | Pat
         field, _, rest = hydra_message(e, overrides).partition("=")
         value, _, hint = rest.partition(": ")
         raise ConfigError(field, value, hint) from None
-    setup = build(cfg)
+    cfg, setup = with_depth(cfg, build(cfg))
     budget.check_host(setup)
     run_dir = Path(run_dir)
     budget.check_run_dir(setup, rundir.ensure_writable(run_dir, "run_dir"), "run_dir")

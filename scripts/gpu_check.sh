@@ -12,7 +12,7 @@
 # --model-prefill: prefill=model (the transformers model on the clock) decode-checked over ipc: Llama-3.1-8B TP1 -> TP1
 #   at 8k and 32k layer-wise and chunked, TP2 -> TP1 at 16k, DeepSeek-V3.2 into gen PP2 layer-wise, and prefill=gpu
 #   on the same 32k shapes (the approximation's prefill against the model's), into model_prefill_h200.json
-#   (up to 15 minutes: 80-100 s per run stopped every 32k model forward before its transfers on one H200)
+#   (about 10 minutes on one H200; KVLAB_MPREFILL="name ..." runs only those)
 # --decode: also check=decode on the GPU for the six families (transformers' wheel in .whl/), into decode_h200.json
 # KVLAB_GPU_TESTS="tests/a.py tests/b.py": only those test files (all of tests/ by default)
 # --jobs N: the GPU tests in N pytest-xdist workers (the image has it), then the failed ones again alone
@@ -134,16 +134,22 @@ if [ $mprefill = 1 ]; then
   mrun() {  # NAME SECONDS OVERRIDES...
     local name=$1 limit=$2; shift 2
     timeout "$limit" python3 -m kvlab run device=cuda transport=ipc logger=quiet "hydra.run.dir=$out/model_prefill/$name" \
-      "$@" 2>&1 | grep -E "check=decode|kvlab: error|run_layers|layers of|Error" | head -4 | sed "s/^/$name: /"
+      "$@" 2>&1 | grep -E "check=decode|kvlab: error|run_layers|layers of|Error|exposed" | head -6 | sed "s/^/$name: /"
   }
-  mrun llama_tp1_8k_layerwise 150 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=8192 workload.requests=3
-  mrun llama_tp1_32k_layerwise 180 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=32768 workload.requests=2
-  mrun llama_tp1_32k_chunked 180 model=llama3_8b prefill=model check=decode transfer=chunked workload.isl=32768 workload.requests=2
-  mrun llama_tp1_32k_gpu 60 model=llama3_8b prefill=gpu transfer=layerwise workload.isl=32768 workload.requests=2
-  mrun llama_tp2_16k_layerwise 180 model=llama3_8b prefill=model check=decode transfer=layerwise ctx.tp=2 workload.isl=16384 workload.requests=2
-  mrun dsv32_pp2_8k_layerwise 100 model=deepseek_v32 prefill=model check=decode transfer=layerwise gen.pp=2 workload.isl=8192 workload.requests=2
+  # KVLAB_MPREFILL="name ..." runs only those (the whole set takes about 10 minutes on one H200)
+  want() { [ -z "${KVLAB_MPREFILL:-}" ] || [[ " $KVLAB_MPREFILL " == *" $1 "* ]]; }
+  want llama_tp1_16k_layerwise && mrun llama_tp1_16k_layerwise 240 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=16384
+  want llama_tp1_8k_layerwise && mrun llama_tp1_8k_layerwise 200 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=8192 workload.requests=3
+  want llama_tp1_32k_layerwise && mrun llama_tp1_32k_layerwise 240 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=32768 workload.requests=2
+  want llama_tp1_32k_chunked && mrun llama_tp1_32k_chunked 240 model=llama3_8b prefill=model check=decode transfer=chunked workload.isl=32768 workload.requests=2
+  want llama_tp1_32k_gpu && mrun llama_tp1_32k_gpu 90 model=llama3_8b prefill=gpu transfer=layerwise workload.isl=32768 workload.requests=2
+  want llama_tp2_16k_layerwise && mrun llama_tp2_16k_layerwise 240 model=llama3_8b prefill=model check=decode transfer=layerwise ctx.tp=2 workload.isl=16384 workload.requests=2
+  # the depth left to kvlab: the largest prefix of DeepSeek-V3.2's layers that fits beside the pools, said in one line
+  want dsv32_pp2_8k_layerwise && mrun dsv32_pp2_8k_layerwise 300 model=deepseek_v32 prefill=model check=decode transfer=layerwise gen.pp=2 workload.isl=8192 workload.requests=2
+  want dsv32_pp2_8k_gpu && mrun dsv32_pp2_8k_gpu 120 model=deepseek_v32 prefill=gpu transfer=layerwise gen.pp=2 workload.isl=8192 workload.requests=2
   python3 - "$out" <<'PY'
 import json, pathlib, statistics, sys
+import yaml
 out = pathlib.Path(sys.argv[1])
 rows = {}
 for d in sorted((out / "model_prefill").iterdir()):
@@ -156,7 +162,16 @@ for d in sorted((out / "model_prefill").iterdir()):
     pre = [r["prefill_s"] for r in reqs if isinstance(r, dict) and r.get("prefill_s") is not None]
     rows[d.name] = {k: s.get(k) for k in ("verified", "requests", "completed", "decode_tokens", "decode_tokens_equal",
                                           "decode_max_logit_diff", "byte_check_failures", "gbps", "link_ratio")}
-    rows[d.name].update(exposed=s.get("exposed"), prefill_s_median=statistics.median(pre) if pre else None)
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    layers = cfg["model"].get("run_layers") or cfg["model"]["num_layers"]
+    med = statistics.median(pre) if pre else None
+    rows[d.name].update(exposed=s.get("serving", {}).get("exposed_s"), prefill_s_median=med, layers=layers,
+                        prefill_s_per_layer=med / layers if med else None)
+# what prefill=gpu's approximation is off by: its per-layer time over the model's, on the same shapes
+for gpu, model in (("llama_tp1_32k_gpu", "llama_tp1_32k_layerwise"), ("dsv32_pp2_8k_gpu", "dsv32_pp2_8k_layerwise")):
+    a, b = rows.get(gpu, {}).get("prefill_s_per_layer"), rows.get(model, {}).get("prefill_s_per_layer")
+    if a and b:
+        rows[f"{gpu}_over_model"] = {"per_layer_ratio": a / b}
 (out / "model_prefill_h200.json").write_text(json.dumps(rows, indent=1))
 print(json.dumps(rows, indent=1))
 PY

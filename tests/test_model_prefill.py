@@ -125,3 +125,18 @@ def test_the_budget_counts_the_model_and_a_model_that_fits_nowhere_is_one_line()
     with pytest.raises(ConfigError) as e:
         budget.check(s, b)
     assert e.value.field == "model" and "cannot hold even one layer of tiny_gqa" in e.value.hint
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("preset, sides", [("tiny_gqa", ["ctx.tp=2", "gen.tp=1"]), ("tiny_dsa", ["gen.pp=2"]),
+                                           ("tiny_swa", ["ctx.tp=1", "gen.tp=2"])])
+def test_on_the_gpu_weights_drawn_there_and_planes_kept_there_decode_as_the_reference(kvlab_cli, tmp_path, preset,
+                                                                                     sides):
+    # every rank and the reference draw their weights on the GPU (hf_models.build) and the ctx ranks keep each
+    # layer's planes there: the decode is still the reference's, bit for bit, with the layers written as computed
+    res, summary, rows, out = run_decode(kvlab_cli, tmp_path, "prefill=model", f"model={preset}", *sides,
+                                         "device=cuda", "transport=ipc", "transfer=layerwise", "workload.isl=300",
+                                         "workload.requests=2", "check.tokens=4")
+    assert_decodes_as_reference(res, summary, rows, out, 2, 4)
+    assert all(0 < r["prefill_s"] for r in rows)

@@ -26,7 +26,7 @@ from kvlab.core.paths import write_whole
 from kvlab.rank import report
 from kvlab.rank.runner import worker_main
 from kvlab.results import records, rundir
-from kvlab.sizing import budget
+from kvlab.sizing import budget, depth
 from kvlab.sizing.cost import predict_run
 from kvlab.sizing.preflight import preflight
 
@@ -41,6 +41,23 @@ def announce(setup) -> None:
     """One line when ``transport=auto`` chose other than its default: the run is not what the user expects."""
     if setup.transport.auto and setup.transport.name != AUTO_DEFAULT:
         print(f"kvlab: {setup.transport.auto}", flush=True)
+
+
+def with_depth(cfg: DictConfig, setup):
+    """(config, setup) with prefill=model's depth cut to what fits this host's GPUs where ``model.run_layers`` is
+    left at 0 and the whole model does not fit (kvlab.sizing.depth), and the line that says so printed."""
+    def layers(n: int) -> DictConfig:
+        out = cfg.copy()
+        with open_dict(out):
+            out.model.run_layers = n
+        return out
+
+    cut = depth.auto(setup, lambda n: build(layers(n)), int(OmegaConf.select(cfg, "model.num_layers")))
+    if cut is None:
+        return cfg, setup
+    print(f"kvlab: {cut.line}", flush=True)
+    cfg = layers(cut.layers)
+    return cfg, build(cfg)
 
 
 def launch(setup, run_dir: Path, config_yaml: str | None = None) -> int:
@@ -116,6 +133,7 @@ def hydra_main(cfg: DictConfig) -> None:
             setup = build(cfg)
             setup.check_installed()
             devices.check_placement(setup)
+            cfg, setup = with_depth(cfg, setup)
             announce(setup)
             budget.check_host(setup)
             budget.check_run_dir(setup, rundir.ensure_writable(run_dir))

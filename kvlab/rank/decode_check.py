@@ -35,6 +35,7 @@ import torch
 
 from kvlab.core import decode_spec
 from kvlab.core.decode_spec import CACHE_ENV  # noqa: F401 - where tests and users find its name
+from kvlab.memory import fill
 from kvlab.model.layout import convert_wire
 from kvlab.model.plan import Request
 from kvlab.model.spec import Kind
@@ -45,7 +46,7 @@ from kvlab.results.records import DecodeResult, RankPart
 KEY = "kvlab/decode/"
 COMPONENTS = {Kind.kv: ("K", "V"), Kind.mla: ("latent and RoPE",), Kind.indexer: ("fp8 values", "scales"),
               Kind.state: ("conv q/x", "conv k/B", "conv v/C", "recurrent state")}
-FORMAT = 1  # of a reference file: bump when what it holds changes
+FORMAT = 2  # of a reference file: bump when what it holds changes
 
 
 def _dumps(obj) -> bytes:
@@ -170,8 +171,13 @@ class DecodeCheck:
             self.store.set(f"{KEY}first/{request}", str(token))
 
     def expected(self, request: int, pool, rect, device="cpu", out: torch.Tensor | None = None) -> torch.Tensor:
-        """kvlab.memory.fill.expected's counterpart: the model's bytes of ``rect`` in wire order."""
-        data = hf_models.wire_bytes(self.planes[request][pool.name], rect)
+        """kvlab.memory.fill.expected's counterpart: the model's bytes of ``rect`` in wire order; the hash fill's
+        for a request whose model cache this rank does not hold (fault.reused_block's other request, or one
+        prefill=model has not computed yet or has already written)."""
+        planes = self.planes.get(request, {}).get(pool.name)
+        if planes is None:
+            return fill.expected(request, pool, rect, device, out)
+        data = hf_models.wire_bytes(planes, rect)
         if pool.spec.fmt:  # a pool in another KV dtype holds the model's values in it (kvlab.model.kv_dtype)
             data = convert_wire(data, rect, replace(pool.spec, fmt=""), pool.spec)
         if out is None:

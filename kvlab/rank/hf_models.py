@@ -50,16 +50,34 @@ def one_thread():
         torch.set_num_threads(n)
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(was)
+
+
 @functools.lru_cache(maxsize=2)
 def build(model: ModelSpec, seed: int, device: str = "cpu"):
-    """(transformers model in bf16, eval mode, its config) on ``device``: weights drawn from ``seed`` on the
-    CPU, so that every device holds the same ones."""
+    """(transformers model in bf16, eval mode, its config) on ``device``: weights drawn from ``seed``. For a CPU
+    they are drawn there in fp32 on one thread; for a GPU on the GPU itself, in bf16: a full-width 8B model drawn
+    on one CPU thread takes minutes, and its fp32 draw would need twice the weights' memory. Every device of one
+    kind draws the same weights, and a reference is computed on the kind of device that checks against it
+    (kvlab.rank.decode_check)."""
     cfg = hf_config(model)
-    g = torch.random.fork_rng()
-    with g, one_thread():
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        with torch.random.fork_rng(devices=[]), one_thread():
+            torch.manual_seed(seed)
+            net = _model_class(model.decode.family)(cfg)
+        return net.to(torch.bfloat16).eval(), cfg
+    with torch.random.fork_rng(devices=[dev], device_type=dev.type), dev, _default_dtype(torch.bfloat16):
         torch.manual_seed(seed)
         net = _model_class(model.decode.family)(cfg)
-    return net.to(torch.bfloat16).to(device).eval(), cfg
+    return net.to(torch.bfloat16).eval(), cfg
 
 
 def prompt(check: CheckSpec, model: ModelSpec, request: int, isl: int) -> torch.Tensor:
@@ -103,14 +121,16 @@ def full_prefill(net, cfg, ids: torch.Tensor, on_cache=None):
     if on_cache is not None:
         on_cache(cache)
     with torch.no_grad(), one_thread():
-        out = net(input_ids=ids.to(net.device), past_key_values=cache, use_cache=True)
+        # the last position's logits alone: at 32k prompts every position's would be gigabytes nobody reads
+        out = net(input_ids=ids.to(net.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache, out.logits[0, -1].float().cpu()
 
 
-def pool_rows(model: ModelSpec, cache, dtype: str = "bf16", only: int | None = None) -> dict[str, list[torch.Tensor]]:
-    """Pool name -> per component uint8 ``[pool layers, heads, tokens, row bytes]`` in host memory, from a
-    prefill's cache; of global layer ``only`` alone where given (``[1, heads, tokens, row]``, the pools that hold
-    it: prefill=model writes each layer when it is computed)."""
+def pool_rows(model: ModelSpec, cache, dtype: str = "bf16", only: int | None = None,
+              on_device: bool = False) -> dict[str, list[torch.Tensor]]:
+    """Pool name -> per component uint8 ``[pool layers, heads, tokens, row bytes]`` in host memory (where the
+    cache is with ``on_device``), from a prefill's cache; of global layer ``only`` alone where given (``[1, heads,
+    tokens, row]``, the pools that hold it: prefill=model writes each layer when it is computed)."""
     out = {}
     for p in model.pools(dtype):
         layers = [cache.layers[g] for g in p.layers if only is None or g == only]
@@ -128,7 +148,7 @@ def pool_rows(model: ModelSpec, cache, dtype: str = "bf16", only: int | None = N
         else:
             vals, scales = quantize(torch.stack([layer.indexer_keys[0] for layer in layers]))
             out[p.name] = [vals[:, None].contiguous().view(torch.uint8), scales[:, None].contiguous().view(torch.uint8)]
-    return {name: [plane.cpu() for plane in planes] for name, planes in out.items()}
+    return {name: [plane if on_device else plane.cpu() for plane in planes] for name, planes in out.items()}
 
 
 def _conv_parts(model: ModelSpec) -> tuple[int, int, int]:
@@ -184,7 +204,7 @@ def wire_bytes(rows: list[torch.Tensor], rect: Rect, out: torch.Tensor | None = 
     """The bytes of ``rect`` of a pool's planes ``rows`` in wire order (kvlab.model.layout): for each tile, each
     layer, each component, each head, the tile's token rows."""
     n = rect.n_layers * rect.n_heads * rect.n_tokens * sum(r.shape[-1] for r in rows)
-    out = torch.empty(n, dtype=torch.uint8) if out is None else out
+    out = torch.empty(n, dtype=torch.uint8, device=rows[0].device) if out is None else out
     nl, nh, off = rect.n_layers, rect.n_heads, 0
     for ts, ntiles, ntok in _tile_groups(rect):
         pieces = []

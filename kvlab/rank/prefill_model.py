@@ -48,11 +48,13 @@ class ModelPrefill:
 
         def hook(layer: int):
             def after(_module, _args, _out):
-                for name, comps in hf_models.pool_rows(self.model, state["cache"], only=layer).items():
+                # kept on the model's device: a copy to the host and back per layer would be timed as the forward's
+                for name, comps in hf_models.pool_rows(self.model, state["cache"], only=layer, on_device=True).items():
                     pool = self.pools[name]
                     i = pool.layers.index(layer)
                     if name not in planes:
-                        planes[name] = [torch.zeros(len(pool.layers), *c.shape[1:], dtype=torch.uint8) for c in comps]
+                        planes[name] = [torch.zeros(len(pool.layers), *c.shape[1:], dtype=torch.uint8, device=c.device)
+                                        for c in comps]
                     for whole, c in zip(planes[name], comps):
                         whole[i] = c[0]
                 on_layer(layer)

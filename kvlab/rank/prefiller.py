@@ -236,6 +236,7 @@ class Prefiller:
 
         with self._on_fill_stream():
             first = net.run(req.id, req.isl, check.planes.setdefault(req.id, {}), on_layer)
+        check.planes.pop(req.id, None)  # every layer is in the pools: the device keeps one request's planes at a time
         check.post_first(req.id, first)
         p.done = time.time()
         self._publish(p, x.setup.model.num_layers)
