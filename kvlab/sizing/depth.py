@@ -21,6 +21,10 @@ from kvlab.core.errors import ConfigError
 from kvlab.sizing import budget
 
 PROBE_S = 120.0  # the child that reads the GPUs' free memory: importing torch and creating a context per GPU
+# a rank's CUDA context on its GPU (about 0.5 GiB on an H200): the ranks read the free memory the budget checks with
+# every rank's context made, the probe with its own alone (one H200, four ranks: 125.4 GiB usable to the probe,
+# 124.0 to the ranks)
+CONTEXT_BYTES = 600 << 20
 PROBE = "import torch; print(*(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())))"
 
 
@@ -88,4 +92,8 @@ def auto(setup: Setup, layers_of: Callable[[int], Setup], whole: int) -> Cut | N
     if setup.prefill.kind != "model" or setup.model.run_layers or devices.gpu_count(setup) == 0:
         return None
     free = gpu_free()
-    return fit(setup, layers_of, whole, free) if free else None
+    if not free:
+        return None
+    b = budget.estimate(setup, len(free))
+    sharing = [sum(r.memory == f"cuda:{i}" for r in b.ranks) for i in range(len(free))]
+    return fit(setup, layers_of, whole, [max(0, f - max(0, n - 1) * CONTEXT_BYTES) for f, n in zip(free, sharing)])
