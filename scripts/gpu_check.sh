@@ -145,8 +145,10 @@ if [ $mprefill = 1 ]; then
   want llama_tp1_32k_gpu && mrun llama_tp1_32k_gpu 90 model=llama3_8b prefill=gpu transfer=layerwise workload.isl=32768 workload.requests=2
   want llama_tp2_16k_layerwise && mrun llama_tp2_16k_layerwise 240 model=llama3_8b prefill=model check=decode transfer=layerwise ctx.tp=2 workload.isl=16384 workload.requests=2
   # the depth left to kvlab: the largest prefix of DeepSeek-V3.2's layers that fits beside the pools, said in one line
-  want dsv32_pp2_8k_layerwise && mrun dsv32_pp2_8k_layerwise 300 model=deepseek_v32 prefill=model check=decode transfer=layerwise gen.pp=2 workload.isl=8192 workload.requests=2
-  want dsv32_pp2_8k_gpu && mrun dsv32_pp2_8k_gpu 120 model=deepseek_v32 prefill=gpu transfer=layerwise gen.pp=2 workload.isl=8192 workload.requests=2
+  # (at 8k tokens transformers' indexer scores alone take 32 GiB per forward: 4k, and one ctx rank)
+  want dsv32_pp2_4k_layerwise && mrun dsv32_pp2_4k_layerwise 240 model=deepseek_v32 prefill=model check=decode transfer=layerwise ctx.tp=1 gen.pp=2 workload.isl=4096 workload.requests=2
+  want dsv32_pp2_4k_gpu && mrun dsv32_pp2_4k_gpu 80 model=deepseek_v32 prefill=gpu transfer=layerwise ctx.tp=1 gen.pp=2 workload.isl=4096 workload.requests=2
+  want dsv32_pp2_4k_16layers && mrun dsv32_pp2_4k_16layers 180 model=deepseek_v32 prefill=model check=decode transfer=layerwise ctx.tp=1 gen.pp=2 workload.isl=4096 workload.requests=2 model.run_layers=16
   python3 - "$out" <<'PY'
 import json, pathlib, statistics, sys
 import yaml
@@ -168,10 +170,11 @@ for d in sorted((out / "model_prefill").iterdir()):
     rows[d.name].update(exposed=s.get("serving", {}).get("exposed_s"), prefill_s_median=med, layers=layers,
                         prefill_s_per_layer=med / layers if med else None)
 # what prefill=gpu's approximation is off by: its per-layer time over the model's, on the same shapes
-for gpu, model in (("llama_tp1_32k_gpu", "llama_tp1_32k_layerwise"), ("dsv32_pp2_8k_gpu", "dsv32_pp2_8k_layerwise")):
+for gpu, model in (("llama_tp1_32k_gpu", "llama_tp1_32k_layerwise"), ("dsv32_pp2_4k_gpu", "dsv32_pp2_4k_layerwise"),
+                   ("dsv32_pp2_4k_gpu", "dsv32_pp2_4k_16layers")):
     a, b = rows.get(gpu, {}).get("prefill_s_per_layer"), rows.get(model, {}).get("prefill_s_per_layer")
     if a and b:
-        rows[f"{gpu}_over_model"] = {"per_layer_ratio": a / b}
+        rows[f"{gpu}_over_{model}"] = {"per_layer_ratio": a / b}
 (out / "model_prefill_h200.json").write_text(json.dumps(rows, indent=1))
 print(json.dumps(rows, indent=1))
 PY

@@ -105,7 +105,7 @@ def model_bytes(setup: Setup, tokens: int) -> tuple[int, int]:
     """(weights, activations) in bytes of prefill=model's forward over ``tokens`` (0, 0 for another prefill).
     Activations: the residual stream and a layer's projections and MLP at once (bf16), the transformers cache of
     every layer and its copy as pool planes, and the last position's logits; eager attention (gpt-oss) adds its
-    scores."""
+    scores, and DeepSeek-V3.2's indexer its per-head scores (measured: 16 GiB at 8k tokens, twice at once)."""
     if setup.prefill.kind != "model":
         return 0, 0
     from kvlab.model.hf_config import weight_bytes
@@ -117,6 +117,8 @@ def model_bytes(setup: Setup, tokens: int) -> tuple[int, int]:
     cache = 2 * sum(sum(p.comp_row_bytes()) * p.heads * len(p.layers) * p.held_tokens(tokens)
                     for p in m.pools("bf16"))
     scores = 4 * d.q_heads * tokens * tokens if m.decode.family == "gpt_oss" else 0
+    if m.indexer:  # transformers' DSA indexer scores every query head against every key in fp32, then their ReLU
+        scores += 4 * tokens * tokens * (2 * (d.indexer_heads or m.decode.indexer_heads) + 1)
     return weight_bytes(m), layer + cache + scores + 4 * m.decode.vocab_size
 
 
