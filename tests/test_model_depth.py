@@ -19,8 +19,8 @@ from kvlab.core.errors import ConfigError
 from kvlab.sizing import budget, depth
 
 GiB = 1 << 30
-DSV32 = ["model=deepseek_v32", "prefill=model", "check=decode", "device=cuda", "transport=ipc", "gen.pp=2",
-         "workload.isl=8192", "workload.requests=2", "logger=quiet"]
+DSV32 = ["model=deepseek_v32", "prefill=model", "check=decode", "device=cuda", "transport=ipc", "ctx.tp=1", "gen.pp=2",
+         "workload.isl=4096", "workload.requests=2", "logger=quiet"]
 LLAMA = ["model=llama3_8b", "prefill=model", "check=decode", "device=cuda", "transport=ipc",
          "workload.isl=16384", "workload.requests=2", "logger=quiet"]
 
@@ -50,7 +50,7 @@ def fits(overrides, layers, free) -> bool:
     return True
 
 
-@pytest.mark.parametrize("overrides, free_gib", [(DSV32, 140), (DSV32, 30), (LLAMA, 30)])
+@pytest.mark.parametrize("overrides, free_gib", [(DSV32, 140), (DSV32, 60), (LLAMA, 30)])
 def test_the_cut_is_the_largest_prefix_that_fits(one_gpu, overrides, free_gib):
     whole = compose(overrides).model.num_layers
     cut = depth.fit(build(cfg_of(overrides)), lambda n: build(cfg_of(overrides, n)), whole, [free_gib * GiB])
