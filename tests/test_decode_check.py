@@ -111,7 +111,7 @@ def test_planes_land_where_kvlab_puts_them(model, side):
     cache.allocate(Request(0, 50))
     cache.fill(Request(0, 50), ops)
     check.keep(Request(0, 50), ops, [])
-    for name, pieces in check.shares[0].items():
+    for name, pieces in check._planes(0).items():
         ((l0, l1, h0, h1, t0, t1), local, comps), = pieces
         assert t1 == 50 and (t0 == 0) == (not hf_models.pool_spec(s.model, name).window) and local is None
         for got, plane in zip(comps, planes[name]):

@@ -134,8 +134,9 @@ class DecodeCheck:
         self.lead = side == "gen" and rank == self.group[0]
         self.planes: dict[int, dict[str, list[torch.Tensor]]] = {}
         self.refs: dict[int, Reference] = {}
-        self.shares: dict[int, dict] = {}  # request -> pool -> (rect bounds, component planes)
+        self.shares: dict[int, dict] = {}  # request -> pool -> (rect, its wire bytes in host memory)
         self.byte_ok: dict[int, bool] = {}
+        self.near: dict[int, dict[str, list[torch.Tensor]]] = {}  # the request being checked: its planes on the GPU
         self.cache = None
         # a side keeping the cache in another KV dtype (kvlab.model.kv_dtype): decoding measures what it costs
         self.lossy = bool(setup.ctx.fmt or setup.gen.fmt)
@@ -174,7 +175,7 @@ class DecodeCheck:
         """kvlab.memory.fill.expected's counterpart: the model's bytes of ``rect`` in wire order; the hash fill's
         for a request whose model cache this rank does not hold (fault.reused_block's other request, or one
         prefill=model has not computed yet or has already written)."""
-        planes = self.planes.get(request, {}).get(pool.name)
+        planes = self._near(request).get(pool.name)
         if planes is None:
             return fill.expected(request, pool, rect, device, out)
         data = hf_models.wire_bytes(planes, rect)
@@ -185,22 +186,45 @@ class DecodeCheck:
         out.copy_(data)
         return out
 
+    def _near(self, request: int) -> dict[str, list[torch.Tensor]]:
+        """A gen rank's reference planes of ``request`` on its GPU, moved there once when its byte check first
+        reads them and dropped when its share is kept: the check's gathers on the host took seconds per 16k
+        request, in the receive loop, and later requests' transfers waited for them."""
+        planes = self.planes.get(request, {})
+        if self.side != "gen" or self.cache is None or self.cache.device.type != "cuda":
+            return planes
+        if request not in self.near:
+            self.near = {request: {k: [p.to(self.cache.device) for p in v] for k, v in planes.items()}}
+        return self.near[request]
+
     # -- after each request's byte check (gen) ------------------------------------------------
     def keep(self, req: Request, ops, errors: list[str]) -> None:
-        """This rank's share of ``req``: everything its pools hold of it, before its blocks are freed."""
+        """This rank's share of ``req``: everything its pools hold of it, before its blocks are freed, as wire
+        bytes in host memory (turned into planes after the transfer loop, ``_planes``)."""
         cache, share = self.cache, {}
+        self.near.pop(req.id, None)
         for name, store in cache.pools.items():
             table = cache.tables[req.id][name]
             share[name] = []
             for rect in cache.held_rects(name, req.isl):  # a DCP rank's: its local positions
                 buf = torch.empty(rect.nbytes(store.pool.rows), dtype=torch.uint8, device=cache.device)
                 ops.pack(store.storage, store.pool, store.num_blocks, rect, table.ids, table.base, buf)
-                base = replace(store.pool.spec, fmt="")  # read back as the model's values (dequantized from fp8)
-                buf = convert_wire(buf.cpu(), rect, store.pool.spec, base)
-                planes = hf_models.from_wire(buf, rect, base.comp_row_bytes())
-                share[name].append(((rect.l0, rect.l1, rect.h0, rect.h1, rect.t0, rect.t1), rect.local, planes))
+                share[name].append((rect, buf.cpu()))
         self.shares[req.id] = share
         self.byte_ok[req.id] = not errors
+
+    def _planes(self, request: int) -> dict:
+        """``keep``'s wire bytes of ``request`` as pool name -> (rect bounds, local positions, component planes),
+        read back as the model's values (dequantized where the pool holds fp8)."""
+        out = {}
+        for name, pieces in self.shares[request].items():
+            out[name] = []
+            for rect, buf in pieces:
+                spec = self.cache.pools[name].pool.spec
+                base = replace(spec, fmt="")
+                planes = hf_models.from_wire(convert_wire(buf, rect, spec, base), rect, base.comp_row_bytes())
+                out[name].append(((rect.l0, rect.l1, rect.h0, rect.h1, rect.t0, rect.t1), rect.local, planes))
+        return out
 
     # -- after the transfer loop (gen) --------------------------------------------------------
     def finish(self, parts: list[RankPart], beat=lambda: None) -> None:
@@ -210,7 +234,7 @@ class DecodeCheck:
             return
         mine = {}
         for r in self.requests:
-            payload = ({"byte_ok": self.byte_ok[r.id], "share": self.shares[r.id]} if r.id in self.shares
+            payload = ({"byte_ok": self.byte_ok[r.id], "share": self._planes(r.id)} if r.id in self.shares
                        else {"missing": True})
             mine[r.id] = payload
             if not self.lead:
