@@ -131,10 +131,12 @@ true
 # prefill=model on the clock, decoded by the same run (issue: the model itself as the prefill)
 if [ $mprefill = 1 ]; then
   export KVLAB_DECODE_CACHE=$(mktemp -d)
-  mrun() {  # NAME SECONDS OVERRIDES...
+  mrun() {  # NAME SECONDS OVERRIDES...: the run's whole output kept beside it (logger=quiet leaves run_cmd.log empty)
     local name=$1 limit=$2; shift 2
+    mkdir -p "$out/model_prefill/$name"
     timeout "$limit" python3 -m kvlab run device=cuda transport=ipc logger=quiet "hydra.run.dir=$out/model_prefill/$name" \
-      "$@" 2>&1 | grep -E "check=decode|kvlab: error|run_layers|layers of|Error|exposed" | head -6 | sed "s/^/$name: /"
+      "$@" > "$out/model_prefill/$name/output.txt" 2>&1
+    grep -E "check=decode|kvlab:|Error|exposed" "$out/model_prefill/$name/output.txt" | head -8 | cut -c1-400 | sed "s/^/$name: /"
   }
   # KVLAB_MPREFILL="name ..." runs only those (the whole set takes about 10 minutes on one H200)
   want() { [ -z "${KVLAB_MPREFILL:-}" ] || [[ " $KVLAB_MPREFILL " == *" $1 "* ]]; }
