@@ -291,3 +291,26 @@ def test_decode_over_nixl(kvlab_cli, tmp_path, model, transfer):
                                          f"transfer={transfer}", "ctx.tp=2", "gen.tp=1", "workload.isl=96",
                                          "workload.requests=2", "check.tokens=4")
     assert_decodes_as_reference(res, summary, rows, out, 2, 4)
+
+
+def test_a_share_larger_than_a_store_value_crosses_the_store_in_pieces():
+    """A gen rank's share of a long request is larger than torch's TCPStore takes in one value (8 MiB): it goes in
+    pieces, arrives whole, and leaves nothing in the store."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from kvlab.rank import store_pieces
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
+    data = torch.randint(0, 256, (20 << 20,), dtype=torch.uint8).numpy().tobytes()
+    store_pieces.put(client, "share/0/1", data)
+    assert store_pieces.get(server, "share/0/1", remove=True) == data
+    assert server.num_keys() <= 1  # the store's own bookkeeping key at most
+    store_pieces.put(client, "share/1/1", b"")
+    assert store_pieces.get(server, "share/1/1") == b"" and store_pieces.get(server, "share/1/1") == b""

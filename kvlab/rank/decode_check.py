@@ -40,7 +40,7 @@ from kvlab.model.layout import convert_wire
 from kvlab.model.plan import Request
 from kvlab.model.spec import Kind
 from kvlab.model.tokens import to_global
-from kvlab.rank import hf_models
+from kvlab.rank import hf_models, store_pieces
 from kvlab.results.records import DecodeResult, RankPart
 
 KEY = "kvlab/decode/"
@@ -238,7 +238,7 @@ class DecodeCheck:
                        else {"missing": True})
             mine[r.id] = payload
             if not self.lead:
-                self.store.set(f"{KEY}share/{r.id}/{self.rank}", _dumps(payload))
+                store_pieces.put(self.store, f"{KEY}share/{r.id}/{self.rank}", _dumps(payload))
         if not self.lead:
             return
         by_id = {p.request: p for p in parts}
@@ -257,7 +257,7 @@ class DecodeCheck:
         for g in self.group:
             if g != self.rank:
                 beat()
-                out[g] = _loads(self.store.get(f"{KEY}share/{r.id}/{g}"))
+                out[g] = _loads(store_pieces.get(self.store, f"{KEY}share/{r.id}/{g}", remove=True))
         return out
 
     def _misplace(self, planes: dict, isl: int) -> None:

@@ -33,6 +33,7 @@ from kvlab.config.workload import RunPlan
 from kvlab.core import figures
 from kvlab.core.decode_spec import check_line
 from kvlab.model.schedule import Ready
+from kvlab.rank import store_pieces
 from kvlab.results import metrics, rundir, sweep_table
 from kvlab.results.records import Env, PartFile, marked_dead, read_part, write_run
 from kvlab.transports.deadline import call_within
@@ -116,11 +117,12 @@ class Board:
             self._call(self.store.add, f"{PREFIX}beat/{self.rank}", 1)
 
     def post(self, part: PartFile) -> None:
-        self._call(self.store.set, f"{PREFIX}part/{self.rank}", pickle.dumps(part))
+        # a long run's part passes the store's 8 MiB a value
+        self._call(store_pieces.put, self.store, f"{PREFIX}part/{self.rank}", pickle.dumps(part))
 
     def _get(self, key: str):
         if self._call(self.store.check, [PREFIX + key]):
-            raw = self._call(self.store.get, PREFIX + key)
+            raw = self._call(store_pieces.get, self.store, PREFIX + key)
             return None if raw is None else pickle.loads(raw)
         return None
 
@@ -155,7 +157,7 @@ class Board:
     def publish(self, verdict: dict, readers: list[int], ack_wait_s: float = 10.0) -> None:
         """Rank 0: the run's verdict; waits a little for the readers, so that a store hosted by this
         process outlives their reading it."""
-        self._call(self.store.set, f"{PREFIX}verdict", pickle.dumps(verdict))
+        self._call(store_pieces.put, self.store, f"{PREFIX}verdict", pickle.dumps(verdict))
         deadline = time.monotonic() + ack_wait_s
         keys = [f"{PREFIX}ack/{r}" for r in readers]
         while keys and time.monotonic() < deadline and self.broken is None:

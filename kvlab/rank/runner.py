@@ -134,7 +134,8 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
                 dist.destroy_process_group()
     except (Stopped, dist.DistError) as e:  # stopped, or a peer gone while joining: an empty part says so
         if read_part(run_dir, world_rank) is None:
-            why = e if isinstance(e, Stopped) else f"lost the others ({type(e).__name__})"
+            said = (str(e).strip().splitlines() or [""])[0][:200]  # which wait failed, e.g. a store key's
+            why = e if isinstance(e, Stopped) else f"lost the others ({type(e).__name__}{': ' * bool(said)}{said})"
             try:
                 write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
                     f"rank {world_rank}: {why} before its transfers"]))
