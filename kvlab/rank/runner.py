@@ -136,9 +136,12 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
         if read_part(run_dir, world_rank) is None:
             said = (str(e).strip().splitlines() or [""])[0][:200]  # which wait failed, e.g. a store key's
             why = e if isinstance(e, Stopped) else f"lost the others ({type(e).__name__}{': ' * bool(said)}{said})"
+            # the start-up's guard ends when the clock starts: a peer lost later (the decode check's exchange after
+            # the loop) is not lost before the transfers
+            when = "before its transfers" if at_once.active.is_set() else "after its transfers began"
             try:
                 write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
-                    f"rank {world_rank}: {why} before its transfers"]))
+                    f"rank {world_rank}: {why} {when}"]))
             except ConfigError as full:
                 return refused(full)
         return 1
