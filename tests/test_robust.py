@@ -412,6 +412,26 @@ def test_a_full_disk_at_start_is_one_line(command, small_disk, kvlab_cli):
     assert not (run_dir / rundir.LOCK_NAME).exists()
 
 
+def test_a_full_disk_while_keeping_a_decode_reference_is_one_line(small_disk, monkeypatch):
+    """A gen rank keeps the reference it computed in the decode cache (check=decode): a file system full since the
+    run's start-up probe is one line naming the file and the variable that moves the cache, not torch.save's
+    error from inside its zip writer, and no half reference is left for the next run to load."""
+    pytest.importorskip("transformers")
+    from kvlab.rank import decode_check, hf_models
+
+    cache = small_disk / "decode"
+    monkeypatch.setenv(decode_check.CACHE_ENV, str(cache))
+    s = build(compose(["check=decode", "ctx.tp=1", "gen.tp=1", "workload.isl=16", "check.tokens=2"]))  # probes it
+    ids = hf_models.prompt(s.check, s.model, 0, 16)
+    _fill(small_disk)
+    with pytest.raises(ConfigError) as e:
+        decode_check.reference(s.model, s.check, ids)
+    name = f"{decode_check.reference_key(s.model, s.check, ids)}.pt"
+    assert str(e.value) == f"KVLAB_DECODE_CACHE={cache}: no room to write {name} (No space left on device); free " \
+                           "some space on its file system, or give a directory elsewhere: KVLAB_DECODE_CACHE=DIR"
+    assert not list(cache.iterdir())
+
+
 @pytest.mark.slow
 def test_a_disk_filling_up_during_the_run_is_one_line(small_disk, kvlab_cli):
     """Full once the ranks run: each rank's part, then the summary, find no room (63 lines of ENOSPC tracebacks

@@ -91,9 +91,10 @@ def unwritable(directory: Path) -> str | None:
     return None
 
 
-def write_whole(path: Path, text: str, field: str = "hydra.run.dir", root: Path | None = None) -> None:
+def write_whole(path: Path, data: str | bytes, field: str = "hydra.run.dir", root: Path | None = None) -> None:
     """Write ``path`` whole or not at all: a temporary file of this process's own beside it, renamed over it, so
-    that a reader, an interrupted run or a full disk never leaves half a file (a summary cut mid-figure). A file
+    that a reader, an interrupted run or a full disk never leaves half a file (a summary cut mid-figure), and
+    processes writing the same file at once (gen ranks keeping one reference) each rename a whole one. A file
     system without room is a ConfigError naming ``field`` as the directory ``root`` it sets (``path``'s own by
     default) and the file (one line, exit 2), the file as it was before (or none) left in place."""
     from kvlab.core.errors import ConfigError
@@ -102,7 +103,10 @@ def write_whole(path: Path, text: str, field: str = "hydra.run.dir", root: Path 
     root = path.parent if root is None else Path(root)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # hidden: no reader's glob (parts/rank*.json) takes it
     try:
-        tmp.write_text(text)
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
         tmp.replace(path)
     except OSError as e:
         with contextlib.suppress(OSError):
