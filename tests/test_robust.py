@@ -621,6 +621,34 @@ def _a_line_in(path: Path, p: subprocess.Popen, timeout: float = 300.0) -> None:
     raise AssertionError(f"no line in {path} within {timeout:g} s")
 
 
+def test_sim_calibrate_interrupted_is_one_line(tmp_path, kvlab_cli):
+    """Ctrl-C to kvlab sim calibrate while it reads a run's records (a KeyboardInterrupt traceback before). The
+    records are a FIFO, so that the signal comes while calibrate waits on it, whatever the machine's load."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("")  # read only after the records
+    os.mkfifo(run / "results.jsonl")
+    out = tmp_path / "mine.yaml"
+    p = _start(kvlab_cli.argv("sim", "calibrate", str(run), "--out", str(out)), tmp_path)
+    deadline, writer = time.time() + 120, None
+    while writer is None:  # opening the FIFO's other end succeeds once calibrate has opened it to read
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        try:
+            writer = os.open(run / "results.jsonl", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            assert e.errno == errno.ENXIO, e
+            time.sleep(0.05)
+    try:
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        os.close(writer)
+    _no_process_left(p.pid)
+    assert p.returncode == 130, err
+    assert _one_line(err) == "kvlab: interrupted by SIGINT while calibrating; no profile was written"
+    assert not out.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["ranks starting", "sizes measured"])
 def test_link_interrupted_is_one_line_that_keeps_the_sizes_measured(moment, tmp_path, kvlab_cli):
