@@ -379,7 +379,8 @@ def small_disk(tmp_path):
 
 def _fill(disk: Path) -> None:
     """Write into ``disk`` until its file system has no byte left."""
-    with open(disk / "filler", "wb") as f:
+    # unbuffered: a buffered file kept what a partial write left over and raised ENOSPC again on closing
+    with open(disk / "filler", "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * (1 << 20))
@@ -410,6 +411,40 @@ def test_a_full_disk_at_start_is_one_line(command, small_disk, kvlab_cli):
     assert line == f"kvlab: error: hydra.run.dir={run_dir}: cannot create or write the run directory (No space " \
                    f"left on device); {ROOM_FIX}"
     assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+def test_a_full_disk_while_keeping_a_decode_reference_is_one_line(small_disk, monkeypatch):
+    """A gen rank keeps the reference it computed in the decode cache (check=decode): a file system full since the
+    run's start-up probe is one line naming the file and the variable that moves the cache, not torch.save's
+    error from inside its zip writer, and no half reference is left for the next run to load."""
+    pytest.importorskip("transformers")
+    from kvlab.rank import decode_check, hf_models
+
+    cache = small_disk / "decode"
+    monkeypatch.setenv(decode_check.CACHE_ENV, str(cache))
+    s = build(compose(["check=decode", "ctx.tp=1", "gen.tp=1", "workload.isl=16", "check.tokens=2"]))  # probes it
+    ids = hf_models.prompt(s.check, s.model, 0, 16)
+    _fill(small_disk)
+    with pytest.raises(ConfigError) as e:
+        decode_check.reference(s.model, s.check, ids)
+    name = f"{decode_check.reference_key(s.model, s.check, ids)}.pt"
+    assert str(e.value) == f"KVLAB_DECODE_CACHE={cache}: no room to write {name} (No space left on device); free " \
+                           "some space on its file system, or give a directory elsewhere: KVLAB_DECODE_CACHE=DIR"
+    assert not list(cache.iterdir())
+
+
+def test_a_line_without_room_is_one_line_and_leaves_the_lines_before(small_disk):
+    """kvlab link adds each size to link.jsonl as it is measured: the disk filling up in between keeps those."""
+    from kvlab.core.paths import append_line
+
+    path = small_disk / "link.jsonl"
+    append_line(path, '{"size": 65536}')
+    _fill(small_disk)
+    with pytest.raises(ConfigError) as e:
+        append_line(path, '{"size": 262144}' + " " * 65536)
+    assert str(e.value) == f"hydra.run.dir={small_disk}: no room to write link.jsonl (No space left on device); " \
+                           f"{ROOM_FIX}"
+    assert path.read_text() == '{"size": 65536}\n'
 
 
 @pytest.mark.slow
@@ -575,20 +610,75 @@ def test_sim_interrupted_is_one_line_or_nothing_once_done(moment, tmp_path, kvla
     assert not (run_dir / rundir.LOCK_NAME).exists()
 
 
+def _a_line_in(path: Path, p: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Wait until ``path`` holds a whole line, while ``p`` runs (its ranks start in seconds, tens under load)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and path.read_text().endswith("\n"):
+            return
+        assert p.poll() is None, p.communicate()[1]
+        time.sleep(0.05)
+    raise AssertionError(f"no line in {path} within {timeout:g} s")
+
+
+def test_sim_calibrate_interrupted_is_one_line(tmp_path, kvlab_cli):
+    """Ctrl-C to kvlab sim calibrate while it reads a run's records (a KeyboardInterrupt traceback before). The
+    records are a FIFO, so that the signal comes while calibrate waits on it, whatever the machine's load."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("")  # read only after the records
+    os.mkfifo(run / "results.jsonl")
+    out = tmp_path / "mine.yaml"
+    p = _start(kvlab_cli.argv("sim", "calibrate", str(run), "--out", str(out)), tmp_path)
+    deadline, writer = time.time() + 120, None
+    while writer is None:  # opening the FIFO's other end succeeds once calibrate has opened it to read
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        try:
+            writer = os.open(run / "results.jsonl", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            assert e.errno == errno.ENXIO, e
+            time.sleep(0.05)
+    try:
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        os.close(writer)
+    _no_process_left(p.pid)
+    assert p.returncode == 130, err
+    assert _one_line(err) == "kvlab: interrupted by SIGINT while calibrating; no profile was written"
+    assert not out.exists()
+
+
 @pytest.mark.slow
-def test_link_interrupted_while_its_ranks_start_is_one_line(tmp_path, kvlab_cli):
+@pytest.mark.parametrize("moment", ["ranks starting", "sizes measured"])
+def test_link_interrupted_is_one_line_that_keeps_the_sizes_measured(moment, tmp_path, kvlab_cli):
     """Ctrl-C reaches the ranks too (the whole group), the moment they exist, then the launcher's SIGTERM. A rank
     whose interpreter was starting died of the first in its site import ("Fatal Python error", 9 of 10 tries);
     one past it, in its first imports, printed an "Exception ignored ... signal wakeup fd" traceback for the
-    second."""
+    second. Once a size is measured its line is in link.jsonl, and the line says so: the curve was written only
+    at its end, so a Ctrl-C during the largest sizes said "0 of 6" and kept none. The repeats make each later
+    size long enough to be still measuring when the signal comes."""
+    from kvlab.core.link_spec import LinkSpec
+    from kvlab.results import records
+
     run_dir = tmp_path / "link"
-    p = _start(kvlab_cli.argv("link", f"hydra.run.dir={run_dir}"), tmp_path)
-    _workers(p.pid, 3, every_s=0.005)
+    p = _start(kvlab_cli.argv("link", f"hydra.run.dir={run_dir}", "link.repeats=50"), tmp_path)
+    if moment == "ranks starting":
+        _workers(p.pid, 3, every_s=0.005)
+    else:
+        _a_line_in(run_dir / records.LINK, p)
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=60)
     _no_process_left(p.pid)
     assert p.returncode == 130, err
-    assert re.fullmatch(r"kvlab: interrupted by SIGINT: \d of \d+ message sizes measured(, in \S+)?", _one_line(err))
+    said = re.fullmatch(r"kvlab: interrupted by SIGINT: (\d) of (\d+) message sizes measured(, in \S+)?",
+                        _one_line(err))
+    assert said, err
+    kept = [x.size for x in records.read_link(run_dir)]
+    sizes = LinkSpec().sizes("cpu")
+    assert (int(said[1]), int(said[2])) == (len(kept), len(sizes)) and kept == sizes[:len(kept)], (err, kept)
+    assert said[3] == (f", in {run_dir / records.LINK}" if kept else None), err
+    assert moment == "ranks starting" or 0 < len(kept) < len(sizes), kept  # some sizes, and before the last
     assert not (run_dir / rundir.LOCK_NAME).exists()
 
 

@@ -49,6 +49,7 @@ def hydra_main(cfg: DictConfig) -> None:
         devices.check_placement(setup)
         announce(setup)
         text = prepare(cfg, run_dir, setup)
+        records.start_link(run_dir)  # the ranks add each size as they measure it
         out = launch_local(run_dir, setup.world_size, grace_s=setup.transfer.timeout_s + 10.0,
                            extra_env={linkcurve.ENV: "1"}, config_yaml=text)
         rc = out.code

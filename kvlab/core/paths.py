@@ -91,26 +91,59 @@ def unwritable(directory: Path) -> str | None:
     return None
 
 
-def write_whole(path: Path, text: str, field: str = "hydra.run.dir", root: Path | None = None) -> None:
+def write_whole(path: Path, data: str | bytes, field: str = "hydra.run.dir", root: Path | None = None) -> None:
     """Write ``path`` whole or not at all: a temporary file of this process's own beside it, renamed over it, so
-    that a reader, an interrupted run or a full disk never leaves half a file (a summary cut mid-figure). A file
+    that a reader, an interrupted run or a full disk never leaves half a file (a summary cut mid-figure), and
+    processes writing the same file at once (gen ranks keeping one reference) each rename a whole one. A file
     system without room is a ConfigError naming ``field`` as the directory ``root`` it sets (``path``'s own by
     default) and the file (one line, exit 2), the file as it was before (or none) left in place."""
-    from kvlab.core.errors import ConfigError
-
     path = Path(path)
-    root = path.parent if root is None else Path(root)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # hidden: no reader's glob (parts/rank*.json) takes it
     try:
-        tmp.write_text(text)
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
         tmp.replace(path)
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        name = path.relative_to(root) if path.is_relative_to(root) else path.name
-        if e.errno in _NO_ROOM:
-            raise ConfigError(field, root, f"no room to write {name} ({e.strerror}); {room_fix(field)}") from None
-        if e.errno == errno.EFBIG:  # Python ignores SIGXFSZ, so a write past RLIMIT_FSIZE fails instead of killing
-            raise ConfigError(field, root, f"cannot write {name} ({e.strerror}): it is larger than this process's "
-                              "file-size limit; raise the limit (ulimit -f unlimited)") from None
-        raise
+        _refuse(e, path, field, root)
+
+
+def append_line(path: Path, line: str, field: str = "hydra.run.dir", root: Path | None = None) -> None:
+    """Add one whole line to ``path`` (created if missing), on disk when this returns: what a run measured stays
+    there if it is interrupted later (``kvlab link``'s sizes). A line the file system had no room for is taken
+    back, so that a reader never meets half of one; the error is ``write_whole``'s."""
+    path = Path(path)
+    data = (line if line.endswith("\n") else line + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as e:
+        _refuse(e, path, field, root)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:  # a short write only where the file system ran out: the next one says why
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            _refuse(e, path, field, root)
+    finally:
+        os.close(fd)
+
+
+def _refuse(e: OSError, path: Path, field: str, root: Path | None):
+    """``e``, met writing ``path``, as the one line saying what would work, where one does; else ``e`` itself."""
+    from kvlab.core.errors import ConfigError
+
+    root = path.parent if root is None else Path(root)
+    name = path.relative_to(root) if path.is_relative_to(root) else path.name
+    if e.errno in _NO_ROOM:
+        raise ConfigError(field, root, f"no room to write {name} ({e.strerror}); {room_fix(field)}") from None
+    if e.errno == errno.EFBIG:  # Python ignores SIGXFSZ, so a write past RLIMIT_FSIZE fails instead of killing
+        raise ConfigError(field, root, f"cannot write {name} ({e.strerror}): it is larger than this process's "
+                          "file-size limit; raise the limit (ulimit -f unlimited)") from None
+    raise e

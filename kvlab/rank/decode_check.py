@@ -28,13 +28,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from kvlab.core import decode_spec
-from kvlab.core.decode_spec import CACHE_ENV  # noqa: F401 - where tests and users find its name
+from kvlab.core.decode_spec import CACHE_ENV
+from kvlab.core.paths import write_whole
 from kvlab.memory import fill
 from kvlab.model.layout import convert_wire
 from kvlab.model.plan import Request
@@ -106,9 +106,8 @@ def reference(model, check, ids: torch.Tensor, use_disk: bool = True, device="cp
     ref = Reference(planes, first, tokens, logits)
     if use_disk:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # several gen ranks may write it at once
-        torch.save({"planes": planes, "first": first, "tokens": tokens, "logits": logits}, tmp)
-        tmp.replace(path)
+        # several gen ranks may write it at once: each renames a whole file of its own over it
+        write_whole(path, _dumps({"planes": planes, "first": first, "tokens": tokens, "logits": logits}), CACHE_ENV)
     return ref
 
 

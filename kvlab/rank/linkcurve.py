@@ -8,7 +8,7 @@ pulling transport): one untimed round, then ``link.repeats`` timed repeats, each
 last completion on any rank. Then one checked round: each ctx rank sends a pattern of its own
 (p2p) and the gen rank counts the bytes that differ, nccl-tests' ``#wrong``; a reference that moves no
 message between ranks checks nothing and says so (``None``). Rank 0 prints the table as nccl-tests
-users read it and writes one ``kvlab.results.records.LinkPoint`` per size to ``link.jsonl``.
+users read it and adds one ``kvlab.results.records.LinkPoint`` per size to ``link.jsonl`` as it is measured.
 
 Columns: ``size`` one message (B); ``count`` messages per pair and repeat; ``time`` the median
 repeat's time per message on a pair (us, all pairs at once); ``algbw`` one pair's GB/s (size / time);
@@ -62,26 +62,31 @@ def wrong_bytes(setup, transport, world_rank: int, pairs, nbytes: int) -> int | 
     return int(wrong.item())
 
 
-def measure(setup, transport, world_rank: int, pairs: list[tuple[int, int]], device: str) -> list[records.LinkPoint]:
-    """Every rank calls this after ``transport.connect``; every rank returns the same points."""
+def measure(setup, transport, world_rank: int, pairs: list[tuple[int, int]], device: str,
+            measured=lambda point: None) -> list[records.LinkPoint]:
+    """Every rank calls this after ``transport.connect``; every rank returns the same points, and hands each to
+    ``measured`` as soon as it has it."""
     out = []
     for size in setup.link.sizes(device):
-        order = order_for(pairs, size)
-        link = linkrate.measure(setup, transport, world_rank, order, setup.link.repeats)
-        wrong = wrong_bytes(setup, transport, world_rank, pairs, size)
-        if link is None or link.gbps is None:
-            out.append(records.LinkPoint(transport=setup.transport.name, reference=getattr(link, "reference", None),
-                                         size=size, pairs=len(pairs), repeats=setup.link.repeats, wrong=wrong))
-            continue
-        per_pair = link.messages // max(1, len(pairs)) if link.reference != "copy" else link.messages
-        n_pairs = len(pairs) if link.reference != "copy" else 1
-        scale = 1 / max(1, n_pairs)  # one pair's share of the aggregate rate
-        out.append(records.LinkPoint(
-            transport=setup.transport.name, reference=link.reference, size=size, count=per_pair, pairs=len(pairs),
-            repeats=link.repeats, time_us=link.seconds / max(1, per_pair) * 1e6, algbw=link.gbps * scale,
-            algbw_min=link.gbps_min * scale, algbw_max=link.gbps_max * scale, busbw=link.gbps,
-            samples=[s * scale for s in link.samples], wrong=wrong))
+        out.append(_point(setup, transport, world_rank, pairs, size))
+        measured(out[-1])
     return out
+
+
+def _point(setup, transport, world_rank: int, pairs: list[tuple[int, int]], size: int) -> records.LinkPoint:
+    link = linkrate.measure(setup, transport, world_rank, order_for(pairs, size), setup.link.repeats)
+    wrong = wrong_bytes(setup, transport, world_rank, pairs, size)
+    if link is None or link.gbps is None:
+        return records.LinkPoint(transport=setup.transport.name, reference=getattr(link, "reference", None),
+                                 size=size, pairs=len(pairs), repeats=setup.link.repeats, wrong=wrong)
+    per_pair = link.messages // max(1, len(pairs)) if link.reference != "copy" else link.messages
+    n_pairs = len(pairs) if link.reference != "copy" else 1
+    scale = 1 / max(1, n_pairs)  # one pair's share of the aggregate rate
+    return records.LinkPoint(
+        transport=setup.transport.name, reference=link.reference, size=size, count=per_pair, pairs=len(pairs),
+        repeats=link.repeats, time_us=link.seconds / max(1, per_pair) * 1e6, algbw=link.gbps * scale,
+        algbw_min=link.gbps_min * scale, algbw_max=link.gbps_max * scale, busbw=link.gbps,
+        samples=[s * scale for s in link.samples], wrong=wrong)
 
 
 def table(points: list[records.LinkPoint], title: str) -> str:
@@ -112,13 +117,17 @@ ENV = "KVLAB_LINK"  # set by kvlab link (kvlab.cli.link_cmd) for the ranks it st
 def run(setup, transport, world_rank: int, order, run_dir, device) -> int:
     """A rank of ``kvlab link``: the curve over the run's own (ctx, gen) pairs; rank 0 writes and prints it."""
     pairs = sorted({(c.src, c.dst) for c in order})
-    points = measure(setup, transport, world_rank, pairs, device.type)
     refused = None
-    if world_rank == 0:
-        try:
-            records.write_link(run_dir, points)
-        except ConfigError as e:  # no room: raised after the barrier, which the others would leave with a traceback
-            refused = e
+
+    def keep(point: records.LinkPoint) -> None:
+        nonlocal refused
+        if world_rank == 0 and refused is None:
+            try:
+                records.append_link(run_dir, point)
+            except ConfigError as e:  # no room: raised after the last size and the barrier; raised here, it
+                refused = e  # would leave the other ranks in the next size's collectives
+
+    points = measure(setup, transport, world_rank, pairs, device.type, keep)
     if world_rank == 0 and refused is None:
         c, g = setup.ctx, setup.gen
         title = (f"kvlab link: transport={setup.transport.name} ({points[0].reference if points else '-'} reference), "

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvlab.core import figures
-from kvlab.core.paths import write_whole
+from kvlab.core.paths import append_line, write_whole
 
 # bump when a field changes meaning or is removed (adding one with a default needs no bump); 2: delivered GB/s
 # and link_ratio over the time in flight (busy_s), the run's span named makespan_s, rows' wire_s named busy_s,
@@ -456,8 +456,14 @@ class LinkPoint:
     schema: int = SCHEMA
 
 
-def write_link(run_dir: Path, points: list[LinkPoint]) -> None:
-    _write_jsonl(Path(run_dir) / LINK, points)
+def start_link(run_dir: Path) -> None:
+    """No ``link.jsonl`` of an earlier run in ``run_dir``: its sizes would count as this run's."""
+    (Path(run_dir) / LINK).unlink(missing_ok=True)
+
+
+def append_link(run_dir: Path, point: LinkPoint) -> None:
+    """One size's line, on disk as soon as it is measured: an interrupted ``kvlab link`` keeps the sizes it has."""
+    append_line(Path(run_dir) / LINK, json.dumps(to_dict(point)))
 
 
 def read_link(run_dir: Path) -> list[LinkPoint]:

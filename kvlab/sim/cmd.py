@@ -132,6 +132,23 @@ def writable_file(flag: str, path: Path) -> None:
 
 
 def calibrate_main(argv: list[str]) -> None:
+    """``kvlab sim calibrate``; Ctrl-C or SIGTERM is one line saying what it wrote (a traceback before), as in
+    ``kvlab sim``."""
+    from kvlab.core import interrupt
+
+    written: list[str] = []
+    with interrupt.as_exit(functools.partial(_calibrated, written), last=True):
+        _calibrate(argv, written)
+
+
+def _calibrated(written: list[str]) -> str:
+    """What an interrupted calibration leaves: each file is written whole, so one it names is complete."""
+    if not written:
+        return "while calibrating; no profile was written"
+    return f"as the calibration ended; {', '.join(written)}"
+
+
+def _calibrate(argv: list[str], written: list[str]) -> None:
     from kvlab.sim import calibrate
 
     p = argparse.ArgumentParser(prog="kvlab sim calibrate", description="fit kvlab sim's transfer and prefill terms "
@@ -177,8 +194,10 @@ def calibrate_main(argv: list[str]) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         calibrate.write_profile(out, fitted, a.base, rep)
+        written.append(f"its profile is in {out}")
         if a.report:
             write_whole(Path(a.report), json.dumps(rep, indent=1), "--report")
+            written.append(f"its report in {a.report}")
     except ConfigError as e:  # no room left since the check above
         print(f"kvlab: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
