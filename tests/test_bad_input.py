@@ -216,6 +216,30 @@ def test_ranks_started_without_the_cli_all_stop_with_one_line(tmp_path, kvlab_cl
     assert not (tmp_path / "parts").exists() and not (tmp_path / "summary.json").exists()
 
 
+def test_a_refusal_only_another_rank_meets_is_said_once_by_the_launcher(tmp_path, monkeypatch, capsys):
+    """A value only one rank's disk or device refuses (a gen rank's decode cache full) is not rank 0's to say: the
+    launcher says each refusal rank 0 did not print, once, and leaves no file of them."""
+    from kvlab.cli import commands as cli
+    from kvlab.cli.launch import Outcome
+    from kvlab.results import records
+
+    def launch_local(run_dir, world_size, **kw):  # what the ranks leave when they refuse (kvlab.rank.runner)
+        for rank, message in ((0, "x=1: rank 0's"), (1, "KVLAB_DECODE_CACHE=/d: no room"), (2, "x=1: rank 0's"),
+                              (3, "KVLAB_DECODE_CACHE=/d: no room")):
+            if rank < world_size:
+                records.write_refusal(run_dir, rank, message)
+        return Outcome(2)
+
+    monkeypatch.setattr("kvlab.cli.run_cmd.launch_local", launch_local)
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", f"hydra.run.dir={run_dir}", "logger=quiet", "ctx.tp=2", "gen.tp=2"])
+    assert e.value.code == 2
+    said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvlab")]
+    assert said == ["kvlab: error: KVLAB_DECODE_CACHE=/d: no room"], said
+    assert not (run_dir / "parts").exists()
+
+
 @pytest.mark.parametrize("call,line", [
     (lambda api: api.run_transfer("ctx.tp=4"), "overrides='ctx.tp=4': a list of Hydra overrides, not one string: "
                                                "use ['ctx.tp=4']"),

@@ -70,6 +70,8 @@ def launch(setup, run_dir: Path, config_yaml: str | None = None) -> int:
     out = launch_local(run_dir, setup.world_size, grace_s=grace_s(setup), names=names, config_yaml=config_yaml,
                        death_grace_s=min(setup.transfer.timeout_s + 1.0, 8.0), frozen_s=setup.transfer.timeout_s)
     sweep(setup)
+    for message in records.refusals_unsaid(run_dir, setup.world_size):
+        print(f"kvlab: error: {message}", file=sys.stderr)
     if out.interrupted or (out.code not in (0, 2) and not (run_dir / records.SUMMARY).exists()):
         plan = plan_run(setup)  # only now: the launcher does not hold a plan while the ranks run
         sig = interrupt.name(out.interrupted) if out.interrupted else None

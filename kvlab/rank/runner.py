@@ -46,7 +46,7 @@ from kvlab.rank.executor import Executor, Stopped
 from kvlab.rank.progress import Progress
 from kvlab.rank.wandb_sink import WandbSink
 from kvlab.results import metrics
-from kvlab.results.records import Env, PartFile, Peak, marked_dead, read_part, write_part
+from kvlab.results.records import Env, PartFile, Peak, marked_dead, read_part, write_part, write_refusal
 from kvlab.sizing import budget
 from kvlab.sizing.cost import predict_run
 from kvlab.sizing.preflight import preflight
@@ -110,7 +110,9 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
             write_part(run_dir, PartFile(rank=world_rank, side="", side_rank=-1, errors=[
                 f"rank {world_rank}: stopped by {signame}{_orphaned() or stop.dead()} before its transfers"]))
 
-    def refused(e: ConfigError) -> int:  # every rank meets it alike (a value, a full run directory): one says it
+    def refused(e: ConfigError) -> int:  # most meet every rank alike (a value, a full run directory): one says it
+        if _parent_merges():  # one only this rank meets (its disk): kvlab run's launcher says it, once
+            write_refusal(run_dir, world_rank, str(e))
         if world_rank == 0:
             print(f"kvlab: error: {e}", file=sys.stderr)
         return 2

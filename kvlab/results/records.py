@@ -21,6 +21,7 @@ since (a figure's ``was``) reads under its new name; what changed meaning is eac
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import typing
@@ -353,6 +354,40 @@ def write_part(run_dir: Path, part: PartFile) -> None:
     path = part_path(run_dir, part.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_whole(path, json.dumps(to_dict(part)), root=run_dir)  # rank 0 reads it while the others write theirs
+
+
+def refusal_path(run_dir: Path, world_rank: int) -> Path:
+    return Path(run_dir) / "parts" / f"rank{world_rank}.refused"
+
+
+def write_refusal(run_dir: Path, world_rank: int, message: str) -> None:
+    """A rank's ConfigError, for the launcher to say where rank 0 did not meet it (a value only that rank's
+    disk or device refuses); best effort: a run directory that cannot take it leaves rank 0's line alone."""
+    path = refusal_path(run_dir, world_rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(path, message, root=run_dir)
+    except Exception:  # noqa: BLE001 - the refusal itself is what this rank reports, by its exit code
+        pass
+
+
+def refusals_unsaid(run_dir: Path, world_size: int) -> list[str]:
+    """The refusals of ranks other than 0 that rank 0 did not print (it prints its own), each once; their files
+    removed (a refused run leaves nothing behind)."""
+    said = refusal_path(run_dir, 0)
+    seen = {said.read_text()} if said.exists() else set()
+    out = []
+    for r in range(world_size):
+        path = refusal_path(run_dir, r)
+        if not path.exists():
+            continue
+        if r and (m := path.read_text()) not in seen:
+            seen.add(m)
+            out.append(m)
+        path.unlink()
+    with contextlib.suppress(OSError):
+        refusal_path(run_dir, 0).parent.rmdir()  # only where nothing else is in it
+    return out
 
 
 def mark_dead(run_dir: Path, world_rank: int) -> None:
