@@ -94,6 +94,23 @@ class KvlabCLI:
 
 
 @pytest.fixture
+def no_ranks(monkeypatch):
+    """The launcher's start of the ranks, replaced: what it would have started, and with which config."""
+    import yaml
+
+    from kvlab.cli.launch import Outcome
+
+    started = []
+
+    def launch_local(run_dir, world_size, **kw):
+        started.append(yaml.safe_load(kw["config_yaml"]))
+        return Outcome(0)
+
+    monkeypatch.setattr("kvlab.cli.run_cmd.launch_local", launch_local)
+    return started
+
+
+@pytest.fixture
 def kvlab_cli() -> KvlabCLI:
     return KvlabCLI()
 

@@ -12,7 +12,6 @@ import yaml
 from omegaconf import open_dict
 
 from kvlab.cli import commands as cli
-from kvlab.cli.launch import Outcome
 from kvlab.config import schema as config
 from kvlab.config.schema import build, compose
 from kvlab.core.errors import ConfigError
@@ -71,18 +70,6 @@ def test_a_pipeline_keeps_a_layer_per_stage(one_gpu):
     for free in (2, 4, 8, 16):
         cut = depth.fit(build(cfg_of(DSV32)), lambda n: build(cfg_of(DSV32, n)), whole, [free * GiB])
         assert cut is None or cut.layers >= 2
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    started = []
-
-    def launch_local(run_dir, world_size, **kw):
-        started.append(yaml.safe_load(kw["config_yaml"]))
-        return Outcome(0)
-
-    monkeypatch.setattr("kvlab.cli.run_cmd.launch_local", launch_local)
-    return started
 
 
 def test_the_launcher_cuts_says_so_once_and_hands_the_ranks_the_cut(one_gpu, monkeypatch, tmp_path, capsys,

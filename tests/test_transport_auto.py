@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 from kvlab.cli import commands as cli
-from kvlab.cli.launch import Outcome
 from kvlab.config import devices
 from kvlab.config import schema as config
 from kvlab.config.schema import Setup, build, compose
@@ -75,19 +74,6 @@ def test_auto_takes_no_options():
     with pytest.raises(ConfigError, match=r"^transport.mode=direct: transport=auto takes no options; .*"
                                           r"transport=nixl transport.mode=..."):
         build(compose(QUIET + ["+transport.mode=direct"]))
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """The launcher's start of the ranks, replaced: what it would have started, and with which config."""
-    started = []
-
-    def launch_local(run_dir, world_size, **kw):
-        started.append(yaml.safe_load(kw["config_yaml"]))
-        return Outcome(0)
-
-    monkeypatch.setattr("kvlab.cli.run_cmd.launch_local", launch_local)
-    return started
 
 
 def test_run_on_one_gpu_uses_ipc_and_says_so(monkeypatch, tmp_path, capsys, no_ranks):

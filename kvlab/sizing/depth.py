@@ -50,8 +50,9 @@ def gpu_free() -> list[int] | None:
         return None
 
 
-def _fits(setup: Setup, free: list[int]) -> bool:
-    b = budget.estimate(setup, len(free))
+def _fits(setup: Setup, free: list[int], b: budget.Budget | None = None) -> bool:
+    """Whether ``setup``'s ranks fit ``free`` (its budget ``b`` where already estimated)."""
+    b = budget.estimate(setup, len(free)) if b is None else b
     b.available = {f"cuda:{i}": budget.usable(f) for i, f in enumerate(free)}
     try:
         budget.check(setup, b)
@@ -71,13 +72,13 @@ def fit(setup: Setup, layers_of: Callable[[int], Setup], whole: int, free: list[
             return False
 
     least = max(setup.ctx.pp, setup.gen.pp)  # a layer per pipeline stage at least
-    if _fits(setup, free) or least >= whole or not fits(least):
+    b = budget.estimate(setup, len(free))  # the whole model's: checked, then named in the line
+    if _fits(setup, free, b) or least >= whole or not fits(least):
         return None
     lo, hi = least, whole  # lo fits, hi does not: the need grows with every layer
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    b = budget.estimate(setup, len(free))
     memory = max((r.memory for r in b.ranks), key=lambda m: sum(b.need(m).values()))
     need = sum(b.need(memory).values())
     name = setup.model.name.removesuffix("-model")
