@@ -10,8 +10,10 @@ Before the clock starts (nothing here is on the measured path):
   its DP group decodes: the same prefill in one process, then ``check.tokens`` greedy tokens. Its
   prefill's planes are what the byte check compares the received bytes with.
 
-After a request's byte check the gen rank copies what it holds of it out of its pool (its share),
-before its blocks are freed (``PagedCache.after_verify``). After the transfer loop every gen rank
+On a GPU a gen rank keeps its references' planes there from before the clock, and after a request's byte
+check copies what it holds of it out of its pool (its share) into device memory, before its blocks are freed
+(``PagedCache.after_verify``): nothing of the check crosses to the host inside the receive loop, where later
+requests' transfers would wait for it (``kvlab.sizing.budget`` counts both). After the transfer loop every gen rank
 posts its shares to the store, and the first rank of each gen DP group gathers its group's,
 rebuilds the model's cache from them, decodes and compares tokens and logits with the reference.
 A request that does not decode as the reference fails with one line naming the step, the layers
@@ -133,9 +135,8 @@ class DecodeCheck:
         self.lead = side == "gen" and rank == self.group[0]
         self.planes: dict[int, dict[str, list[torch.Tensor]]] = {}
         self.refs: dict[int, Reference] = {}
-        self.shares: dict[int, dict] = {}  # request -> pool -> (rect, its wire bytes in host memory)
+        self.shares: dict[int, dict] = {}  # request -> pool -> (rect, its wire bytes on the rank's device)
         self.byte_ok: dict[int, bool] = {}
-        self.near: dict[int, dict[str, list[torch.Tensor]]] = {}  # the request being checked: its planes on the GPU
         self.cache = None
         # a side keeping the cache in another KV dtype (kvlab.model.kv_dtype): decoding measures what it costs
         self.lossy = bool(setup.ctx.fmt or setup.gen.fmt)
@@ -156,7 +157,7 @@ class DecodeCheck:
                 self.post_first(r.id, int(last.argmax()))
             else:
                 ref = reference(self.model, self.check, ids, device=cache.device)
-                self.planes[r.id] = ref.planes
+                self.planes[r.id] = {k: [p.to(cache.device) for p in v] for k, v in ref.planes.items()}
                 if self.lead:
                     self.refs[r.id] = ref
         self.cache = cache
@@ -174,7 +175,7 @@ class DecodeCheck:
         """kvlab.memory.fill.expected's counterpart: the model's bytes of ``rect`` in wire order; the hash fill's
         for a request whose model cache this rank does not hold (fault.reused_block's other request, or one
         prefill=model has not computed yet or has already written)."""
-        planes = self._near(request).get(pool.name)
+        planes = self.planes.get(request, {}).get(pool.name)
         if planes is None:
             return fill.expected(request, pool, rect, device, out)
         data = hf_models.wire_bytes(planes, rect)
@@ -185,30 +186,23 @@ class DecodeCheck:
         out.copy_(data)
         return out
 
-    def _near(self, request: int) -> dict[str, list[torch.Tensor]]:
-        """A gen rank's reference planes of ``request`` on its GPU, moved there once when its byte check first
-        reads them and dropped when its share is kept: the check's gathers on the host took seconds per 16k
-        request, in the receive loop, and later requests' transfers waited for them."""
-        planes = self.planes.get(request, {})
-        if self.side != "gen" or self.cache is None or self.cache.device.type != "cuda":
-            return planes
-        if request not in self.near:
-            self.near = {request: {k: [p.to(self.cache.device) for p in v] for k, v in planes.items()}}
-        return self.near[request]
-
     # -- after each request's byte check (gen) ------------------------------------------------
     def keep(self, req: Request, ops, errors: list[str]) -> None:
         """This rank's share of ``req``: everything its pools hold of it, before its blocks are freed, as wire
-        bytes in host memory (turned into planes after the transfer loop, ``_planes``)."""
+        bytes on the rank's device (turned into planes after the transfer loop, ``_planes``). Its reference planes
+        are dropped: the byte check was their last reader on the clock."""
         cache, share = self.cache, {}
-        self.near.pop(req.id, None)
+        if self.side == "gen":
+            self.planes.pop(req.id, None)
         for name, store in cache.pools.items():
             table = cache.tables[req.id][name]
             share[name] = []
             for rect in cache.held_rects(name, req.isl):  # a DCP rank's: its local positions
                 buf = torch.empty(rect.nbytes(store.pool.rows), dtype=torch.uint8, device=cache.device)
                 ops.pack(store.storage, store.pool, store.num_blocks, rect, table.ids, table.base, buf)
-                share[name].append((rect, buf.cpu()))
+                share[name].append((rect, buf))
+        if cache.device.type == "cuda":  # the blocks are freed next, and another stream may write them
+            torch.cuda.current_stream(cache.device).synchronize()
         self.shares[req.id] = share
         self.byte_ok[req.id] = not errors
 
@@ -221,7 +215,7 @@ class DecodeCheck:
             for rect, buf in pieces:
                 spec = self.cache.pools[name].pool.spec
                 base = replace(spec, fmt="")
-                planes = hf_models.from_wire(convert_wire(buf, rect, spec, base), rect, base.comp_row_bytes())
+                planes = hf_models.from_wire(convert_wire(buf.cpu(), rect, spec, base), rect, base.comp_row_bytes())
                 out[name].append(((rect.l0, rect.l1, rect.h0, rect.h1, rect.t0, rect.t1), rect.local, planes))
         return out
 

@@ -43,7 +43,7 @@ PROCESS_BYTES = 200 << 20  # a rank's own memory: interpreter, torch, gloo (meas
 FILL_PIECE_FACTOR = 16  # fill/verify temporaries per byte of a 16 MiB piece (measured: 229 MiB peak)
 FILL_PIECE_BYTES = 16 << 20
 NCCL_BYTES = 1 << 30  # NCCL's own device buffers per rank (measured on H200: about 0.8 GiB)
-DEVICE_PARTS = ("cache", "staging", "tables", "temps", "transport", "model")  # on the GPU when there is one
+DEVICE_PARTS = ("cache", "staging", "tables", "temps", "transport", "model", "check")  # on the GPU when there is one
 MARGIN_SHARE, MARGIN_MIN = 0.10, 512 << 20  # kept free: the kernel, other processes, estimates' slack
 # what a run writes into its run directory, upper bounds (measured on tiny_gqa, 4 layers: a results row 1.1 KB,
 # a part entry 1.1 KB a request and rank, 25 B of it per layer, a layerwise timeline row 135 B; 1000000 requests
@@ -66,10 +66,12 @@ class RankNeed:
     process: int = PROCESS_BYTES
     transport: int = 0  # NCCL's buffers on a GPU
     model: int = 0  # prefill=model: weights and a forward's activations (``model_bytes``)
+    check: int = 0  # check=decode on a gen rank: its requests' reference planes and received shares (``check_bytes``)
 
     def parts(self) -> dict[str, int]:
         return {"cache": self.cache, "staging": self.staging, "tables": self.tables, "temps": self.temps,
-                "transport": self.transport, "model": self.model, "plan": self.plan, "process": self.process}
+                "transport": self.transport, "model": self.model, "check": self.check, "plan": self.plan,
+                "process": self.process}
 
     def on(self, memory: str) -> dict[str, int]:
         """The parts of this rank that come from ``memory``."""
@@ -114,12 +116,26 @@ def model_bytes(setup: Setup, tokens: int) -> tuple[int, int]:
     qk = d.qk_head_dim or m.head_dim
     mlp = max(d.intermediate_size, d.experts_active * d.moe_intermediate_size)
     layer = 2 * tokens * (4 * d.hidden_size + 3 * d.q_heads * qk + 3 * mlp)
-    cache = 2 * sum(sum(p.comp_row_bytes()) * p.heads * len(p.layers) * p.held_tokens(tokens)
-                    for p in m.pools("bf16"))
+    cache = 2 * planes_bytes(m, tokens)
     scores = 4 * d.q_heads * tokens * tokens if m.decode.family == "gpt_oss" else 0
     if m.indexer:  # transformers' DSA indexer scores every query head against every key in fp32, then their ReLU
         scores += 4 * tokens * tokens * (2 * (d.indexer_heads or m.decode.indexer_heads) + 1)
     return weight_bytes(m), layer + cache + scores + 4 * m.decode.vocab_size
+
+
+def planes_bytes(model, tokens: int) -> int:
+    """One request's whole cache as the model's bf16 pool planes (kvlab.rank.hf_models.pool_rows)."""
+    return sum(sum(p.comp_row_bytes()) * p.heads * len(p.layers) * p.held_tokens(tokens) for p in model.pools("bf16"))
+
+
+def check_bytes(setup: Setup, side: str, dp: int, tokens: int, share: int) -> int:
+    """What check=decode keeps on a gen rank of DP group ``dp`` through the transfer loop
+    (kvlab.rank.decode_check): each of its group's requests' reference planes, whole, from before the clock,
+    and the ``share`` bytes it received of each, until the loop ends."""
+    if not setup.check.decode or side != "gen":
+        return 0
+    mine = len(range(dp, setup.workload.requests, setup.gen.dp))
+    return mine * (planes_bytes(setup.model, tokens) + share)
 
 
 def _memory_of(setup: Setup, world_rank: int, gpus: int) -> str:
@@ -181,8 +197,10 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
         memory = _memory_of(setup, wr, gpus)
         piece = FILL_PIECE_BYTES if memory == "host" else verify_piece_bytes("cuda")
         temps = FILL_PIECE_FACTOR * min(piece, max(held, cache // max(1, open_requests)))
+        check = check_bytes(setup, side.name, setup.gen.coord(r).dp if side.name == "gen" else 0, tokens, held)
         ranks.append(RankNeed(wr, f"{side.name}{r}", memory, cache, staging, tables, temps, plan_bytes,
-                              transport=NCCL_BYTES if memory != "host" else 0, model=weights + activations))
+                              transport=NCCL_BYTES if memory != "host" else 0, model=weights + activations,
+                              check=check))
     return Budget(ranks, open_requests, longest, per_request)
 
 
