@@ -10,7 +10,7 @@
 # --caches: this year's caches on the GPU (hybrid state, context parallelism, prefill=model): check=decode of each,
 #   then Qwen3-Next TP2 -> TP1 and Llama CP2 -> DCP2 at 32k over ipc beside the in-run copy_, into caches_h200.json
 # --model-prefill: prefill=model (the transformers model on the clock) decode-checked over ipc: Llama-3.1-8B TP1 -> TP1
-#   at 8k and 32k layer-wise and chunked, TP2 -> TP1 at 16k, DeepSeek-V3.2 into gen PP2 layer-wise, and prefill=gpu
+#   at 8k-32k layer-wise and chunked, the issue's command (the default ctx TP2 -> gen TP1) at 16k, DeepSeek-V3.2 into gen PP2 layer-wise, and prefill=gpu
 #   on the same 32k shapes (the approximation's prefill against the model's), into model_prefill_h200.json
 #   (about 10 minutes on one H200; KVLAB_MPREFILL="name ..." runs only those)
 # --decode: also check=decode on the GPU for the six families (transformers' wheel in .whl/), into decode_h200.json
@@ -140,12 +140,13 @@ if [ $mprefill = 1 ]; then
   }
   # KVLAB_MPREFILL="name ..." runs only those (the whole set takes about 10 minutes on one H200)
   want() { [ -z "${KVLAB_MPREFILL:-}" ] || [[ " $KVLAB_MPREFILL " == *" $1 "* ]]; }
-  want llama_tp1_16k_layerwise && mrun llama_tp1_16k_layerwise 240 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=16384
-  want llama_tp1_8k_layerwise && mrun llama_tp1_8k_layerwise 200 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=8192 workload.requests=3
-  want llama_tp1_32k_layerwise && mrun llama_tp1_32k_layerwise 240 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=32768 workload.requests=2
-  want llama_tp1_32k_chunked && mrun llama_tp1_32k_chunked 240 model=llama3_8b prefill=model check=decode transfer=chunked workload.isl=32768 workload.requests=2
-  want llama_tp1_32k_gpu && mrun llama_tp1_32k_gpu 90 model=llama3_8b prefill=gpu transfer=layerwise workload.isl=32768 workload.requests=2
-  want llama_tp2_16k_layerwise && mrun llama_tp2_16k_layerwise 240 model=llama3_8b prefill=model check=decode transfer=layerwise ctx.tp=2 workload.isl=16384 workload.requests=2
+  # the issue's command as written: the default layout, ctx TP2 -> gen TP1 (two ctx ranks on the one GPU)
+  want llama_tp2_16k_layerwise && mrun llama_tp2_16k_layerwise 240 model=llama3_8b prefill=model check=decode transfer=layerwise workload.isl=16384
+  want llama_tp1_16k_layerwise && mrun llama_tp1_16k_layerwise 240 model=llama3_8b prefill=model check=decode transfer=layerwise ctx.tp=1 workload.isl=16384
+  want llama_tp1_8k_layerwise && mrun llama_tp1_8k_layerwise 200 model=llama3_8b prefill=model check=decode transfer=layerwise ctx.tp=1 workload.isl=8192 workload.requests=3
+  want llama_tp1_32k_layerwise && mrun llama_tp1_32k_layerwise 240 model=llama3_8b prefill=model check=decode transfer=layerwise ctx.tp=1 workload.isl=32768 workload.requests=2
+  want llama_tp1_32k_chunked && mrun llama_tp1_32k_chunked 240 model=llama3_8b prefill=model check=decode transfer=chunked ctx.tp=1 workload.isl=32768 workload.requests=2
+  want llama_tp1_32k_gpu && mrun llama_tp1_32k_gpu 90 model=llama3_8b prefill=gpu transfer=layerwise ctx.tp=1 workload.isl=32768 workload.requests=2
   # the depth left to kvlab: the largest prefix of DeepSeek-V3.2's layers that fits beside the pools, said in one line
   # (at 8k tokens transformers' indexer scores alone take 32 GiB per forward: 4k, and one ctx rank)
   want dsv32_pp2_4k_layerwise && mrun dsv32_pp2_4k_layerwise 240 model=deepseek_v32 prefill=model check=decode transfer=layerwise ctx.tp=1 gen.pp=2 workload.isl=4096 workload.requests=2
