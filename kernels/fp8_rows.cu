@@ -150,6 +150,51 @@ __device__ __forceinline__ float e4m3_value(unsigned c) {
 
 #define FDIV(n, M, l) ((int)((__umulhi((unsigned)(n), (M)) + (unsigned)(n)) >> (l)))
 
+#define CSIDE_ARGS(P)                                                                                  \
+  P##ids, P##ids64, P##tpb, P##base, P##off, P##bs, P##ls, P##hs, P##ns, P##loff, P##hoff, P##wire, P##wbpl,   \
+      P##wcomp, P##wrow
+
+// the value e (0-7) of a lane's 8 values (4 words, the first value in the low half of the first)
+template <int F16>
+__device__ __forceinline__ float value8(const unsigned (&w)[4], int e) {
+  const unsigned u = w[e >> 1];
+  if (F16) return f16_to_f32((unsigned short)((e & 1) ? u >> 16 : u & 0xFFFFu));
+  return __uint_as_float((e & 1) ? u & 0xFFFF0000u : u << 16);
+}
+
+// x / s, IEEE's quotient (see below): by y = 1/s correctly rounded and two residual corrections
+__device__ __forceinline__ float quotient(float x, float s, float y) {
+  float t = x * y;
+  t = fmaf(fmaf(-s, t, x), y, t);
+  return copysignf(fmaf(fmaf(-s, t, x), y, t), x);  // a residual's +0 would lose -0's sign
+}
+
+// A lane's 8 values of a group as 4 codes pairs in two words, by the rule with the group's scale s: the form for
+// every scale (s or 1/s outside the normals: a division per value). The fast form below covers all but the rarest
+// rows (amax below 2^-100 or infinite) and falls back to this one.
+template <int F16>
+__device__ __forceinline__ uint3 codes_by_division(const uint4 v, float amax) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+  float x[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) x[e] = value8<F16>(w, e);
+  const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+  if (s >= 0x1p-125f && s <= 0x1p125f) {
+    const float y = __frcp_rn(s);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = quotient(x[e], s, y);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = x[e] / s;
+  }
+  unsigned c[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) c[e] = e4m3x2(CLAMP448(x[2 * e]), CLAMP448(x[2 * e + 1]));
+  return make_uint3(c[0] | (c[1] << 16), c[2] | (c[3] << 16), __float_as_uint(s));
+}
+
+#define Y448 0x1.24924ap-9f  // 1/448 rounded to nearest (fp32)
+
 // Items: a span of g tokens (one block on each pool side, one wire tile on a wire side) by every head of lm
 // consecutive layers (lm > 1 where one layer's rows would leave a warp's teams idle: kvlab.memory.ops.cuda.
 // layers_per_item); a warp takes an item, reads the block tables and computes both sides' bases once, and its
@@ -157,12 +202,21 @@ __device__ __forceinline__ float e4m3_value(unsigned c) {
 // x / s is IEEE's quotient without a division per value: with y = 1/s correctly rounded, q0 = x * y, and two
 // residual corrections q += (x - s * q) * y (Markstein: the second is the correctly rounded quotient where s, 1/s
 // and the quotient are normal floats; a quotient below the normals is zero in e4m3 either way, its sign kept); a
-// scale outside that range divides. (A form that flattened (row, group) units and held 8 or 16 of them in flight
-// per team ran at 0.34-0.49 of copy_ where this one runs at 0.49-0.60: docs/results/kernels.md.)
-extern "C" __global__ void __launch_bounds__(256)
-kv_convert_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, CSIDE(s_), CSIDE(d_),
-                int g, int t0, int t1, int nl, int nh, int elems, int q, int group, int L, int to_fp8, int fp16,
-                unsigned gM, int gL, int lm, unsigned hgM, int hgL, unsigned nlgM, int nlgL, int items) {
+// scale outside that range divides. The scale amax / 448 is the same construction with 1/448 (exact for every
+// bf16 and fp16 amax in [2^-100, 2^127], checked against IEEE's division over all of them), and 1/s the
+// hardware reciprocal and one Newton step, as __frcp_rn computes it for s in [2^-126, 2^126).
+// The team's size L and the base dtype are compile-time (a switch in kv_convert_rect): the team's shuffles
+// unroll, and a team's KV_ROWS rows go through the conversion as straight-line code, their loads, amax
+// reductions, reciprocals and quotients interleaved, with the rare rows outside the fast form fixed up after.
+// (Where each row took the shuffles in a loop and the divisions' slow-path branches one row after the other, the
+// rows in flight were converted one at a time: 0.49-0.60 of copy_, and 8 rows in flight slower than 4. A form
+// that flattened (row, group) units and held 8 or 16 of them in flight per team ran at 0.34-0.49 of copy_:
+// docs/results/kernels.md.)
+template <int L, int F16>
+__device__ __forceinline__ void convert_rect(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                             CSIDE(s_), CSIDE(d_), int g, int t0, int t1, int nl, int nh, int elems,
+                                             int q, int group, int to_fp8, unsigned gM, int gL, int lm, unsigned hgM,
+                                             int hgL, unsigned nlgM, int nlgL, int items) {
   const int lane = threadIdx.x & 31, team = lane / L, j = lane % L, teams = 32 / L;
   const int ngroups = (q + group - 1) / group;
   const int rope = elems - q;  // values after the quantized part, kept as they are (MLA's RoPE part)
@@ -198,51 +252,67 @@ kv_convert_rect(const unsigned char* __restrict__ src, unsigned char* __restrict
         const int g0 = gi * group, n = q - g0 < group ? q - g0 : group;
         const bool mine = j * 8 < n;  // this lane's 8 values of the group
         if (to_fp8) {
-          uint4 v[KV_ROWS];
-#pragma unroll
-          for (int r = 0; r < KV_ROWS; ++r)
-            if (sp[r] && mine) v[r] = *(const uint4*)(sp[r] + 2 * (g0 + 8 * j));
+          // every row's loads first (zeros where the row or the lane has none: their amax is 0)
+          unsigned w[KV_ROWS][4];
 #pragma unroll
           for (int r = 0; r < KV_ROWS; ++r) {
-            float x[8];
-            const unsigned w[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
-            float amax = 0.0f;
-            if (sp[r] && mine) {
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (sp[r] && mine) v = *(const uint4*)(sp[r] + 2 * (g0 + 8 * j));
+            w[r][0] = v.x;
+            w[r][1] = v.y;
+            w[r][2] = v.z;
+            w[r][3] = v.w;
+          }
+          float amax[KV_ROWS];
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                if (fp16) {
-                  x[2 * e] = f16_to_f32((unsigned short)(w[e] & 0xFFFFu));
-                  x[2 * e + 1] = f16_to_f32((unsigned short)(w[e] >> 16));
-                } else {
-                  x[2 * e] = __uint_as_float(w[e] << 16);
-                  x[2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
-                }
-              }
+          for (int r = 0; r < KV_ROWS; ++r) {
+            amax[r] = 0.0f;
 #pragma unroll
-              for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(x[e]));
+            for (int e = 0; e < 8; ++e) amax[r] = fmaxf(amax[r], fabsf(value8<F16>(w[r], e)));
+          }
+#pragma unroll
+          for (int o = L >> 1; o; o >>= 1)
+#pragma unroll
+            for (int r = 0; r < KV_ROWS; ++r) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], o));
+          // the fast form for every row, no branches: the scale, its reciprocal, the quotients, the codes
+          unsigned c[KV_ROWS][2];
+          float sc[KV_ROWS];
+#pragma unroll
+          for (int r = 0; r < KV_ROWS; ++r) {
+            const float a = amax[r];
+            float t = a * Y448;
+            t = fmaf(fmaf(-448.0f, t, a), Y448, t);
+            t = fmaf(fmaf(-448.0f, t, a), Y448, t);
+            const float s = a > 0.0f ? t : 1.0f;
+            float y;
+            asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(s));
+            y = fmaf(fmaf(-s, y, 1.0f), y, y);
+            unsigned cc[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              cc[e] = e4m3x2(CLAMP448(quotient(value8<F16>(w[r], 2 * e), s, y)),
+                             CLAMP448(quotient(value8<F16>(w[r], 2 * e + 1), s, y)));
+            c[r][0] = cc[0] | (cc[1] << 16);
+            c[r][1] = cc[2] | (cc[3] << 16);
+            sc[r] = s;
+          }
+#pragma unroll
+          for (int r = 0; r < KV_ROWS; ++r)
+            // the fast form's range: amax 0 (s = 1) or in [2^-100, 2^127] (s in [2^-109, 2^119])
+            if (sp[r] && mine && !(amax[r] == 0.0f || (amax[r] >= 0x1p-100f && amax[r] <= 0x1p127f))) {
+              // the row's values again (the rare row: registers stay free for the common ones)
+              const uint3 k = codes_by_division<F16>(*(const uint4*)(sp[r] + 2 * (g0 + 8 * j)), amax[r]);
+              c[r][0] = k.x;
+              c[r][1] = k.y;
+              sc[r] = __uint_as_float(k.z);
             }
-            for (int o = L >> 1; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+#pragma unroll
+          for (int r = 0; r < KV_ROWS; ++r) {
             if (!(sp[r] && mine)) continue;
-            const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
-            unsigned c[4];
-            if (s >= 0x1p-125f && s <= 0x1p125f) {  // s and 1/s normal: the quotients by reciprocal and residuals
-              const float y = __frcp_rn(s);
-#pragma unroll
-              for (int e = 0; e < 8; ++e) {
-                float t = x[e] * y;
-                t = fmaf(fmaf(-s, t, x[e]), y, t);
-                x[e] = copysignf(fmaf(fmaf(-s, t, x[e]), y, t), x[e]);  // a residual's +0 would lose -0's sign
-              }
-            } else {
-#pragma unroll
-              for (int e = 0; e < 8; ++e) x[e] = x[e] / s;
-            }
-#pragma unroll
-            for (int e = 0; e < 4; ++e) c[e] = e4m3x2(CLAMP448(x[2 * e]), CLAMP448(x[2 * e + 1]));
             unsigned* o = (unsigned*)(dp[r] + g0 + 8 * j);
-            o[0] = c[0] | (c[1] << 16);
-            o[1] = c[2] | (c[3] << 16);
-            if (j == 0) *(unsigned*)(dp[r] + q + 4 * gi) = __float_as_uint(s);
+            o[0] = c[r][0];
+            o[1] = c[r][1];
+            if (j == 0) *(unsigned*)(dp[r] + q + 4 * gi) = __float_as_uint(sc[r]);
           }
         } else {
           uint2 v[KV_ROWS];
@@ -261,8 +331,8 @@ kv_convert_rect(const unsigned char* __restrict__ src, unsigned char* __restrict
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const unsigned w = e < 2 ? v[r].x : v[r].y, sh = (e & 1) * 16;
-              const unsigned lo = f32_to_base(e4m3_value((w >> sh) & 0xFFu) * s[r], fp16);
-              const unsigned hi = f32_to_base(e4m3_value((w >> (sh + 8)) & 0xFFu) * s[r], fp16);
+              const unsigned lo = f32_to_base(e4m3_value((w >> sh) & 0xFFu) * s[r], F16);
+              const unsigned hi = f32_to_base(e4m3_value((w >> (sh + 8)) & 0xFFu) * s[r], F16);
               o[e] = lo | (hi << 16);
             }
             *(uint4*)(dp[r] + 2 * (g0 + 8 * j)) = make_uint4(o[0], o[1], o[2], o[3]);
@@ -271,12 +341,54 @@ kv_convert_rect(const unsigned char* __restrict__ src, unsigned char* __restrict
       }
       if (rope) {  // the values kept as they are: 2-byte words after the scales (fp8) or the quantized part (base)
         const int sa = to_fp8 ? 2 * q : q + 4 * ngroups, da = to_fp8 ? q + 4 * ngroups : 2 * q;
+        // every row's words of a chunk loaded before the first store: the rows' loads in flight together
+#pragma unroll 1
+        for (int b0 = j; b0 < rope; b0 += 2 * L) {
+          unsigned short t[KV_ROWS][2];
 #pragma unroll
-        for (int r = 0; r < KV_ROWS; ++r)
-          if (sp[r])
-            for (int b = j; b < rope; b += L)
-              ((unsigned short*)(dp[r] + da))[b] = ((const unsigned short*)(sp[r] + sa))[b];
+          for (int r = 0; r < KV_ROWS; ++r)
+#pragma unroll
+            for (int u = 0; u < 2; ++u)
+              if (sp[r] && b0 + u * L < rope) t[r][u] = ((const unsigned short*)(sp[r] + sa))[b0 + u * L];
+#pragma unroll
+          for (int r = 0; r < KV_ROWS; ++r)
+#pragma unroll
+            for (int u = 0; u < 2; ++u)
+              if (sp[r] && b0 + u * L < rope) ((unsigned short*)(dp[r] + da))[b0 + u * L] = t[r][u];
+        }
       }
     }
   }
 }
+
+// kv_convert_rect_<L>_<base>: one kernel per team size L (a power of two, at most 32: groups of at most 256
+// values) and base dtype, each compiled for its own registers (one kernel switching between all twelve forms takes
+// the registers of the largest, 176 where each needs 128); kvlab.memory.ops.cuda._convert_launch picks it by name.
+// The parameters are the same for all (L and fp16 are those of the name).
+// Two CTAs of 256 threads per SM (128 registers) where KV_ROWS <= 4: ptxas left alone takes 171-176 for some forms,
+// one CTA per SM.
+#if KV_ROWS <= 4
+#define KV_MIN_CTAS 2
+#else
+#define KV_MIN_CTAS 1
+#endif
+#define KV_CONVERT_KERNEL(LL, F, NAME)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256, KV_MIN_CTAS)                                                \
+  NAME(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, CSIDE(s_), CSIDE(d_), int g, int t0, \
+       int t1, int nl, int nh, int elems, int q, int group, int L, int to_fp8, int fp16, unsigned gM, int gL, int lm, \
+       unsigned hgM, int hgL, unsigned nlgM, int nlgL, int items) {                                               \
+    convert_rect<LL, F>(src, dst, CSIDE_ARGS(s_), CSIDE_ARGS(d_), g, t0, t1, nl, nh, elems, q, group, to_fp8, gM, gL, \
+                        lm, hgM, hgL, nlgM, nlgL, items);                                                         \
+  }
+KV_CONVERT_KERNEL(1, 0, kv_convert_rect_1_bf16)
+KV_CONVERT_KERNEL(2, 0, kv_convert_rect_2_bf16)
+KV_CONVERT_KERNEL(4, 0, kv_convert_rect_4_bf16)
+KV_CONVERT_KERNEL(8, 0, kv_convert_rect_8_bf16)
+KV_CONVERT_KERNEL(16, 0, kv_convert_rect_16_bf16)
+KV_CONVERT_KERNEL(32, 0, kv_convert_rect_32_bf16)
+KV_CONVERT_KERNEL(1, 1, kv_convert_rect_1_fp16)
+KV_CONVERT_KERNEL(2, 1, kv_convert_rect_2_fp16)
+KV_CONVERT_KERNEL(4, 1, kv_convert_rect_4_fp16)
+KV_CONVERT_KERNEL(8, 1, kv_convert_rect_8_fp16)
+KV_CONVERT_KERNEL(16, 1, kv_convert_rect_16_fp16)
+KV_CONVERT_KERNEL(32, 1, kv_convert_rect_32_fp16)

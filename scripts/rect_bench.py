@@ -138,7 +138,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--paths", nargs="+", default=["span", "runs"], help="the same-format kernels to time")
+    ap.add_argument("--paths", nargs="*", default=["span", "runs"],
+                    help="the same-format kernels to time (none: only the gen fp8 cases)")
     ap.add_argument("--fp8-pairs", type=int, default=3, help="the first N pairs again with gen fp8")
     ap.add_argument("--layer-passes", type=int, nargs="+", default=[cuda_ops.LAYER_PASSES],
                     help="kvlab.memory.ops.cuda.LAYER_PASSES values to time each case with (0: a layer per item)")

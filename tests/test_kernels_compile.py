@@ -118,6 +118,9 @@ def test_fp8_rows_compiles_without_spills(cuda_ops, arch, rows):
     log = io.StringIO()
     cubin = bytes(Program(cuda_ops._source(cuda_ops.FP8_ROWS_SOURCE), "c++", options=opts)
                   .compile("cubin", logs=log).code)
-    assert cubin[:4] == b"\x7fELF" and b"kv_quantize_rows" in cubin and b"kv_convert_rect" in cubin
+    assert cubin[:4] == b"\x7fELF" and b"kv_quantize_rows" in cubin
+    # a kernel per team size and base dtype (kvlab.memory.ops.cuda._convert_kernel picks it by name)
+    assert all(f"kv_convert_rect_{lanes}_{base}".encode() in cubin for lanes in (1, 2, 4, 8, 16, 32)
+               for base in ("bf16", "fp16"))
     spills = [line for line in log.getvalue().replace("\0", "").splitlines() if "spill" in line]
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()

@@ -593,15 +593,22 @@ def _wire_cside(rows: tuple[int, ...], rect: Rect, ids: torch.Tensor, c: int):
 
 
 @lru_cache(maxsize=8)
-def _convert_kernel(index: int, rows: int):
-    """(kernel, CTAs resident at once, ObjectCode) of ``kv_convert_rect`` with ``rows`` rows in flight per
-    team."""
+def _convert_object(index: int, rows: int):
+    """kernels/fp8_rows.cu compiled with ``rows`` rows in flight per team, loaded on device ``index``."""
     from cuda.core import Device, ObjectCode
 
     Device(index).set_current()
-    obj = ObjectCode.from_cubin(compile_for_arch(device_arch(index), ConvertTuning(rows=rows), source=FP8_ROWS_SOURCE),
-                                name="fp8_rows")
-    kernel = obj.get_kernel("kv_convert_rect")
+    return ObjectCode.from_cubin(compile_for_arch(device_arch(index), ConvertTuning(rows=rows),
+                                                  source=FP8_ROWS_SOURCE), name="fp8_rows")
+
+
+@lru_cache(maxsize=64)
+def _convert_kernel(index: int, rows: int, lanes: int, base: str):
+    """(kernel, CTAs resident at once, ObjectCode) of ``kv_convert_rect`` for teams of ``lanes`` lanes and ``base``
+    values (bf16 or fp16): a kernel of its own per form, ``kv_convert_rect_<lanes>_<base>``, with ``rows`` rows in
+    flight per team."""
+    obj = _convert_object(index, rows)
+    kernel = obj.get_kernel(f"kv_convert_rect_{lanes}_{base}")
     per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(CONVERT_THREADS, 0)
     return kernel, max(1, per_sm) * _sm_count(index), obj
 
@@ -648,7 +655,6 @@ def _convert_launch(src_bytes, src_sides, dst_bytes, dst_sides, rect: Rect, shap
 
     dev = dst_bytes.device
     Device(dev.index).set_current()
-    kernel, resident, _ = _convert_kernel(dev.index, CONVERT_ROWS)
     stream = Stream.from_handle(torch.cuda.current_stream(dev).cuda_stream)
     i32 = np.int32
     # items: a span of g tokens (one block on a pool side, one wire tile on a wire side) by every head of lm layers;
@@ -658,8 +664,9 @@ def _convert_launch(src_bytes, src_sides, dst_bytes, dst_sides, rect: Rect, shap
     items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * nlg
     if items > _INT_MAX or lm * rect.n_heads * g > _INT_MAX // 2:
         return False
-    grid = max(1, min(ctas or resident, -(-items // (CONVERT_THREADS // 32))))
     for c, sh in enumerate(shapes):
+        kernel, resident, _ = _convert_kernel(dev.index, CONVERT_ROWS, sh.lanes, sh.base)
+        grid = max(1, min(ctas or resident, -(-items // (CONVERT_THREADS // 32))))
         launch(stream, LaunchConfig(grid=grid, block=CONVERT_THREADS), kernel, src_bytes.data_ptr(),
                dst_bytes.data_ptr(), *src_sides[c][0], *dst_sides[c][0], i32(g), i32(rect.t0), i32(rect.t1),
                i32(rect.n_layers), i32(rect.n_heads), i32(sh.elems), i32(sh.q), i32(sh.group), i32(sh.lanes),
