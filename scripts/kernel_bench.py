@@ -10,6 +10,8 @@ the same run; the kernels run on a given number of CTAs, the point being to stay
 it on few CTAs so that NCCL keeps its SMs.
 
     python scripts/kernel_bench.py --out kernel_bench.json
+    python scripts/kernel_bench.py --out ceilings.json --ceilings-only   (scripts/kernel_ceilings.py: what few CTAs,
+        and the copy engines, can move at all)
 """
 from __future__ import annotations
 
@@ -160,11 +162,12 @@ def main() -> None:
     ap.add_argument("--ctas", type=int, nargs="+", default=[8, 16, 32, 132])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-bulk", action="store_true", help="skip the cp.async.bulk kernels")
+    ap.add_argument("--ceilings-only", action="store_true",
+                    help="only the linear copy on the given CTAs and the copy engines (scripts/kernel_ceilings.py)")
     args = ap.parse_args()
 
     import cuda.core
     from rich.console import Console
-    from rich.table import Table
 
     torch.cuda.set_device(0)
     cuda_ops.ensure_compiled()
@@ -184,6 +187,11 @@ def main() -> None:
     for mib in args.chunks_mib:
         b.copy_gbps[mib] = d2d_copy_gbps(mib * MiB, args.iters)
 
+    if args.ceilings_only:
+        ceilings(b, gen)
+        b.save()
+        print_table(b, props, console, args)
+        return
     cases = [("block_major", Layout.block_major, range(HEADS), None),
              ("layer_major", Layout.layer_major, range(HEADS), None),
              ("block_major heads 0-3", Layout.block_major, range(HEADS // 2), None),
@@ -219,6 +227,57 @@ def main() -> None:
             b.errors.append(f"{section}: {type(e).__name__}: {e}")
             console.print(f"[red]{section} tunings failed: {e}")
         b.save()
+
+    print_table(b, props, console, args)
+
+
+def ceilings(b: Bench, gen: torch.Generator) -> None:
+    """scripts/kernel_ceilings.py's rows: the linear copy on each CTA count, the copy engines on none."""
+    import kernel_ceilings as kc
+
+    arch = cuda_ops.device_arch(0)
+    for mib in b.args.chunks_mib:
+        n = mib * MiB
+        linear_rows(b, kc, arch, mib)
+        for name, layout, heads in (("block_major", Layout.block_major, range(HEADS)),
+                                    ("layer_major", Layout.layer_major, range(HEADS)),
+                                    ("block_major heads 0-3", Layout.block_major, range(HEADS // 2))):
+            ch = Chunk(layout, n, heads, gen)
+            try:
+                ce = kc.CopyEngines(ch)
+                ch.wire.zero_()
+                ce()
+                want = torch.empty_like(ch.wire)
+                reference.pack(ch.pool_bytes, ch.pool, ch.num_blocks, ch.rect, ch.ids, 0, want)
+                assert torch.equal(ch.wire, want), "the copy engines' pack differs from the reference"
+                for how, fn in (("graph", ce.captured()), ("call", ce)):
+                    g = gbps(ch.nbytes, time_ms(fn, b.args.iters))
+                    b.rows.append({"case": name, "chunk_mib": mib, "op": f"pack by copy engines ({how})", "ctas": 0,
+                                   "kernel": f"cuMemcpyBatchAsync, {ce.count} copies", "copies": ce.count,
+                                   "gbps": g, "copy_gbps": b.copy_gbps[mib], "ratio": g / b.copy_gbps[mib]})
+            except Exception as e:  # noqa: BLE001 - a driver without the batch API: say so, keep the rest
+                b.errors.append(f"copy engines {name} {mib} MiB: {type(e).__name__}: {e}")
+            del ch
+            torch.cuda.empty_cache()
+
+
+def linear_rows(b: Bench, kc, arch: str, mib: int) -> None:
+    n = mib * MiB
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    for threads, unroll in kc.LINEAR_TUNINGS:
+        k = kc.linear_copy(arch, unroll)
+        kc.launch_linear(k, src, dst, 32, threads)
+        assert torch.equal(src, dst), "the linear copy differs from its source"
+        for ctas in [*b.args.ctas, 64]:
+            g = gbps(n, time_ms(lambda: kc.launch_linear(k, src, dst, ctas, threads), b.args.iters))  # noqa: B023
+            b.rows.append({"case": "one buffer", "chunk_mib": mib, "op": "linear copy", "ctas": ctas,
+                           "kernel": f"linear {threads}x{unroll}", "threads": threads, "unroll": unroll,
+                           "gbps": g, "copy_gbps": b.copy_gbps[mib], "ratio": g / b.copy_gbps[mib]})
+
+
+def print_table(b: Bench, props, console, args) -> None:
+    from rich.table import Table
 
     table = Table(title=f"pack/unpack vs d2d copy on {props.name} (GB/s, read + written)")
     for col in ("case", "MiB", "kernel", "op", "ctas", "GB/s", "copy", "ratio"):

@@ -1,0 +1,104 @@
+"""What few CTAs can move at all, beside the pack/unpack kernels (scripts/kernel_bench.py ``--ceilings``).
+
+- ``linear copy``: the plainest copy a kernel can make, one contiguous buffer, 16-byte vectors, ``unroll``
+  loads in flight per thread before their stores, grid-stride over the given CTAs. No table, no runs: what the
+  SMs themselves can read and write, the ceiling of any kernel's pack or unpack on that many CTAs.
+- ``copy engines``: the chunk's runs (merged where adjacent on both sides) as one ``cuMemcpyBatchAsync``
+  asking for the copy engines (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``), which take no SM at all. Timed
+  from a CUDA graph that holds the batch, so that the host's marshalling of descriptors is not counted, and
+  again as the plain call, host included. Verified against the reference pack.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvlab.model.layout import Runs, runs
+
+LINEAR_SRC = r"""
+extern "C" __global__ void lin_copy(const uint4* __restrict__ s, uint4* __restrict__ d, long long n) {
+    const long long step = (long long)gridDim.x * blockDim.x * UNROLL;
+    for (long long i = (long long)blockIdx.x * blockDim.x * UNROLL + threadIdx.x; i < n; i += step) {
+        uint4 r[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            long long j = i + (long long)k * blockDim.x;
+            r[k] = j < n ? __ldg(s + j) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            long long j = i + (long long)k * blockDim.x;
+            if (j < n) d[j] = r[k];
+        }
+    }
+}
+"""
+LINEAR_TUNINGS = ((1024, 8), (512, 16), (1024, 16))  # (threads, unroll)
+
+
+def linear_copy(arch: str, unroll: int):
+    """The linear copy kernel compiled for ``arch`` with ``unroll`` vectors in flight per thread."""
+    from cuda.core import Program, ProgramOptions
+
+    opts = ProgramOptions(arch=arch, std="c++17", name="lin_copy", define_macro=[("UNROLL", str(unroll))])
+    return Program(LINEAR_SRC, "c++", options=opts).compile("cubin").get_kernel("lin_copy")
+
+
+def launch_linear(kernel, src: torch.Tensor, dst: torch.Tensor, ctas: int, threads: int) -> None:
+    import numpy as np
+    from cuda.core import LaunchConfig, Stream, launch
+
+    stream = Stream.from_handle(torch.cuda.current_stream(src.device).cuda_stream)
+    launch(stream, LaunchConfig(grid=ctas, block=threads), kernel, src.data_ptr(), dst.data_ptr(),
+           np.int64(src.numel() // 16))
+
+
+def merged(r: Runs) -> tuple[list[int], list[int], list[int]]:
+    """(pool offsets, wire offsets, lengths) of ``r`` with runs that follow each other on both sides as one."""
+    mem, wire, n = r.mem.reshape(-1).cpu(), r.wire.reshape(-1).cpu(), r.length.reshape(-1).cpu()
+    cut = torch.ones_like(mem, dtype=torch.bool)
+    cut[1:] = (mem[1:] != mem[:-1] + n[:-1]) | (wire[1:] != wire[:-1] + n[:-1])
+    group = cut.cumsum(0) - 1
+    lens = torch.zeros(int(cut.sum()), dtype=torch.int64).index_add_(0, group, n)
+    return mem[cut].tolist(), wire[cut].tolist(), lens.tolist()
+
+
+class CopyEngines:
+    """The pack of one kernel_bench Chunk as one batch of copy-engine copies (pool runs -> wire)."""
+
+    def __init__(self, ch):
+        from cuda.bindings import driver as drv
+
+        self.drv = drv
+        mem, wire, lens = merged(runs(ch.pool, ch.num_blocks, ch.rect, ch.ids, 0))
+        self.count = len(lens)
+        base_s, base_d = ch.pool_bytes.data_ptr(), ch.wire.data_ptr()
+        self.srcs = [drv.CUdeviceptr(base_s + m) for m in mem]
+        self.dsts = [drv.CUdeviceptr(base_d + w) for w in wire]
+        self.sizes = lens
+        attr = drv.CUmemcpyAttributes()
+        attr.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        attr.flags = drv.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        loc = drv.CUmemLocation()
+        loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        loc.id = ch.wire.device.index or 0
+        attr.srcLocHint, attr.dstLocHint = loc, loc
+        self.attrs = [attr]
+        self.graph = None
+
+    def __call__(self) -> None:
+        stream = torch.cuda.current_stream().cuda_stream
+        out = self.drv.cuMemcpyBatchAsync(self.dsts, self.srcs, self.sizes, self.count, self.attrs, [0], 1, stream)
+        err = out[0] if isinstance(out, tuple) else out
+        if err != self.drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemcpyBatchAsync of {self.count} copies: {err}")
+
+    def captured(self):
+        """The batch replayed from a CUDA graph (the descriptors marshalled once, at capture)."""
+        if self.graph is None:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=s):
+                self()
+            torch.cuda.current_stream().wait_stream(s)
+        return self.graph.replay
