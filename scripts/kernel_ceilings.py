@@ -86,11 +86,19 @@ class CopyEngines:
         self.graph = None
 
     def __call__(self) -> None:
-        stream = torch.cuda.current_stream().cuda_stream
-        out = self.drv.cuMemcpyBatchAsync(self.dsts, self.srcs, self.sizes, self.count, self.attrs, [0], 1, stream)
+        # the batch API refuses the legacy default stream, torch's current one: a stream of its own, in order
+        here = torch.cuda.current_stream()
+        if here.cuda_stream == 0:
+            self.side = getattr(self, "side", None) or torch.cuda.Stream()
+            self.side.wait_stream(here)
+        stream = self.side if here.cuda_stream == 0 else here
+        out = self.drv.cuMemcpyBatchAsync(self.dsts, self.srcs, self.sizes, self.count, self.attrs, [0], 1,
+                                          stream.cuda_stream)
         err = out[0] if isinstance(out, tuple) else out
         if err != self.drv.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemcpyBatchAsync of {self.count} copies: {err}")
+        if stream is not here:
+            here.wait_stream(stream)
 
     def captured(self):
         """The batch replayed from a CUDA graph (the descriptors marshalled once, at capture)."""
