@@ -106,7 +106,7 @@ def test_planes_land_where_kvlab_puts_them(model, side):
     planes = {p.name: [torch.randint(0, 256, (len(p.layers), p.heads, 50, r), dtype=torch.uint8)
                        for r in p.comp_row_bytes()] for p in s.model.pools()}
     check = decode_check.DecodeCheck(s, "gen", 1, [Request(0, 50)], store=None)
-    check.planes[0] = planes
+    check.planes[0] = check._own(cache, planes)  # as prepare keeps them: the layers and heads this rank holds
     check.cache, cache.contents = cache, check.expected
     cache.allocate(Request(0, 50))
     cache.fill(Request(0, 50), ops)

@@ -285,15 +285,16 @@ def test_budget_fits_what_runs_and_bounds_what_the_ranks_hold(monkeypatch):
     assert b.chunks_per_request >= max(sum(1 for c in order if c.request == q.id) for q in requests)
 
 
-def test_budget_counts_what_the_decode_check_keeps_on_a_gen_rank():
-    """check=decode keeps each of a gen rank's requests' reference planes, whole, and its received share on the
-    rank's device through the transfer loop (kvlab.rank.decode_check): the budget holds them on the gen ranks of
-    each DP group, for that group's requests only, and nothing on the ctx ranks."""
-    setup = build(compose(QUIET + ["model=tiny_gqa", "check=decode", "gen.dp=2", "workload.isl=256",
-                                   "workload.requests=3"]))
+@pytest.mark.parametrize("gen_tp", [1, 2])
+def test_budget_counts_what_the_decode_check_keeps_on_a_gen_rank(gen_tp):
+    """check=decode keeps the heads a gen rank holds of each of its requests' reference planes, and its received
+    share, on the rank's device through the transfer loop (kvlab.rank.decode_check): the budget holds them on
+    the gen ranks of each DP group, for that group's requests only, and nothing on the ctx ranks."""
+    setup = build(compose(QUIET + ["model=tiny_gqa", "check=decode", "gen.dp=2", f"gen.tp={gen_tp}",
+                                   "workload.isl=256", "workload.requests=3"]))
     b = budget.estimate(setup, gpus=1)
-    whole = budget.planes_bytes(setup.model, 256)
     m = setup.model
+    whole = budget.planes_bytes(m, 256)
     assert whole == 2 * 2 * m.num_layers * m.kv_heads * m.head_dim * 256  # K and V, bf16
     for r in b.ranks:
         side, rank = setup.side_of(r.world_rank)
@@ -301,7 +302,7 @@ def test_budget_counts_what_the_decode_check_keeps_on_a_gen_rank():
             assert r.check == 0
             continue
         mine = 2 if setup.gen.coord(rank).dp == 0 else 1  # requests 0 and 2, and 1
-        assert r.check == mine * 2 * whole  # gen TP1: its share is the whole cache
+        assert r.check == mine * 2 * whole // gen_tp  # its heads of the planes, and its share
         assert "check" in r.on(r.memory)
 
 

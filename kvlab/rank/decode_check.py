@@ -10,13 +10,13 @@ Before the clock starts (nothing here is on the measured path):
   its DP group decodes: the same prefill in one process, then ``check.tokens`` greedy tokens. Its
   prefill's planes are what the byte check compares the received bytes with.
 
-On a GPU a gen rank keeps its references' planes there from before the clock, and after a request's byte
-check copies what it holds of it out of its pool (its share) into device memory, before its blocks are freed
-(``PagedCache.after_verify``): nothing of the check crosses to the host inside the receive loop, where later
-requests' transfers would wait for it (``kvlab.sizing.budget`` counts both). After the transfer loop every gen rank
-posts its shares to the store, and the first rank of each gen DP group gathers its group's,
-rebuilds the model's cache from them, decodes and compares tokens and logits with the reference.
-A request that does not decode as the reference fails with one line naming the step, the layers
+A gen rank keeps the layers and heads it holds of its references' planes on its device from before the clock,
+and after a request's byte check copies what it holds of it out of its pool (its share) into device memory,
+before its blocks are freed (``PagedCache.after_verify``): on a GPU nothing of the check crosses to the host
+inside the receive loop, where later requests' transfers would wait for it (``kvlab.sizing.budget`` counts
+both). After the transfer loop every gen rank posts its shares to the store, and the first rank of each gen
+DP group gathers its group's, rebuilds the model's cache from them, decodes and compares tokens and logits
+with the reference. A request that does not decode as the reference fails with one line naming the step, the layers
 whose cache differs from the reference's in the tokens decoding reads, and the byte check's verdict
 beside it.
 
@@ -157,13 +157,25 @@ class DecodeCheck:
                 self.post_first(r.id, int(last.argmax()))
             else:
                 ref = reference(self.model, self.check, ids, device=cache.device)
-                self.planes[r.id] = {k: [p.to(cache.device) for p in v] for k, v in ref.planes.items()}
+                self.planes[r.id] = self._own(cache, ref.planes)
                 if self.lead:
                     self.refs[r.id] = ref
         self.cache = cache
         cache.contents = self.expected
         if self.side == "gen":
             cache.after_verify = self.keep
+
+    @staticmethod
+    def _own(cache, planes: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+        """The layers and heads of ``planes`` that a gen rank holds (its byte check reads no others), on its
+        device; ``expected`` shifts a rectangle by where they start."""
+        out = {}
+        for name, comps in planes.items():
+            store = cache.pools.get(name)
+            if store is not None:
+                ls, hs = store.pool.layers, store.pool.heads
+                out[name] = [c[ls.start:ls.stop, hs.start:hs.stop].to(cache.device) for c in comps]
+        return out
 
     def post_first(self, request: int, token: int) -> None:
         """The prefill's greedy token, as the prefill instance hands it to the decode instance (the first TP
@@ -178,7 +190,11 @@ class DecodeCheck:
         planes = self.planes.get(request, {}).get(pool.name)
         if planes is None:
             return fill.expected(request, pool, rect, device, out)
-        data = hf_models.wire_bytes(planes, rect)
+        at = rect
+        if self.side == "gen":  # ``_own``'s planes start at the rank's first layer and head
+            at = replace(rect, l0=rect.l0 - pool.layers.start, l1=rect.l1 - pool.layers.start,
+                         h0=rect.h0 - pool.heads.start, h1=rect.h1 - pool.heads.start)
+        data = hf_models.wire_bytes(planes, at)
         if pool.spec.fmt:  # a pool in another KV dtype holds the model's values in it (kvlab.model.kv_dtype)
             data = convert_wire(data, rect, replace(pool.spec, fmt=""), pool.spec)
         if out is None:

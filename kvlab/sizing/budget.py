@@ -128,14 +128,16 @@ def planes_bytes(model, tokens: int) -> int:
     return sum(sum(p.comp_row_bytes()) * p.heads * len(p.layers) * p.held_tokens(tokens) for p in model.pools("bf16"))
 
 
-def check_bytes(setup: Setup, side: str, dp: int, tokens: int, share: int) -> int:
-    """What check=decode keeps on a gen rank of DP group ``dp`` through the transfer loop
-    (kvlab.rank.decode_check): each of its group's requests' reference planes, whole, from before the clock,
-    and the ``share`` bytes it received of each, until the loop ends."""
-    if not setup.check.decode or side != "gen":
+def check_bytes(setup: Setup, state: CacheState, dp: int, tokens: int, share: int) -> int:
+    """What check=decode keeps on a gen rank (``state``) of DP group ``dp`` through the transfer loop
+    (kvlab.rank.decode_check): the layers and heads it holds of each of its group's requests' reference planes,
+    in bf16, from before the clock, and the ``share`` bytes it received of each, until the loop ends."""
+    if not setup.check.decode or state.side.name != "gen":
         return 0
-    mine = len(range(dp, setup.workload.requests, setup.gen.dp))
-    return mine * (planes_bytes(setup.model, tokens) + share)
+    bf16 = {p.name: p for p in setup.model.pools("bf16")}
+    planes = sum(sum(bf16[p.name].comp_row_bytes()) * len(p.heads) * len(p.layers) * bf16[p.name].held_tokens(tokens)
+                 for p in state.pools())
+    return len(range(dp, setup.workload.requests, setup.gen.dp)) * (planes + share)
 
 
 def _memory_of(setup: Setup, world_rank: int, gpus: int) -> str:
@@ -197,7 +199,7 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
         memory = _memory_of(setup, wr, gpus)
         piece = FILL_PIECE_BYTES if memory == "host" else verify_piece_bytes("cuda")
         temps = FILL_PIECE_FACTOR * min(piece, max(held, cache // max(1, open_requests)))
-        check = check_bytes(setup, side.name, setup.gen.coord(r).dp if side.name == "gen" else 0, tokens, held)
+        check = check_bytes(setup, state, side.coord(r).dp, tokens, held)
         ranks.append(RankNeed(wr, f"{side.name}{r}", memory, cache, staging, tables, temps, plan_bytes,
                               transport=NCCL_BYTES if memory != "host" else 0, model=weights + activations,
                               check=check))
