@@ -210,9 +210,9 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
 def print_budget(b: dict, console: Console | None = None) -> None:
     """What each rank will hold (kvlab.sizing.budget), and what the memories they draw on can give."""
     console = console or wide_console()
-    parts = ("cache", "staging", "tables", "temps", "transport", "plan", "process")
-    if any(r.get("model") for r in b["ranks"]):  # prefill=model: the weights and a forward's activations
-        parts = (*parts[:5], "model", *parts[5:])
+    # prefill=model's weights and activations, check=decode's references and shares: shown where a rank has them
+    optional = tuple(p for p in ("model", "check") if any(r.get(p) for r in b["ranks"]))
+    parts = ("cache", "staging", "tables", "temps", "transport", *optional, "plan", "process")
     t = Table(title=f"memory per rank in MiB, at most ({b['open_requests']} requests open at once)")
     for col in ("rank", "memory", *parts):
         t.add_column(col, justify="right")
