@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.model.layout import Runs, runs
+from kvlab.model.layout import runs
+from kvlab.transports.direct import coalesce
 
 LINEAR_SRC = r"""
 extern "C" __global__ void lin_copy(const uint4* __restrict__ s, uint4* __restrict__ d, long long n) {
@@ -53,16 +54,6 @@ def launch_linear(kernel, src: torch.Tensor, dst: torch.Tensor, ctas: int, threa
            np.int64(src.numel() // 16))
 
 
-def merged(r: Runs) -> tuple[list[int], list[int], list[int]]:
-    """(pool offsets, wire offsets, lengths) of ``r`` with runs that follow each other on both sides as one."""
-    mem, wire, n = r.mem.reshape(-1).cpu(), r.wire.reshape(-1).cpu(), r.length.reshape(-1).cpu()
-    cut = torch.ones_like(mem, dtype=torch.bool)
-    cut[1:] = (mem[1:] != mem[:-1] + n[:-1]) | (wire[1:] != wire[:-1] + n[:-1])
-    group = cut.cumsum(0) - 1
-    lens = torch.zeros(int(cut.sum()), dtype=torch.int64).index_add_(0, group, n)
-    return mem[cut].tolist(), wire[cut].tolist(), lens.tolist()
-
-
 class CopyEngines:
     """The pack of one kernel_bench Chunk as one batch of copy-engine copies (pool runs -> wire)."""
 
@@ -70,7 +61,9 @@ class CopyEngines:
         from cuda.bindings import driver as drv
 
         self.drv = drv
-        mem, wire, lens = merged(runs(ch.pool, ch.num_blocks, ch.rect, ch.ids, 0))
+        r = runs(ch.pool, ch.num_blocks, ch.rect, ch.ids, 0)
+        flat = [t.reshape(-1).cpu().numpy() for t in (r.mem, r.wire, r.length)]
+        mem, wire, lens = (a.tolist() for a in coalesce(*flat))
         self.count = len(lens)
         base_s, base_d = ch.pool_bytes.data_ptr(), ch.wire.data_ptr()
         self.srcs = [drv.CUdeviceptr(base_s + m) for m in mem]
