@@ -703,6 +703,55 @@ def test_link_interrupted_is_one_line_that_keeps_the_sizes_measured(moment, tmp_
     assert not (run_dir / rundir.LOCK_NAME).exists()
 
 
+# put in the ranks by Python's site (PYTHONPATH): the rank sends itself SIGINT at the named moment of its end, so
+# that the signal lands there every time instead of once in many Ctrl-Cs
+_SIGNAL_AT = """
+import os, signal
+
+def _hook(at):
+    from kvlab.core import interrupt
+
+    end, ended = interrupt.AtOnce.end, []
+
+    def end_then_signal(self):
+        live = self.fds is not None
+        end(self)
+        ended.extend([1] * live)
+        if live and len(ended) == at:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    interrupt.AtOnce.end = end_then_signal
+
+if os.environ.get("KVLAB_PARENT") is not None:
+    _hook(int(os.environ["SIGNAL_AT_END"]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", [1, 2], ids=["handlers-handed-over", "last-clean-up"])
+def test_a_signal_as_a_rank_hands_over_or_ends_is_no_traceback(at, tmp_path, kvlab_cli):
+    """A rank's start-up guard (kvlab.core.interrupt.AtOnce) ends twice in a kvlab link rank: when the rank's own
+    handlers take over from the interpreter's start (``ready``), and in its last clean-up. A SIGINT that landed
+    just after either raised Stopped outside the code that catches it: a traceback on the run's stderr (once seen
+    from ``signal.signal``, which first runs the handler of a signal that came). Only the ranks get the signal
+    here, so the launcher goes on as if nothing came: the one that lands after the work is done changes nothing,
+    the other ends the ranks as while they start, each saying so in its part."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_SIGNAL_AT)
+    path = os.pathsep.join([str(tmp_path / "hook"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run_dir = tmp_path / "link"
+    p = kvlab_cli("link", f"hydra.run.dir={run_dir}", "link.max_bytes=65536", "link.repeats=1", cwd=tmp_path,
+                  env={"PYTHONPATH": path, "SIGNAL_AT_END": str(at)})
+    assert "Traceback" not in p.stderr, p.stderr
+    if at == 2:
+        assert (p.returncode, p.stderr) == (0, ""), p.stderr
+    else:
+        from kvlab.results.records import read_part
+
+        for r in range(3):  # the start's handlers, still there, ended it (the stop came from outside the run)
+            assert read_part(run_dir, r).errors == [f"rank {r}: stopped by SIGINT while starting"], r
+
+
 @pytest.mark.parametrize("lost", ["swallowed", "turned into another error"])
 def test_a_signal_lost_inside_a_library_still_ends_the_block(lost, capsys):
     """torch imports numpy under ``try``: Ctrl-C at that moment raised inside the import and was swallowed
