@@ -291,7 +291,11 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         node=os.environ.get("GROUP_RANK"),
         env=Env(backend=dist.get_backend(), kernels=ops.name,
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"))
-    write_part(run_dir, part)  # before any exchange: what this rank knows survives it
+    try:
+        write_part(run_dir, part)  # before any exchange: what this rank knows survives it
+    except ConfigError as e:
+        board.refuse(e)
+        raise
     if executor.stopped and world_rank != 0:
         return 1
     summary = None
