@@ -24,6 +24,7 @@ verified by all of its gen ranks or failed with the most likely reason.
 from __future__ import annotations
 
 import pickle
+import re
 import sys
 import threading
 import time
@@ -245,8 +246,13 @@ def finalize(setup, run_dir: Path, plan: RunPlan, gathered: dict[int, PartFile],
         print(f"kvlab: the figures break their identities (kvlab.core.figures): {'; '.join(broken[:3])}{more}",
               file=sys.stderr)
     if not interrupted:  # an interrupted run's errors are its interruption: the launcher says it in one line
+        # a rank the launcher saw die or killed frozen is its line's to name: what its peers and its part say of it
+        # (a deadline run out on it, no report from it) stays in summary.json
+        dead = [re.compile(rf"\b({rank_name(setup, w)}|rank {w})\b") for w in range(setup.world_size)
+                if marked_dead(run_dir, w)]
         for e in errors:
-            print(f"kvlab: {e}", file=sys.stderr)
+            if not any(d.search(e) for d in dead):
+                print(f"kvlab: {e}", file=sys.stderr)
     print(f"results in {run_dir}")
     return summary
 
