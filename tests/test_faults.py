@@ -134,11 +134,19 @@ def test_a_frozen_rank_ends_the_run(rank, tmp_path, kvlab_cli):
     assert p.returncode == 1, p.stderr
     name = {0: "ctx0", 2: "gen0"}[rank]
     assert f"rank {rank} ({name}) was frozen" in p.stderr and "killed it" in p.stderr, p.stderr
+    _named_once(p.stderr, rank, name)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert not summary["verified"] and summary["failed_requests"], summary
     assert any(re.search(r"request \d+", e) for e in summary["errors"]), summary["errors"]
     frozen = json.loads((tmp_path / "parts" / f"rank{rank}.json").read_text())
     assert frozen["errors"] == [f"rank {rank}: frozen (stopped by a signal); killed by the launcher"]
+
+
+def _named_once(err: str, rank: int, name: str) -> None:
+    """The launcher's line is the only one naming the frozen rank: its peers' deadlines run out on it, its part
+    and rank 0's "sent no report" said it again on 2-3 lines (they stay in summary.json)."""
+    naming = [ln for ln in err.splitlines() if re.search(rf"\b({name}|rank {rank})\b", ln)]
+    assert len(naming) == 1 and "was frozen" in naming[0], err
 
 
 def _rank_pids(parent: int) -> dict[int, int]:
@@ -174,6 +182,7 @@ def test_a_rank_frozen_while_the_ranks_start_ends_the_run(rank, tmp_path, kvlab_
     assert [ln for ln in err.splitlines() if "was frozen" in ln] == [
         f"kvlab: rank {rank} ({name}) was frozen (stopped by a signal, its connections open) for {TIMEOUT_S} s; "
         "killed it"], err
+    _named_once(err, rank, name)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["failed_requests"] == list(range(6)) and not summary["verified"], summary
     assert json.loads((tmp_path / "parts" / f"rank{rank}.json").read_text())["errors"] == [

@@ -487,6 +487,47 @@ def test_a_disk_filling_up_during_the_run_is_one_line(small_disk, kvlab_cli):
     assert not (run_dir / rundir.LOCK_NAME).exists()
 
 
+def _rank_pids(parent: int, n: int, timeout: float = 120.0) -> dict[int, int]:
+    """World rank -> pid of the ``n`` ranks the launcher ``parent`` started (their environment names both)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        out = {}
+        for d in Path("/proc").glob("[0-9]*"):
+            try:
+                env = dict(e.split(b"=", 1) for e in (d / "environ").read_bytes().split(b"\0") if b"=" in e)
+            except (OSError, ValueError):
+                continue
+            if env.get(b"KVLAB_PARENT") == str(parent).encode() and b"RANK" in env:
+                out[int(env[b"RANK"])] = int(d.name)
+        if len(out) >= n:
+            return out
+        time.sleep(0.05)
+    raise AssertionError("the ranks did not start")
+
+
+@pytest.mark.slow
+def test_parts_only_the_other_ranks_cannot_write_end_the_run_with_one_line(tmp_path, kvlab_cli):
+    """Rank 0's part written, the others' refused (each rank's own file-size limit: the run directory had room for
+    rank 0's alone): rank 0 waited out its silence (transfer.timeout_s + 5) for parts that would not come, then
+    merged a summary of unverified requests, and stderr had a line per silent rank and one per refusal. Now the
+    refusal reaches rank 0 through the store at once, and the run ends as a full disk does: one line, exit 2."""
+    import resource
+
+    run_dir = tmp_path / "run"
+    p = _start(kvlab_cli.argv("run", f"hydra.run.dir={run_dir}", *QUIET, "transfer.timeout_s=30"), tmp_path)
+    ranks = _rank_pids(p.pid, 3)
+    for r in (1, 2):  # set while they import torch, seconds before they write anything
+        resource.prlimit(ranks[r], resource.RLIMIT_FSIZE, (1024, 1024))
+    _, err = p.communicate(timeout=240)
+    _no_process_left(p.pid)
+    assert p.returncode == 2, err
+    assert re.fullmatch(rf"kvlab: error: hydra.run.dir={run_dir}: cannot write parts/rank[12].json \(File too "
+                        r"large\): it is larger than this process's file-size limit; raise the limit \(ulimit -f "
+                        r"unlimited\)", _one_line(err)), err
+    _no_half_file(run_dir)
+    assert not list((run_dir / "parts").glob("*.refused")) and not (run_dir / rundir.LOCK_NAME).exists()
+
+
 def test_a_file_past_the_file_size_limit_is_one_line(tmp_path, kvlab_cli):
     """The writers' failure without root: RLIMIT_FSIZE (EFBIG, Python ignoring SIGXFSZ) at the sim's requests.jsonl
     (tens of KiB; Hydra's own records of the job take 4 KiB each at most)."""
@@ -701,6 +742,55 @@ def test_link_interrupted_is_one_line_that_keeps_the_sizes_measured(moment, tmp_
     assert said[3] == (f", in {run_dir / records.LINK}" if kept else None), err
     assert moment == "ranks starting" or 0 < len(kept) < len(sizes), kept  # some sizes, and before the last
     assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+# put in the ranks by Python's site (PYTHONPATH): the rank sends itself SIGINT at the named moment of its end, so
+# that the signal lands there every time instead of once in many Ctrl-Cs
+_SIGNAL_AT = """
+import os, signal
+
+def _hook(at):
+    from kvlab.core import interrupt
+
+    end, ended = interrupt.AtOnce.end, []
+
+    def end_then_signal(self):
+        live = self.fds is not None
+        end(self)
+        ended.extend([1] * live)
+        if live and len(ended) == at:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    interrupt.AtOnce.end = end_then_signal
+
+if os.environ.get("KVLAB_PARENT") is not None:
+    _hook(int(os.environ["SIGNAL_AT_END"]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", [1, 2], ids=["handlers-handed-over", "last-clean-up"])
+def test_a_signal_as_a_rank_hands_over_or_ends_is_no_traceback(at, tmp_path, kvlab_cli):
+    """A rank's start-up guard (kvlab.core.interrupt.AtOnce) ends twice in a kvlab link rank: when the rank's own
+    handlers take over from the interpreter's start (``ready``), and in its last clean-up. A SIGINT that landed
+    just after either raised Stopped outside the code that catches it: a traceback on the run's stderr (once seen
+    from ``signal.signal``, which first runs the handler of a signal that came). Only the ranks get the signal
+    here, so the launcher goes on as if nothing came: the one that lands after the work is done changes nothing,
+    the other ends the ranks as while they start, each saying so in its part."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_SIGNAL_AT)
+    path = os.pathsep.join([str(tmp_path / "hook"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run_dir = tmp_path / "link"
+    p = kvlab_cli("link", f"hydra.run.dir={run_dir}", "link.max_bytes=65536", "link.repeats=1", cwd=tmp_path,
+                  env={"PYTHONPATH": path, "SIGNAL_AT_END": str(at)})
+    assert "Traceback" not in p.stderr, p.stderr
+    if at == 2:
+        assert (p.returncode, p.stderr) == (0, ""), p.stderr
+    else:
+        from kvlab.results.records import read_part
+
+        for r in range(3):  # the start's handlers, still there, ended it (the stop came from outside the run)
+            assert read_part(run_dir, r).errors == [f"rank {r}: stopped by SIGINT while starting"], r
 
 
 @pytest.mark.parametrize("lost", ["swallowed", "turned into another error"])

@@ -15,9 +15,11 @@ if __name__ == "__main__":  # before the slow imports: a signal now ends the ran
     from kvlab.core.interrupt import quiet_until_ready
 
     def _last_words(signal_name: str) -> None:
-        from kvlab.results.records import PartFile, write_part
+        from kvlab.results.records import PartFile, read_part, write_part
 
         rank = int(os.environ.get("RANK", 0))
+        if read_part(sys.argv[1], rank) is not None:  # these handlers are back once the rank has ended: its part stands
+            return
         write_part(sys.argv[1], PartFile(rank=rank, side="", side_rank=-1,
                                          errors=[f"rank {rank}: stopped by {signal_name} while starting"]))
 

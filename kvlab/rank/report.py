@@ -24,6 +24,7 @@ verified by all of its gen ranks or failed with the most likely reason.
 from __future__ import annotations
 
 import pickle
+import re
 import sys
 import threading
 import time
@@ -32,6 +33,7 @@ from pathlib import Path
 from kvlab.config.workload import RunPlan
 from kvlab.core import figures
 from kvlab.core.decode_spec import check_line
+from kvlab.core.errors import ConfigError
 from kvlab.model.schedule import Ready
 from kvlab.rank import store_pieces
 from kvlab.results import metrics, rundir, sweep_table
@@ -120,6 +122,12 @@ class Board:
         # a long run's part passes the store's 8 MiB a value
         self._call(store_pieces.put, self.store, f"{PREFIX}part/{self.rank}", pickle.dumps(part))
 
+    def refuse(self, e: ConfigError) -> None:
+        """Any rank but 0 that cannot keep its part (a disk with room for rank 0's only): rank 0 would wait out
+        ``stale_s`` for it, and a full disk may have no room for the file that says why either."""
+        said = pickle.dumps((e.field, e.value, e.hint))  # a ConfigError does not unpickle (its three arguments)
+        self._call(store_pieces.put, self.store, f"{PREFIX}refused/{self.rank}", said)
+
     def _get(self, key: str):
         if self._call(self.store.check, [PREFIX + key]):
             raw = self._call(store_pieces.get, self.store, PREFIX + key)
@@ -141,6 +149,9 @@ class Board:
                     got[r] = value
                     pending.discard(r)
                     continue
+                refused = self._get(f"refused/{r}")
+                if refused is not None:  # the run stops as on rank 0's own refusal, said by rank 0 alone
+                    raise ConfigError(*refused)
                 self._observe(r)
                 if self.silent_for(r) > self.stale_s or self.gone(r):
                     silent.append(r)
@@ -235,8 +246,13 @@ def finalize(setup, run_dir: Path, plan: RunPlan, gathered: dict[int, PartFile],
         print(f"kvlab: the figures break their identities (kvlab.core.figures): {'; '.join(broken[:3])}{more}",
               file=sys.stderr)
     if not interrupted:  # an interrupted run's errors are its interruption: the launcher says it in one line
+        # a rank the launcher saw die or killed frozen is its line's to name: what its peers and its part say of it
+        # (a deadline run out on it, no report from it) stays in summary.json
+        dead = [re.compile(rf"\b({rank_name(setup, w)}|rank {w})\b") for w in range(setup.world_size)
+                if marked_dead(run_dir, w)]
         for e in errors:
-            print(f"kvlab: {e}", file=sys.stderr)
+            if not any(d.search(e) for d in dead):
+                print(f"kvlab: {e}", file=sys.stderr)
     print(f"results in {run_dir}")
     return summary
 

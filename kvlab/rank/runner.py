@@ -62,8 +62,11 @@ class _Stop:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.setup = None  # names the dead ranks once built
+        self.settled = False  # the rank's outcome is decided: a signal now has nothing left to stop
 
     def __call__(self, signum, frame) -> None:
+        if self.settled:  # raising now would escape the code that catches Stopped: a traceback, a lost exit code
+            return
         for s in STOP_SIGNALS:  # one is enough: let this rank write what it knows (a no-op, not SIG_IGN: a
             signal.signal(s, ignore)  # signal already pending would otherwise raise "ignored due to race")
         raise Stopped(f"stopped by {signal.Signals(signum).name}{_orphaned() or self.dead()}")
@@ -102,7 +105,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     rank failed) ends the transfers like a lost peer, so that this rank still writes its part file;
     stopped before its transfers, it writes an empty one."""
     stop = _Stop(run_dir)
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    previous = {}
     world_rank = int(os.environ.get("RANK", 0))
 
     def last_words(signame: str) -> None:
@@ -121,6 +124,8 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
     ready()
     at_once.start()
     try:
+        # only inside the try, which catches what they raise: until here the start's handlers end the rank
+        previous.update((s, signal.signal(s, stop)) for s in STOP_SIGNALS)
         try:
             setup = stop.setup = build(cfg)
             setup.check_installed()
@@ -135,6 +140,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
             if dist.is_initialized():
                 dist.destroy_process_group()
     except (Stopped, dist.DistError) as e:  # stopped, or a peer gone while joining: an empty part says so
+        stop.settled = True
         if read_part(run_dir, world_rank) is None:
             said = (str(e).strip().splitlines() or [""])[0][:200]  # which wait failed, e.g. a store key's
             why = e if isinstance(e, Stopped) else f"lost the others ({type(e).__name__}{': ' * bool(said)}{said})"
@@ -148,6 +154,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
                 return refused(full)
         return 1
     finally:
+        stop.settled = True  # before anything here can run a handler (signal.signal runs a pending one first)
         at_once.end()
         for s, h in previous.items():
             signal.signal(s, h)
@@ -284,7 +291,11 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         node=os.environ.get("GROUP_RANK"),
         env=Env(backend=dist.get_backend(), kernels=ops.name,
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"))
-    write_part(run_dir, part)  # before any exchange: what this rank knows survives it
+    try:
+        write_part(run_dir, part)  # before any exchange: what this rank knows survives it
+    except ConfigError as e:
+        board.refuse(e)
+        raise
     if executor.stopped and world_rank != 0:
         return 1
     summary = None

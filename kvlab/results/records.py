@@ -372,17 +372,21 @@ def write_refusal(run_dir: Path, world_rank: int, message: str) -> None:
 
 
 def refusals_unsaid(run_dir: Path, world_size: int) -> list[str]:
-    """The refusals of ranks other than 0 that rank 0 did not print (it prints its own), each once; their files
-    removed (a refused run leaves nothing behind)."""
+    """The refusals of ranks other than 0 that rank 0 did not print (it prints its own), one for each field and
+    value refused; their files removed (a refused run leaves nothing behind). One run directory that cannot take
+    the parts of two ranks is one failure, though each rank names its own file."""
+    def what(message: str) -> str:  # ConfigError's "field=value: ..."
+        return message.split(": ", 1)[0]
+
     said = refusal_path(run_dir, 0)
-    seen = {said.read_text()} if said.exists() else set()
+    seen = {what(said.read_text())} if said.exists() else set()
     out = []
     for r in range(world_size):
         path = refusal_path(run_dir, r)
         if not path.exists():
             continue
-        if r and (m := path.read_text()) not in seen:
-            seen.add(m)
+        if r and what(m := path.read_text()) not in seen:
+            seen.add(what(m))
             out.append(m)
         path.unlink()
     with contextlib.suppress(OSError):
