@@ -70,7 +70,8 @@ def cases(draw):
     kind = draw(st.sampled_from(["kv", "mla"]))
     base = draw(st.sampled_from(["bf16", "fp16"]))
     if kind == "kv":
-        elems, ncomp, heads = draw(st.sampled_from([16, 64, 128, 200, 256])), 2, draw(st.integers(1, 4))
+        # every team size the kernel is compiled for: 1, 2, 4, 8, 16, 32 lanes a row (8-256 values)
+        elems, ncomp, heads = draw(st.sampled_from([8, 16, 32, 64, 128, 200, 256])), 2, draw(st.integers(1, 4))
     else:
         elems, ncomp, heads = draw(st.sampled_from([576, 192])), 1, 1
     layouts = [lay for lay in ALL_LAYOUTS if LAYOUTS[lay.value].holds(kind)]
