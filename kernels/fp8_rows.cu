@@ -380,15 +380,13 @@ __device__ __forceinline__ void convert_rect(const unsigned char* __restrict__ s
     convert_rect<LL, F>(src, dst, CSIDE_ARGS(s_), CSIDE_ARGS(d_), g, t0, t1, nl, nh, elems, q, group, to_fp8, gM, gL, \
                         lm, hgM, hgL, nlgM, nlgL, items);                                                         \
   }
-KV_CONVERT_KERNEL(1, 0, kv_convert_rect_1_bf16)
-KV_CONVERT_KERNEL(2, 0, kv_convert_rect_2_bf16)
-KV_CONVERT_KERNEL(4, 0, kv_convert_rect_4_bf16)
-KV_CONVERT_KERNEL(8, 0, kv_convert_rect_8_bf16)
-KV_CONVERT_KERNEL(16, 0, kv_convert_rect_16_bf16)
-KV_CONVERT_KERNEL(32, 0, kv_convert_rect_32_bf16)
-KV_CONVERT_KERNEL(1, 1, kv_convert_rect_1_fp16)
-KV_CONVERT_KERNEL(2, 1, kv_convert_rect_2_fp16)
-KV_CONVERT_KERNEL(4, 1, kv_convert_rect_4_fp16)
-KV_CONVERT_KERNEL(8, 1, kv_convert_rect_8_fp16)
-KV_CONVERT_KERNEL(16, 1, kv_convert_rect_16_fp16)
-KV_CONVERT_KERNEL(32, 1, kv_convert_rect_32_fp16)
+// every team size of one base dtype
+#define KV_CONVERT_KERNELS(F, BASE)                  \
+  KV_CONVERT_KERNEL(1, F, kv_convert_rect_1_##BASE)   \
+  KV_CONVERT_KERNEL(2, F, kv_convert_rect_2_##BASE)   \
+  KV_CONVERT_KERNEL(4, F, kv_convert_rect_4_##BASE)   \
+  KV_CONVERT_KERNEL(8, F, kv_convert_rect_8_##BASE)   \
+  KV_CONVERT_KERNEL(16, F, kv_convert_rect_16_##BASE) \
+  KV_CONVERT_KERNEL(32, F, kv_convert_rect_32_##BASE)
+KV_CONVERT_KERNELS(0, bf16)
+KV_CONVERT_KERNELS(1, fp16)

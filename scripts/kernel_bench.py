@@ -190,7 +190,7 @@ def main() -> None:
     if args.ceilings_only:
         ceilings(b, gen)
         b.save()
-        print_table(b, props, console, args)
+        print_table(b, props, console)
         return
     cases = [("block_major", Layout.block_major, range(HEADS), None),
              ("layer_major", Layout.layer_major, range(HEADS), None),
@@ -228,7 +228,7 @@ def main() -> None:
             console.print(f"[red]{section} tunings failed: {e}")
         b.save()
 
-    print_table(b, props, console, args)
+    print_table(b, props, console)
 
 
 def ceilings(b: Bench, gen: torch.Generator) -> None:
@@ -276,7 +276,7 @@ def linear_rows(b: Bench, kc, arch: str, mib: int) -> None:
                            "gbps": g, "copy_gbps": b.copy_gbps[mib], "ratio": g / b.copy_gbps[mib]})
 
 
-def print_table(b: Bench, props, console, args) -> None:
+def print_table(b: Bench, props, console) -> None:
     from rich.table import Table
 
     table = Table(title=f"pack/unpack vs d2d copy on {props.name} (GB/s, read + written)")
@@ -292,7 +292,7 @@ def print_table(b: Bench, props, console, args) -> None:
                       f"{v['gbps']:.0f} GB/s = {v['ratio']:.2f} of copy")
     if b.errors:
         console.print("[red]errors:", b.errors)
-    console.print(f"wrote {args.out}")
+    console.print(f"wrote {b.args.out}")
 
 
 if __name__ == "__main__":

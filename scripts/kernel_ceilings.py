@@ -77,14 +77,13 @@ class CopyEngines:
         loc.id = ch.wire.device.index or 0
         attr.srcLocHint, attr.dstLocHint = loc, loc
         self.attrs = [attr]
+        self.side = torch.cuda.Stream(ch.wire.device)  # the batch API refuses the legacy default stream
 
     def __call__(self) -> None:
-        # the batch API refuses the legacy default stream, torch's current one: a stream of its own, in order
         here = torch.cuda.current_stream()
-        if here.cuda_stream == 0:
-            self.side = getattr(self, "side", None) or torch.cuda.Stream()
-            self.side.wait_stream(here)
-        stream = self.side if here.cuda_stream == 0 else here
+        stream = self.side if here.cuda_stream == 0 else here  # torch's default is the legacy one: ours, in order
+        if stream is not here:
+            stream.wait_stream(here)
         out = self.drv.cuMemcpyBatchAsync(self.dsts, self.srcs, self.sizes, self.count, self.attrs, [0], 1,
                                           stream.cuda_stream)
         err = out[0] if isinstance(out, tuple) else out

@@ -208,8 +208,7 @@ class DecodeCheck:
         bytes on the rank's device (turned into planes after the transfer loop, ``_planes``). Its reference planes
         are dropped: the byte check was their last reader on the clock."""
         cache, share = self.cache, {}
-        if self.side == "gen":
-            self.planes.pop(req.id, None)
+        self.planes.pop(req.id, None)
         for name, store in cache.pools.items():
             table = cache.tables[req.id][name]
             share[name] = []
