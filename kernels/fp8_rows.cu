@@ -195,6 +195,29 @@ __device__ __forceinline__ uint3 codes_by_division(const uint4 v, float amax) {
 
 #define Y448 0x1.24924ap-9f  // 1/448 rounded to nearest (fp32)
 
+// The fast form for one row's 8 values of a group with amax a, no branches: the scale s = a / 448, its reciprocal,
+// the quotients and the codes (two words of 4 codes). Exact where fast_range(a) holds (the rule below).
+template <int F16>
+__device__ __forceinline__ void codes_fast(const unsigned (&w)[4], float a, unsigned (&c)[2], float& sc) {
+  float t = a * Y448;
+  t = fmaf(fmaf(-448.0f, t, a), Y448, t);
+  t = fmaf(fmaf(-448.0f, t, a), Y448, t);
+  const float s = a > 0.0f ? t : 1.0f;
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(s));
+  y = fmaf(fmaf(-s, y, 1.0f), y, y);
+  unsigned cc[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    cc[e] = e4m3x2(CLAMP448(quotient(value8<F16>(w, 2 * e), s, y)), CLAMP448(quotient(value8<F16>(w, 2 * e + 1), s, y)));
+  c[0] = cc[0] | (cc[1] << 16);
+  c[1] = cc[2] | (cc[3] << 16);
+  sc = s;
+}
+
+// the fast form's range: amax 0 (s = 1) or in [2^-100, 2^127] (s in [2^-109, 2^119])
+__device__ __forceinline__ bool fast_range(float a) { return a == 0.0f || (a >= 0x1p-100f && a <= 0x1p127f); }
+
 // Items: a span of g tokens (one block on each pool side, one wire tile on a wire side) by every head of lm
 // consecutive layers (lm > 1 where one layer's rows would leave a warp's teams idle: kvlab.memory.ops.cuda.
 // layers_per_item); a warp takes an item, reads the block tables and computes both sides' bases once, and its
@@ -274,32 +297,13 @@ __device__ __forceinline__ void convert_rect(const unsigned char* __restrict__ s
           for (int o = L >> 1; o; o >>= 1)
 #pragma unroll
             for (int r = 0; r < KV_ROWS; ++r) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], o));
-          // the fast form for every row, no branches: the scale, its reciprocal, the quotients, the codes
           unsigned c[KV_ROWS][2];
           float sc[KV_ROWS];
 #pragma unroll
-          for (int r = 0; r < KV_ROWS; ++r) {
-            const float a = amax[r];
-            float t = a * Y448;
-            t = fmaf(fmaf(-448.0f, t, a), Y448, t);
-            t = fmaf(fmaf(-448.0f, t, a), Y448, t);
-            const float s = a > 0.0f ? t : 1.0f;
-            float y;
-            asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(s));
-            y = fmaf(fmaf(-s, y, 1.0f), y, y);
-            unsigned cc[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              cc[e] = e4m3x2(CLAMP448(quotient(value8<F16>(w[r], 2 * e), s, y)),
-                             CLAMP448(quotient(value8<F16>(w[r], 2 * e + 1), s, y)));
-            c[r][0] = cc[0] | (cc[1] << 16);
-            c[r][1] = cc[2] | (cc[3] << 16);
-            sc[r] = s;
-          }
+          for (int r = 0; r < KV_ROWS; ++r) codes_fast<F16>(w[r], amax[r], c[r], sc[r]);
 #pragma unroll
           for (int r = 0; r < KV_ROWS; ++r)
-            // the fast form's range: amax 0 (s = 1) or in [2^-100, 2^127] (s in [2^-109, 2^119])
-            if (sp[r] && mine && !(amax[r] == 0.0f || (amax[r] >= 0x1p-100f && amax[r] <= 0x1p127f))) {
+            if (sp[r] && mine && !fast_range(amax[r])) {
               // the row's values again (the rare row: registers stay free for the common ones)
               const uint3 k = codes_by_division<F16>(*(const uint4*)(sp[r] + 2 * (g0 + 8 * j)), amax[r]);
               c[r][0] = k.x;
@@ -361,25 +365,219 @@ __device__ __forceinline__ void convert_rect(const unsigned char* __restrict__ s
   }
 }
 
+// The quantizing direction through a ring of shared-memory slots (KV_RING > 0): each lane copies its 16 source
+// bytes of every row of a step (one group, or one piece of the RoPE values, of a pass's rows) into its own slot with
+// cp.async, KV_RING - 1 steps ahead of the step it converts. Loads in flight no longer cost registers: the register
+// form above keeps its loads in registers, so a warp has one pass's rows in flight only while it is not converting,
+// and two CTAs of 128-register threads per SM hold too few bytes in flight to cover the memory's latency (0.73-0.77
+// of copy_ for Llama, 0.63-0.72 for DeepSeek-V3.2: docs/results/kernels.md). Each lane reads back only what it
+// copied itself, so no barrier is needed between a slot's copy and its use; the slot refilled is the one converted
+// the step before, whose values are in registers by then (the conversion depends on them).
+#ifndef KV_RING
+#define KV_RING 0
+#endif
+#if KV_RING
+struct ConvertSlot {
+  uint4 v[KV_ROWS][32];           // each lane's 16 source bytes of each of its team's rows (zeros where none)
+  unsigned char* d[KV_ROWS][32];  // the row's destination (0: the lane's team has no row there)
+  int tag[32];                    // the step: a group 0..ngroups-1, a RoPE piece ngroups.., -1 the warp's last
+};
+
+__device__ __forceinline__ void cp_async16(void* s, const void* g, int n) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)__cvta_generic_to_shared(s)), "l"(g),
+               "r"(n)
+               : "memory");
+}
+
+template <int L, int F16>
+__device__ __forceinline__ void convert_rect_ring(const unsigned char* __restrict__ src,
+                                                  unsigned char* __restrict__ dst, CSIDE(s_), CSIDE(d_), int g,
+                                                  int t0, int t1, int nl, int nh, int elems, int q, int group,
+                                                  unsigned gM, int gL, int lm, unsigned hgM, int hgL, unsigned nlgM,
+                                                  int nlgL, int items) {
+  extern __shared__ __align__(16) unsigned char ring_smem[];
+  ConvertSlot* ring = (ConvertSlot*)ring_smem + (threadIdx.x >> 5) * KV_RING;
+  const int lane = threadIdx.x & 31, team = lane / L, j = lane % L, teams = 32 / L;
+  const int ngroups = (q + group - 1) / group;
+  const int rope = elems - q;
+  const int steps = ngroups + (2 * rope + 16 * L - 1) / (16 * L);  // per pass: the groups, then the RoPE pieces
+  const int hg = nh * g, s0 = t0 / g, nlg = (nl + lm - 1) / lm;
+  const int nwarps = (gridDim.x * blockDim.x) >> 5;
+  const int da = q + 4 * ngroups;  // the RoPE values' first byte in an fp8 row
+  // the producer: the item, pass and step it copies next, and where the pass's rows lie
+  int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, r0 = 0, st = 0, rows = 0, ml = 1, klo = 0, khi = 0;
+  i64 sB = 0, sL = 0, sH = 0, sN = 0, dB = 0, dL = 0, dH = 0, dN = 0;
+  const unsigned char* sp[KV_ROWS];
+  unsigned char* dp[KV_ROWS];
+  auto begin_item = [&]() {
+    const int qq = FDIV(item, nlgM, nlgL);
+    const int l = (item - qq * nlg) * lm, ss = (qq + s0) * g;
+    ml = nl - l < lm ? nl - l : lm;
+    rows = ml * hg;
+    klo = t0 - ss > 0 ? t0 - ss : 0;
+    khi = t1 - ss < g ? t1 - ss : g;
+    CSIDE_ITEM(s_, ss, l, sB, sL, sH, sN);
+    CSIDE_ITEM(d_, ss, l, dB, dL, dH, dN);
+  };
+  auto begin_pass = [&]() {
+#pragma unroll
+    for (int r = 0; r < KV_ROWS; ++r) {
+      const int row = r0 + r * teams + team;
+      const int li = ml > 1 ? FDIV(row, hgM, hgL) : 0, lr = row - li * hg;
+      const int h = FDIV(lr, gM, gL), k = lr - h * g;
+      sp[r] = 0;
+      dp[r] = 0;
+      if (row < rows && k >= klo && k < khi) {
+        sp[r] = src + sB + li * sL + h * sH + k * sN;
+        dp[r] = dst + dB + li * dL + h * dH + k * dN;
+      }
+    }
+  };
+  if (item < items) {
+    begin_item();
+    begin_pass();
+  }
+  auto issue = [&](ConvertSlot& sl) {
+    if (item >= items) {
+      sl.tag[lane] = -1;
+    } else {
+      int off, n;
+      if (st < ngroups) {
+        const int g0 = st * group;
+        off = 2 * (g0 + 8 * j);
+        n = 8 * j < (q - g0 < group ? q - g0 : group) ? 16 : 0;
+      } else {
+        const int b = 16 * ((st - ngroups) * L + j);
+        off = 2 * q + b;
+        n = 2 * rope - b < 16 ? 2 * rope - b : 16;
+        n = n > 0 ? n : 0;
+      }
+#pragma unroll
+      for (int r = 0; r < KV_ROWS; ++r) {
+        const int nr = sp[r] ? n : 0;
+        cp_async16(&sl.v[r][lane], nr ? sp[r] + off : src, nr);  // n = 0: zeros, nothing read
+        sl.d[r][lane] = dp[r];
+      }
+      sl.tag[lane] = st;
+      if (++st == steps) {
+        st = 0;
+        r0 += teams * KV_ROWS;
+        if (r0 >= rows) {
+          r0 = 0;
+          item += nwarps;
+          if (item < items) begin_item();
+        }
+        if (item < items) begin_pass();
+      }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+#pragma unroll
+  for (int k = 0; k < KV_RING - 1; ++k) issue(ring[k]);
+#pragma unroll 1
+  for (int k = 0;; k = k + 1 == KV_RING ? 0 : k + 1) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(KV_RING - 2) : "memory");
+    ConvertSlot& sl = ring[k];
+    const int tag = sl.tag[lane];  // the same in every lane: the warp's steps are the warp's
+    if (tag < 0) break;
+    unsigned char* drow[KV_ROWS];
+#pragma unroll
+    for (int r = 0; r < KV_ROWS; ++r) drow[r] = sl.d[r][lane];
+    if (tag < ngroups) {
+      const int g0 = tag * group, n = q - g0 < group ? q - g0 : group;
+      const bool mine = 8 * j < n;
+      unsigned w[KV_ROWS][4];
+#pragma unroll
+      for (int r = 0; r < KV_ROWS; ++r) {
+        const uint4 v = sl.v[r][lane];
+        w[r][0] = v.x;
+        w[r][1] = v.y;
+        w[r][2] = v.z;
+        w[r][3] = v.w;
+      }
+      float amax[KV_ROWS];
+#pragma unroll
+      for (int r = 0; r < KV_ROWS; ++r) {
+        amax[r] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) amax[r] = fmaxf(amax[r], fabsf(value8<F16>(w[r], e)));
+      }
+#pragma unroll
+      for (int o = L >> 1; o; o >>= 1)
+#pragma unroll
+        for (int r = 0; r < KV_ROWS; ++r) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], o));
+      unsigned c[KV_ROWS][2];
+      float sc[KV_ROWS];
+#pragma unroll
+      for (int r = 0; r < KV_ROWS; ++r) codes_fast<F16>(w[r], amax[r], c[r], sc[r]);
+#pragma unroll
+      for (int r = 0; r < KV_ROWS; ++r)
+        if (drow[r] && mine && !fast_range(amax[r])) {
+          const uint3 kk = codes_by_division<F16>(sl.v[r][lane], amax[r]);
+          c[r][0] = kk.x;
+          c[r][1] = kk.y;
+          sc[r] = __uint_as_float(kk.z);
+        }
+#pragma unroll
+      for (int r = 0; r < KV_ROWS; ++r) {
+        if (!(drow[r] && mine)) continue;
+        unsigned* o = (unsigned*)(drow[r] + g0 + 8 * j);
+        o[0] = c[r][0];
+        o[1] = c[r][1];
+        if (j == 0) *(unsigned*)(drow[r] + q + 4 * tag) = __float_as_uint(sc[r]);
+      }
+    } else {  // RoPE values as they are: 2-byte values, at a 4-byte aligned place in the fp8 row
+      const int b = 16 * ((tag - ngroups) * L + j);
+      const int n = 2 * rope - b < 16 ? 2 * rope - b : 16;
+#pragma unroll
+      for (int r = 0; r < KV_ROWS; ++r) {
+        if (!drow[r] || n <= 0) continue;
+        const uint4 v = sl.v[r][lane];
+        const unsigned wd[4] = {v.x, v.y, v.z, v.w};
+        unsigned* o = (unsigned*)(drow[r] + da + b);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (4 * e + 4 <= n) o[e] = wd[e];
+        if (n & 2) ((unsigned short*)(drow[r] + da + b))[n >> 1 & ~1] = (unsigned short)wd[n >> 2];
+      }
+    }
+    issue(ring[k == 0 ? KV_RING - 1 : k - 1]);
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+#endif
+
 // kv_convert_rect_<L>_<base>: one kernel per team size L (a power of two, at most 32: groups of at most 256
 // values) and base dtype, each compiled for its own registers (one kernel switching between all twelve forms takes
 // the registers of the largest, 176 where each needs 128); kvlab.memory.ops.cuda._convert_launch picks it by name.
 // The parameters are the same for all (L and fp16 are those of the name).
 // Two CTAs of 256 threads per SM (128 registers) where KV_ROWS <= 4: ptxas left alone takes 171-176 for some forms,
 // one CTA per SM.
+#ifndef KV_MIN_CTAS
 #if KV_ROWS <= 4
 #define KV_MIN_CTAS 2
 #else
 #define KV_MIN_CTAS 1
+#endif
 #endif
 #define KV_CONVERT_KERNEL(LL, F, NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(256, KV_MIN_CTAS)                                                \
   NAME(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, CSIDE(s_), CSIDE(d_), int g, int t0, \
        int t1, int nl, int nh, int elems, int q, int group, int L, int to_fp8, int fp16, unsigned gM, int gL, int lm, \
        unsigned hgM, int hgL, unsigned nlgM, int nlgL, int items) {                                               \
-    convert_rect<LL, F>(src, dst, CSIDE_ARGS(s_), CSIDE_ARGS(d_), g, t0, t1, nl, nh, elems, q, group, to_fp8, gM, gL, \
-                        lm, hgM, hgL, nlgM, nlgL, items);                                                         \
+    if (KV_RING && to_fp8)                                                                                        \
+      CONVERT_RING(LL, F);                                                                                          \
+    else                                                                                                            \
+      convert_rect<LL, F>(src, dst, CSIDE_ARGS(s_), CSIDE_ARGS(d_), g, t0, t1, nl, nh, elems, q, group, to_fp8, gM,  \
+                          gL, lm, hgM, hgL, nlgM, nlgL, items);                                                     \
   }
+#if KV_RING
+#define CONVERT_RING(LL, F)                                                                                     \
+  convert_rect_ring<LL, F>(src, dst, CSIDE_ARGS(s_), CSIDE_ARGS(d_), g, t0, t1, nl, nh, elems, q, group, gM, gL, lm, \
+                           hgM, hgL, nlgM, nlgL, items)
+#else
+#define CONVERT_RING(LL, F) ((void)0)
+#endif
 // every team size of one base dtype
 #define KV_CONVERT_KERNELS(F, BASE)                  \
   KV_CONVERT_KERNEL(1, F, kv_convert_rect_1_##BASE)   \

@@ -13,6 +13,8 @@ bytes, as scripts/ipc_bench.py does. Every case is checked against the torch ref
     python scripts/rect_bench.py --out rect_bench.json [--models llama3_8b deepseek_v32] [--pairs all|engines]
         [--layer-passes 0 4]   (0: one layer per work item, the kernels' earlier form; see cuda.LAYER_PASSES)
         [--convert-rows 4 8]  (gen fp8 cases: rows in flight per lane team, cuda.CONVERT_ROWS)
+        [--convert-ring 0 4]  (gen fp8 cases: cp.async slots per warp, 0 for loads in registers, cuda.CONVERT_RING)
+        [--convert-ctas 2]    (gen fp8 cases: CTAs per SM the registers are bounded for, cuda.CONVERT_MIN_CTAS)
 """
 from __future__ import annotations
 
@@ -118,7 +120,7 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
 
 
 def variant(r: dict) -> str:
-    return f" ({r['convert_rows']})" if r["gen_fp8"] else ""
+    return f" ({r['convert_rows']}, ring {r['convert_ring']}, {r['convert_ctas']}/SM)" if r["gen_fp8"] else ""
 
 
 def pairs_for(model: str, which: str) -> list[tuple[str, str]]:
@@ -145,6 +147,10 @@ def main() -> None:
                     help="kvlab.memory.ops.cuda.LAYER_PASSES values to time each case with (0: a layer per item)")
     ap.add_argument("--convert-rows", type=int, nargs="+", default=[cuda_ops.CONVERT_ROWS],
                     help="kvlab.memory.ops.cuda.CONVERT_ROWS values to time each gen fp8 case with")
+    ap.add_argument("--convert-ring", type=int, nargs="+", default=[cuda_ops.CONVERT_RING],
+                    help="kvlab.memory.ops.cuda.CONVERT_RING values (0: loads in registers) for each gen fp8 case")
+    ap.add_argument("--convert-ctas", type=int, nargs="+", default=[cuda_ops.CONVERT_MIN_CTAS],
+                    help="kvlab.memory.ops.cuda.CONVERT_MIN_CTAS values for each gen fp8 case")
     a = ap.parse_args()
     env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
@@ -153,21 +159,25 @@ def main() -> None:
     for model in a.models:
         pairs = pairs_for(model, a.pairs)
         todo = [(p, False, path) for p in pairs for path in a.paths] + [(p, True, None) for p in pairs[:a.fp8_pairs]]
-        variants = [(t, lp, rows) for t in todo for lp in a.layer_passes
-                    for rows in (a.convert_rows if t[1] else [cuda_ops.CONVERT_ROWS])]
-        for ((ctx, gen), fp8, path), lp, rows in variants:
-            cuda_ops.LAYER_PASSES, cuda_ops.CONVERT_ROWS = lp, rows
+        fixed = [(cuda_ops.CONVERT_ROWS, cuda_ops.CONVERT_RING, cuda_ops.CONVERT_MIN_CTAS)]
+        tunings = [(rows, ring, ctas) for rows in a.convert_rows for ring in a.convert_ring
+                   for ctas in a.convert_ctas]
+        variants = [(t, lp, tu) for t in todo for lp in a.layer_passes for tu in (tunings if t[1] else fixed)]
+        for ((ctx, gen), fp8, path), lp, (rows, ring, ctas) in variants:
+            cuda_ops.LAYER_PASSES = lp
+            cuda_ops.CONVERT_ROWS, cuda_ops.CONVERT_RING, cuda_ops.CONVERT_MIN_CTAS = rows, ring, ctas
             try:
                 r = case(model, ctx, gen, fp8, a.tokens, a.iters, a.repeats, path)
             except Exception as e:  # one case's failure is a row of the table, not the end of the bench
                 r = {"model": model, "ctx": ctx, "gen": gen, "gen_fp8": fp8, "error": f"{type(e).__name__}: {e}"}
-            r["layer_passes"], r["convert_rows"] = lp, rows if fp8 else None
+            r["layer_passes"] = lp
+            r["convert_rows"], r["convert_ring"], r["convert_ctas"] = (rows, ring, ctas) if fp8 else (None,) * 3
             torch.cuda.empty_cache()
             out["runs"].append(r)
             a.out.write_text(json.dumps(out, indent=1))
             print(json.dumps({k: v for k, v in r.items() if k != "repeats"}), flush=True)
-    print("| model | ctx -> gen | tile | path | layer passes (rows in flight) | gen fp8 | GB/s of source bytes "
-          "| copy_ GB/s | ratio (median) | range | verified |")
+    print("| model | ctx -> gen | tile | path | layer passes (rows in flight, ring, CTAs/SM) | gen fp8 "
+          "| GB/s of source bytes | copy_ GB/s | ratio (median) | range | verified |")
     print("| --- | --- | ---: | --- | ---: | --- | ---: | ---: | ---: | --- | --- |")
     for r in out["runs"]:
         if "error" in r:

@@ -92,7 +92,8 @@ def cases(draw):
                 held_h=held_h, lays=lays, tpbs=tpbs, rect=rect, to_fp8=draw(st.booleans()),
                 op=draw(st.sampled_from(["copy_rect", "pack", "unpack"])), ids64=draw(st.booleans()),
                 off=draw(st.sampled_from([0, 0, 0, 2, 4])), ctas=draw(st.sampled_from([None, 1, 8, 132])),
-                seed=draw(st.integers(0, 2**31 - 1)))
+                # the quantizing direction's cp.async ring: the default, the smallest, none (loads in registers)
+                ring=draw(st.sampled_from([None, 2, 0])), seed=draw(st.integers(0, 2**31 - 1)))
 
 
 def pool_of(c, side: int, fmt: str) -> RankPool:
@@ -115,15 +116,24 @@ def table(pool: RankPool, rect: Rect, gen, ids64: bool):
 @given(c=cases())
 def test_conversion_in_the_copy_is_the_reference(cuda_ops, c):
     gen = torch.Generator().manual_seed(c["seed"])
-    kind, base, elems = c["kind"], c["base"], c["elems"]
-    fmts = (base, "fp8") if c["to_fp8"] else ("fp8", base)
+    fmts = (c["base"], "fp8") if c["to_fp8"] else ("fp8", c["base"])
     src_pool, dst_pool = pool_of(c, 0, fmts[0]), pool_of(c, 1, fmts[1])
     both_runs = src_pool.token_runs and dst_pool.token_runs
     tile = math.gcd(*c["tpbs"]) if both_runs else 1
     rect = Rect("p", **c["rect"], tile=tile)
-    shape = paths.convert_shape(kind, elems, base, *fmts)
+    shape = paths.convert_shape(c["kind"], c["elems"], c["base"], *fmts)
     one_pass = shape is not None and c["off"] == 0
     staged = mock.patch.object(cuda_ops.convert, c["op"], side_effect=AssertionError("the staged form ran"))
+    ring = mock.patch.object(cuda_ops, "CONVERT_RING", cuda_ops.CONVERT_RING if c["ring"] is None else c["ring"])
+    with ring:
+        got_w, want_w = run_case(cuda_ops, c, gen, src_pool, dst_pool, rect, one_pass, staged)
+    torch.cuda.synchronize()
+    assert torch.equal(got_w.cpu(), want_w.cpu())
+
+
+def run_case(cuda_ops, c, gen, src_pool, dst_pool, rect, one_pass, staged):
+    kind, base, elems = c["kind"], c["base"], c["elems"]
+    fmts = (base, "fp8") if c["to_fp8"] else ("fp8", base)
     if c["op"] == "copy_rect":
         snb, sids, sbase = table(src_pool, rect, gen, c["ids64"])
         dnb, dids, dbase = table(dst_pool, rect, gen, not c["ids64"])
@@ -155,6 +165,5 @@ def test_conversion_in_the_copy_is_the_reference(cuda_ops, c):
                 want_w, want = poisoned(pool.pool_bytes(nb), c["off"])
                 cuda_ops.unpack(src, pool, nb, rect, ids, bbase, got, ctas=ctas)
         getattr(reference, c["op"])(*((src, pool, nb, rect, ids, bbase, want)))
-    torch.cuda.synchronize()
-    assert torch.equal(got_w.cpu(), want_w.cpu())
+    return got_w, want_w
 

@@ -105,15 +105,16 @@ def test_rect_copy_compiles_without_spills(cuda_ops, tuning):
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()
 
 
-@pytest.mark.parametrize("arch,rows", [("sm_80", 4), ("sm_90", 4), ("sm_90", 8)])
-def test_fp8_rows_compiles_without_spills(cuda_ops, arch, rows):
-    """kernels/fp8_rows.cu (the GPU's bf16 -> fp8 rows) builds where the copy kernels do, in registers, at each
-    number of rows in flight the bench compares (scripts/rect_bench.py --convert-rows)."""
+@pytest.mark.parametrize("arch,rows,ring", [("sm_80", 4, 4), ("sm_90", 4, 4), ("sm_90", 2, 4), ("sm_90", 4, 0),
+                                            ("sm_90", 8, 0)])
+def test_fp8_rows_compiles_without_spills(cuda_ops, arch, rows, ring):
+    """kernels/fp8_rows.cu (the GPU's bf16 -> fp8 rows) builds where the copy kernels do, in registers, at the
+    rows in flight and cp.async rings the bench compares (scripts/rect_bench.py --convert-rows/--convert-ring)."""
     import io
 
     from cuda.core import Program
 
-    opts = cuda_ops._options(arch, cuda_ops.ConvertTuning(rows=rows), "fp8_rows")
+    opts = cuda_ops._options(arch, cuda_ops.ConvertTuning(rows=rows, ring=ring), "fp8_rows")
     opts.ptxas_options = "-v"
     log = io.StringIO()
     cubin = bytes(Program(cuda_ops._source(cuda_ops.FP8_ROWS_SOURCE), "c++", options=opts)

@@ -593,43 +593,72 @@ def _wire_cside(rows: tuple[int, ...], rect: Rect, ids: torch.Tensor, c: int):
 
 
 @lru_cache(maxsize=8)
-def _convert_object(index: int, rows: int):
-    """kernels/fp8_rows.cu compiled with ``rows`` rows in flight per team, loaded on device ``index``."""
+def _convert_object(index: int, tuning: ConvertTuning):
+    """kernels/fp8_rows.cu compiled with ``tuning``'s constants, loaded on device ``index``."""
     from cuda.core import Device, ObjectCode
 
     Device(index).set_current()
-    return ObjectCode.from_cubin(compile_for_arch(device_arch(index), ConvertTuning(rows=rows),
-                                                  source=FP8_ROWS_SOURCE), name="fp8_rows")
+    return ObjectCode.from_cubin(compile_for_arch(device_arch(index), tuning, source=FP8_ROWS_SOURCE), name="fp8_rows")
 
 
 @lru_cache(maxsize=64)
-def _convert_kernel(index: int, rows: int, lanes: int, base: str):
+def _convert_kernel(index: int, tuning: ConvertTuning, lanes: int, base: str):
     """(kernel, CTAs resident at once, ObjectCode) of ``kv_convert_rect`` for teams of ``lanes`` lanes and ``base``
-    values (bf16 or fp16): a kernel of its own per form, ``kv_convert_rect_<lanes>_<base>``, with ``rows`` rows in
-    flight per team."""
-    obj = _convert_object(index, rows)
+    values (bf16 or fp16): a kernel of its own per form, ``kv_convert_rect_<lanes>_<base>``. Resident CTAs count
+    the ring's shared memory (the quantizing direction's launch)."""
+    obj = _convert_object(index, tuning)
     kernel = obj.get_kernel(f"kv_convert_rect_{lanes}_{base}")
-    per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(CONVERT_THREADS, 0)
+    smem = tuning.ring_bytes()
+    if smem > 48 * 1024:
+        if smem > _smem_optin(index):
+            raise ValueError(f"{tuning}: its cp.async ring needs {smem} bytes of shared memory per CTA, the device "
+                             f"has {_smem_optin(index)}: fewer rows or slots")
+        _allow_large_smem(kernel, index)
+    per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(CONVERT_THREADS, smem)
     return kernel, max(1, per_sm) * _sm_count(index), obj
 
 
 CONVERT_THREADS = 256  # the kernel's launch bound
-CONVERT_ROWS = 4  # rows in flight per team (KV_ROWS in kernels/fp8_rows.cu): scripts/rect_bench.py --convert-rows
+# rows in flight per team (KV_ROWS in kernels/fp8_rows.cu), the quantizing direction's ring of cp.async slots per
+# warp (KV_RING, 0: loads in registers) and the CTAs per SM the registers are bounded for (KV_MIN_CTAS; 0: the
+# kernel's own rule, 2 for 4 rows or fewer, else 1): scripts/rect_bench.py --convert-rows/--convert-ring/--convert-ctas
+# time others
+CONVERT_ROWS = 4
+CONVERT_RING = 4
+CONVERT_MIN_CTAS = 0
 
 
 @dataclass(frozen=True)
 class ConvertTuning(Tuning):
-    """The compile-time constants of ``kv_convert_rect``: ``Tuning``'s, and its rows in flight per team."""
+    """The compile-time constants of ``kv_convert_rect``: ``Tuning``'s, its rows in flight per team, the slots of
+    its cp.async ring per warp (0: none) and the CTAs per SM its registers are bounded for (0: the kernel's rule)."""
 
     rows: int = CONVERT_ROWS
+    ring: int = CONVERT_RING
+    min_ctas: int = CONVERT_MIN_CTAS
 
     def __post_init__(self):
         super().__post_init__()
         if not 1 <= self.rows <= 16:  # each row in flight holds a 16-byte load and two pointers in registers
             raise ValueError(f"ConvertTuning.rows={self.rows}: use 1 to 16")
+        if self.ring == 1 or not 0 <= self.ring <= 8:
+            raise ValueError(f"ConvertTuning.ring={self.ring}: use 0 (no ring) or 2 to 8 slots")
+        if not 0 <= self.min_ctas <= 8:
+            raise ValueError(f"ConvertTuning.min_ctas={self.min_ctas}: use 1 to 8, or 0 for the kernel's rule")
 
     def defines(self) -> tuple[tuple[str, str], ...]:
-        return super().defines() + (("KV_ROWS", str(self.rows)),)
+        own = (("KV_ROWS", str(self.rows)), ("KV_RING", str(self.ring)))
+        return super().defines() + own + ((("KV_MIN_CTAS", str(self.min_ctas)),) if self.min_ctas else ())
+
+    def ring_bytes(self) -> int:
+        """Dynamic shared memory of a quantizing launch: ``ConvertSlot`` in kernels/fp8_rows.cu per slot and warp."""
+        slot = 32 * (16 + 8) * self.rows + 4 * 32
+        return CONVERT_THREADS // 32 * self.ring * slot
+
+
+def convert_tuning() -> ConvertTuning:
+    """The tuning the launches take now (the module's constants, which a bench may change between cases)."""
+    return ConvertTuning(rows=CONVERT_ROWS, ring=CONVERT_RING, min_ctas=CONVERT_MIN_CTAS)
 
 
 def _convert_sides(spec_src, spec_dst, rect: Rect) -> list[ConvertShape] | None:
@@ -659,15 +688,17 @@ def _convert_launch(src_bytes, src_sides, dst_bytes, dst_sides, rect: Rect, shap
     i32 = np.int32
     # items: a span of g tokens (one block on a pool side, one wire tile on a wire side) by every head of lm layers;
     # a warp's teams keep KV_ROWS rows each in flight (the teams are the fewest lanes of any component)
-    lm = layers_per_item(rect.n_layers, rect.n_heads * g, 32 // min(sh.lanes for sh in shapes) * CONVERT_ROWS)
+    tuning = convert_tuning()
+    lm = layers_per_item(rect.n_layers, rect.n_heads * g, 32 // min(sh.lanes for sh in shapes) * tuning.rows)
     nlg = -(-rect.n_layers // lm)
     items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * nlg
     if items > _INT_MAX or lm * rect.n_heads * g > _INT_MAX // 2:
         return False
     for c, sh in enumerate(shapes):
-        kernel, resident, _ = _convert_kernel(dev.index, CONVERT_ROWS, sh.lanes, sh.base)
+        kernel, resident, _ = _convert_kernel(dev.index, tuning, sh.lanes, sh.base)
         grid = max(1, min(ctas or resident, -(-items // (CONVERT_THREADS // 32))))
-        launch(stream, LaunchConfig(grid=grid, block=CONVERT_THREADS), kernel, src_bytes.data_ptr(),
+        smem = tuning.ring_bytes() if sh.to_fp8 else 0
+        launch(stream, LaunchConfig(grid=grid, block=CONVERT_THREADS, shmem_size=smem), kernel, src_bytes.data_ptr(),
                dst_bytes.data_ptr(), *src_sides[c][0], *dst_sides[c][0], i32(g), i32(rect.t0), i32(rect.t1),
                i32(rect.n_layers), i32(rect.n_heads), i32(sh.elems), i32(sh.q), i32(sh.group), i32(sh.lanes),
                i32(sh.to_fp8), i32(sh.base == "fp16"), *fast_div(g), i32(lm), *fast_div(rect.n_heads * g),
