@@ -195,8 +195,13 @@ __device__ __forceinline__ uint3 codes_by_division(const uint4 v, float amax) {
 
 #define Y448 0x1.24924ap-9f  // 1/448 rounded to nearest (fp32)
 
-// The fast form for one row's 8 values of a group with amax a, no branches: the scale s = a / 448, its reciprocal,
-// the quotients and the codes (two words of 4 codes). Exact where fast_range(a) holds (the rule below).
+// The fast form for one row's 8 values of a group with amax a, no branches: the scale s = a / 448 and the codes. A
+// code needs only RN_e4m3(RN_f32(x / s)), and x * (y + yl), with 1/s = y + yl to about 2^-46 (y the reciprocal
+// rounded down, yl >= 0 its residual times y), rounds to RN_f32(x / s) wherever that matters: x / s lies near an fp32 midpoint only
+// where x * 448 = a * (an e4m3 rounding boundary) exactly, and there at least 2^-11 ulp from it for every bf16 and
+// fp16 a (tests/test_fp8_scale_rule.py emulates the whole form over every bf16 pair). A product and an fma per
+// value, where the correctly rounded quotient takes five dependent operations and a sign fix. Exact where
+// fast_range(a) holds (the rule below).
 template <int F16>
 __device__ __forceinline__ void codes_fast(const unsigned (&w)[4], float a, unsigned (&c)[2], float& sc) {
   float t = a * Y448;
@@ -206,10 +211,18 @@ __device__ __forceinline__ void codes_fast(const unsigned (&w)[4], float a, unsi
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(s));
   y = fmaf(fmaf(-s, y, 1.0f), y, y);
+  float e = fmaf(-s, y, 1.0f);
+  if (e < 0.0f) {  // y below 1/s, so that yl >= 0 and x * yl keeps the sign of x: -0 must stay -0 (code 0x80)
+    y = __uint_as_float(__float_as_uint(y) - 1u);
+    e = fmaf(-s, y, 1.0f);
+  }
+  const float yl = e * y;
   unsigned cc[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e)
-    cc[e] = e4m3x2(CLAMP448(quotient(value8<F16>(w, 2 * e), s, y)), CLAMP448(quotient(value8<F16>(w, 2 * e + 1), s, y)));
+  for (int e = 0; e < 4; ++e) {
+    const float x0 = value8<F16>(w, 2 * e), x1 = value8<F16>(w, 2 * e + 1);
+    cc[e] = e4m3x2(CLAMP448(fmaf(x0, y, x0 * yl)), CLAMP448(fmaf(x1, y, x1 * yl)));
+  }
   c[0] = cc[0] | (cc[1] << 16);
   c[1] = cc[2] | (cc[3] << 16);
   sc = s;
