@@ -228,6 +228,18 @@ __device__ __forceinline__ void codes_fast(const unsigned (&w)[4], float a, unsi
   sc = s;
 }
 
+// A lane's 8 codes (two words) at p, 4-byte aligned: one 8-byte store where p allows it (a row of codes and a scale
+// is 4-byte aligned only where the engine packs them so, as TensorRT-LLM's 132-byte K/V rows): two 4-byte stores
+// would write each sector's halves in two passes.
+__device__ __forceinline__ void store_codes(unsigned char* p, const unsigned (&c)[2]) {
+  if (!((size_t)p & 7)) {
+    *(uint2*)p = make_uint2(c[0], c[1]);
+  } else {
+    ((unsigned*)p)[0] = c[0];
+    ((unsigned*)p)[1] = c[1];
+  }
+}
+
 // the fast form's range: amax 0 (s = 1) or in [2^-100, 2^127] (s in [2^-109, 2^119])
 __device__ __forceinline__ bool fast_range(float a) { return a == 0.0f || (a >= 0x1p-100f && a <= 0x1p127f); }
 
@@ -326,9 +338,7 @@ __device__ __forceinline__ void convert_rect(const unsigned char* __restrict__ s
 #pragma unroll
           for (int r = 0; r < KV_ROWS; ++r) {
             if (!(sp[r] && mine)) continue;
-            unsigned* o = (unsigned*)(dp[r] + g0 + 8 * j);
-            o[0] = c[r][0];
-            o[1] = c[r][1];
+            store_codes(dp[r] + g0 + 8 * j, c[r]);
             if (j == 0) *(unsigned*)(dp[r] + q + 4 * gi) = __float_as_uint(sc[r]);
           }
         } else {
@@ -534,9 +544,7 @@ __device__ __forceinline__ void convert_rect_ring(const unsigned char* __restric
 #pragma unroll
       for (int r = 0; r < KV_ROWS; ++r) {
         if (!(drow[r] && mine)) continue;
-        unsigned* o = (unsigned*)(drow[r] + g0 + 8 * j);
-        o[0] = c[r][0];
-        o[1] = c[r][1];
+        store_codes(drow[r] + g0 + 8 * j, c[r]);
         if (j == 0) *(unsigned*)(drow[r] + q + 4 * tag) = __float_as_uint(sc[r]);
       }
     } else {  // RoPE values as they are: 2-byte values, at a 4-byte aligned place in the fp8 row
@@ -548,6 +556,10 @@ __device__ __forceinline__ void convert_rect_ring(const unsigned char* __restric
         const uint4 v = sl.v[r][lane];
         const unsigned wd[4] = {v.x, v.y, v.z, v.w};
         unsigned* o = (unsigned*)(drow[r] + da + b);
+        if (n == 16 && !((size_t)o & 15)) {
+          *(uint4*)o = v;
+          continue;
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           if (4 * e + 4 <= n) o[e] = wd[e];
