@@ -495,6 +495,7 @@ __device__ __forceinline__ void convert_rect_ring(const unsigned char* __restric
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
+  float kept[KV_ROWS];  // lane j: its team's rows' scales of group j, until the rows' last group
 #pragma unroll
   for (int k = 0; k < KV_RING - 1; ++k) issue(ring[k]);
 #pragma unroll 1
@@ -543,9 +544,15 @@ __device__ __forceinline__ void convert_rect_ring(const unsigned char* __restric
         }
 #pragma unroll
       for (int r = 0; r < KV_ROWS; ++r) {
-        if (!(drow[r] && mine)) continue;
-        store_codes(drow[r] + g0 + 8 * j, c[r]);
-        if (j == 0) *(unsigned*)(drow[r] + q + 4 * tag) = __float_as_uint(sc[r]);
+        if (mine && drow[r]) store_codes(drow[r] + g0 + 8 * j, c[r]);
+        // a row's scales go out together after its last group (lane j keeps group j's), one piece of the row rather
+        // than a 4-byte store per group step; more groups than lanes store each as it comes
+        if (ngroups > L) {
+          if (j == 0 && drow[r]) *(unsigned*)(drow[r] + q + 4 * tag) = __float_as_uint(sc[r]);
+        } else {
+          if (j == tag) kept[r] = sc[r];
+          if (tag == ngroups - 1 && j < ngroups && drow[r]) *(float*)(drow[r] + q + 4 * j) = kept[r];
+        }
       }
     } else {  // RoPE values as they are: 2-byte values, at a 4-byte aligned place in the fp8 row
       const int b = 16 * ((tag - ngroups) * L + j);
