@@ -546,8 +546,8 @@ __device__ __forceinline__ void convert_rect_ring(const unsigned char* __restric
       for (int r = 0; r < KV_ROWS; ++r) {
         if (mine && drow[r]) store_codes(drow[r] + g0 + 8 * j, c[r]);
         // a row's scales go out together after its last group (lane j keeps group j's), one piece of the row rather
-        // than a 4-byte store per group step; more groups than lanes store each as it comes
-        if (ngroups > L) {
+        // than a 4-byte store per group step; a row of one group, or of more groups than lanes, stores each as it comes
+        if (ngroups == 1 || ngroups > L) {
           if (j == 0 && drow[r]) *(unsigned*)(drow[r] + q + 4 * tag) = __float_as_uint(sc[r]);
         } else {
           if (j == tag) kept[r] = sc[r];
