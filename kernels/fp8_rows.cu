@@ -243,6 +243,60 @@ __device__ __forceinline__ void store_codes(unsigned char* p, const unsigned (&c
 // the fast form's range: amax 0 (s = 1) or in [2^-100, 2^127] (s in [2^-109, 2^119])
 __device__ __forceinline__ bool fast_range(float a) { return a == 0.0f || (a >= 0x1p-100f && a <= 0x1p127f); }
 
+// Where a pass's rows lie on both sides (sp, dp): row r0 + r * teams + team of the item (the warp's teams on
+// neighbouring rows at each r) is layer li, head h, token k of it; 0 where the row is past the item's or its token
+// outside [klo, khi).
+#define PASS_ROWS(r0)                                                   \
+  _Pragma("unroll") for (int r = 0; r < KV_ROWS; ++r) {                 \
+    const int row = (r0) + r * teams + team;                            \
+    const int li = ml > 1 ? FDIV(row, hgM, hgL) : 0, lr = row - li * hg; \
+    const int h = FDIV(lr, gM, gL), k = lr - h * g;                     \
+    sp[r] = 0;                                                          \
+    dp[r] = 0;                                                          \
+    if (row < rows && k >= klo && k < khi) {                            \
+      sp[r] = src + sB + li * sL + h * sH + k * sN;                     \
+      dp[r] = dst + dB + li * dL + h * dH + k * dN;                     \
+    }                                                                   \
+  }
+
+// A team's KV_ROWS rows of one group: every live row's 16 bytes of the lane (``load(r)``) first, zeros for the rest
+// (their amax is 0), then the group's amax over the team's lanes and each row's codes and scale by the fast form, by
+// division for a live row outside its range (its bytes loaded again: rare, and registers stay free meanwhile).
+template <int L, int F16, class Load>
+__device__ __forceinline__ void group_codes(const bool (&live)[KV_ROWS], Load load, unsigned (&c)[KV_ROWS][2],
+                                            float (&sc)[KV_ROWS]) {
+  unsigned w[KV_ROWS][4];
+#pragma unroll
+  for (int r = 0; r < KV_ROWS; ++r) {
+    const uint4 v = live[r] ? load(r) : make_uint4(0u, 0u, 0u, 0u);
+    w[r][0] = v.x;
+    w[r][1] = v.y;
+    w[r][2] = v.z;
+    w[r][3] = v.w;
+  }
+  float amax[KV_ROWS];
+#pragma unroll
+  for (int r = 0; r < KV_ROWS; ++r) {
+    amax[r] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax[r] = fmaxf(amax[r], fabsf(value8<F16>(w[r], e)));
+  }
+#pragma unroll
+  for (int o = L >> 1; o; o >>= 1)
+#pragma unroll
+    for (int r = 0; r < KV_ROWS; ++r) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], o));
+#pragma unroll
+  for (int r = 0; r < KV_ROWS; ++r) codes_fast<F16>(w[r], amax[r], c[r], sc[r]);
+#pragma unroll
+  for (int r = 0; r < KV_ROWS; ++r)
+    if (live[r] && !fast_range(amax[r])) {
+      const uint3 k = codes_by_division<F16>(load(r), amax[r]);
+      c[r][0] = k.x;
+      c[r][1] = k.y;
+      sc[r] = __uint_as_float(k.z);
+    }
+}
+
 // Items: a span of g tokens (one block on each pool side, one wire tile on a wire side) by every head of lm
 // consecutive layers (lm > 1 where one layer's rows would leave a warp's teams idle: kvlab.memory.ops.cuda.
 // layers_per_item); a warp takes an item, reads the block tables and computes both sides' bases once, and its
@@ -283,58 +337,18 @@ __device__ __forceinline__ void convert_rect(const unsigned char* __restrict__ s
     for (int r0 = 0; r0 < rows; r0 += teams * KV_ROWS) {
       const unsigned char* sp[KV_ROWS];
       unsigned char* dp[KV_ROWS];
-#pragma unroll
-      for (int r = 0; r < KV_ROWS; ++r) {
-        const int row = r0 + r * teams + team;  // the warp's teams on neighbouring rows at each r
-        const int li = ml > 1 ? FDIV(row, hgM, hgL) : 0, lr = row - li * hg;
-        const int h = FDIV(lr, gM, gL), k = lr - h * g;
-        sp[r] = 0;
-        dp[r] = 0;
-        if (row < rows && k >= klo && k < khi) {
-          sp[r] = src + sB + li * sL + h * sH + k * sN;
-          dp[r] = dst + dB + li * dL + h * dH + k * dN;
-        }
-      }
+      PASS_ROWS(r0);
 #pragma unroll 1
       for (int gi = 0; gi < ngroups; ++gi) {
         const int g0 = gi * group, n = q - g0 < group ? q - g0 : group;
         const bool mine = j * 8 < n;  // this lane's 8 values of the group
         if (to_fp8) {
-          // every row's loads first (zeros where the row or the lane has none: their amax is 0)
-          unsigned w[KV_ROWS][4];
-#pragma unroll
-          for (int r = 0; r < KV_ROWS; ++r) {
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (sp[r] && mine) v = *(const uint4*)(sp[r] + 2 * (g0 + 8 * j));
-            w[r][0] = v.x;
-            w[r][1] = v.y;
-            w[r][2] = v.z;
-            w[r][3] = v.w;
-          }
-          float amax[KV_ROWS];
-#pragma unroll
-          for (int r = 0; r < KV_ROWS; ++r) {
-            amax[r] = 0.0f;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) amax[r] = fmaxf(amax[r], fabsf(value8<F16>(w[r], e)));
-          }
-#pragma unroll
-          for (int o = L >> 1; o; o >>= 1)
-#pragma unroll
-            for (int r = 0; r < KV_ROWS; ++r) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], o));
           unsigned c[KV_ROWS][2];
           float sc[KV_ROWS];
+          bool live[KV_ROWS];
 #pragma unroll
-          for (int r = 0; r < KV_ROWS; ++r) codes_fast<F16>(w[r], amax[r], c[r], sc[r]);
-#pragma unroll
-          for (int r = 0; r < KV_ROWS; ++r)
-            if (sp[r] && mine && !fast_range(amax[r])) {
-              // the row's values again (the rare row: registers stay free for the common ones)
-              const uint3 k = codes_by_division<F16>(*(const uint4*)(sp[r] + 2 * (g0 + 8 * j)), amax[r]);
-              c[r][0] = k.x;
-              c[r][1] = k.y;
-              sc[r] = __uint_as_float(k.z);
-            }
+          for (int r = 0; r < KV_ROWS; ++r) live[r] = sp[r] && mine;
+          group_codes<L, F16>(live, [&](int r) { return *(const uint4*)(sp[r] + 2 * (g0 + 8 * j)); }, c, sc);
 #pragma unroll
           for (int r = 0; r < KV_ROWS; ++r) {
             if (!(sp[r] && mine)) continue;
@@ -442,20 +456,7 @@ __device__ __forceinline__ void convert_rect_ring(const unsigned char* __restric
     CSIDE_ITEM(s_, ss, l, sB, sL, sH, sN);
     CSIDE_ITEM(d_, ss, l, dB, dL, dH, dN);
   };
-  auto begin_pass = [&]() {
-#pragma unroll
-    for (int r = 0; r < KV_ROWS; ++r) {
-      const int row = r0 + r * teams + team;
-      const int li = ml > 1 ? FDIV(row, hgM, hgL) : 0, lr = row - li * hg;
-      const int h = FDIV(lr, gM, gL), k = lr - h * g;
-      sp[r] = 0;
-      dp[r] = 0;
-      if (row < rows && k >= klo && k < khi) {
-        sp[r] = src + sB + li * sL + h * sH + k * sN;
-        dp[r] = dst + dB + li * dL + h * dH + k * dN;
-      }
-    }
-  };
+  auto begin_pass = [&]() { PASS_ROWS(r0); };
   if (item < items) {
     begin_item();
     begin_pass();
@@ -510,38 +511,12 @@ __device__ __forceinline__ void convert_rect_ring(const unsigned char* __restric
     if (tag < ngroups) {
       const int g0 = tag * group, n = q - g0 < group ? q - g0 : group;
       const bool mine = 8 * j < n;
-      unsigned w[KV_ROWS][4];
-#pragma unroll
-      for (int r = 0; r < KV_ROWS; ++r) {
-        const uint4 v = sl.v[r][lane];
-        w[r][0] = v.x;
-        w[r][1] = v.y;
-        w[r][2] = v.z;
-        w[r][3] = v.w;
-      }
-      float amax[KV_ROWS];
-#pragma unroll
-      for (int r = 0; r < KV_ROWS; ++r) {
-        amax[r] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) amax[r] = fmaxf(amax[r], fabsf(value8<F16>(w[r], e)));
-      }
-#pragma unroll
-      for (int o = L >> 1; o; o >>= 1)
-#pragma unroll
-        for (int r = 0; r < KV_ROWS; ++r) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], o));
       unsigned c[KV_ROWS][2];
       float sc[KV_ROWS];
+      bool live[KV_ROWS];
 #pragma unroll
-      for (int r = 0; r < KV_ROWS; ++r) codes_fast<F16>(w[r], amax[r], c[r], sc[r]);
-#pragma unroll
-      for (int r = 0; r < KV_ROWS; ++r)
-        if (drow[r] && mine && !fast_range(amax[r])) {
-          const uint3 kk = codes_by_division<F16>(sl.v[r][lane], amax[r]);
-          c[r][0] = kk.x;
-          c[r][1] = kk.y;
-          sc[r] = __uint_as_float(kk.z);
-        }
+      for (int r = 0; r < KV_ROWS; ++r) live[r] = drow[r] && mine;
+      group_codes<L, F16>(live, [&](int r) { return sl.v[r][lane]; }, c, sc);
 #pragma unroll
       for (int r = 0; r < KV_ROWS; ++r) {
         if (mine && drow[r]) store_codes(drow[r] + g0 + 8 * j, c[r]);
