@@ -123,9 +123,15 @@ def model_bytes(setup: Setup, tokens: int) -> tuple[int, int]:
     return weight_bytes(m), layer + cache + scores + 4 * m.decode.vocab_size
 
 
+def _plane_bytes(pool, heads: int, layers: int, tokens: int) -> int:
+    """``heads`` heads of ``layers`` layers of a bf16 pool's planes (``pool``: the model's bf16 form) for a request of
+    ``tokens`` tokens."""
+    return sum(pool.comp_row_bytes()) * heads * layers * pool.held_tokens(tokens)
+
+
 def planes_bytes(model, tokens: int) -> int:
     """One request's whole cache as the model's bf16 pool planes (kvlab.rank.hf_models.pool_rows)."""
-    return sum(sum(p.comp_row_bytes()) * p.heads * len(p.layers) * p.held_tokens(tokens) for p in model.pools("bf16"))
+    return sum(_plane_bytes(p, p.heads, len(p.layers), tokens) for p in model.pools("bf16"))
 
 
 def check_bytes(setup: Setup, state: CacheState, dp: int, tokens: int, share: int) -> int:
@@ -135,8 +141,7 @@ def check_bytes(setup: Setup, state: CacheState, dp: int, tokens: int, share: in
     if not setup.check.decode or state.side.name != "gen":
         return 0
     bf16 = {p.name: p for p in setup.model.pools("bf16")}
-    planes = sum(sum(bf16[p.name].comp_row_bytes()) * len(p.heads) * len(p.layers) * bf16[p.name].held_tokens(tokens)
-                 for p in state.pools())
+    planes = sum(_plane_bytes(bf16[p.name], len(p.heads), len(p.layers), tokens) for p in state.pools())
     return len(range(dp, setup.workload.requests, setup.gen.dp)) * (planes + share)
 
 
