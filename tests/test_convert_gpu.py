@@ -126,14 +126,14 @@ def test_conversion_in_the_copy_is_the_reference(cuda_ops, c):
     staged = mock.patch.object(cuda_ops.convert, c["op"], side_effect=AssertionError("the staged form ran"))
     ring = mock.patch.object(cuda_ops, "CONVERT_RING", cuda_ops.CONVERT_RING if c["ring"] is None else c["ring"])
     with ring:
-        got_w, want_w = run_case(cuda_ops, c, gen, src_pool, dst_pool, rect, one_pass, staged)
+        got_w, want_w = run_case(cuda_ops, c, gen, fmts, src_pool, dst_pool, rect, one_pass, staged)
     torch.cuda.synchronize()
     assert torch.equal(got_w.cpu(), want_w.cpu())
 
 
-def run_case(cuda_ops, c, gen, src_pool, dst_pool, rect, one_pass, staged):
+def run_case(cuda_ops, c, gen, fmts, src_pool, dst_pool, rect, one_pass, staged):
+    """The case's kernel call and the reference's, on poisoned outputs: (the kernel's buffer, the reference's)."""
     kind, base, elems = c["kind"], c["base"], c["elems"]
-    fmts = (base, "fp8") if c["to_fp8"] else ("fp8", base)
     if c["op"] == "copy_rect":
         snb, sids, sbase = table(src_pool, rect, gen, c["ids64"])
         dnb, dids, dbase = table(dst_pool, rect, gen, not c["ids64"])

@@ -602,13 +602,13 @@ def _convert_object(index: int, tuning: ConvertTuning):
 
 
 @lru_cache(maxsize=64)
-def _convert_kernel(index: int, tuning: ConvertTuning, lanes: int, base: str):
+def _convert_kernel(index: int, tuning: ConvertTuning, lanes: int, base: str, smem: int):
     """(kernel, CTAs resident at once, ObjectCode) of ``kv_convert_rect`` for teams of ``lanes`` lanes and ``base``
-    values (bf16 or fp16): a kernel of its own per form, ``kv_convert_rect_<lanes>_<base>``. Resident CTAs count
-    the ring's shared memory (the quantizing direction's launch)."""
+    values (bf16 or fp16): a kernel of its own per form, ``kv_convert_rect_<lanes>_<base>``, launched with ``smem``
+    bytes of dynamic shared memory (the ring's in the quantizing direction, none in the other), which the resident
+    CTAs count."""
     obj = _convert_object(index, tuning)
     kernel = obj.get_kernel(f"kv_convert_rect_{lanes}_{base}")
-    smem = tuning.ring_bytes()
     if smem > 48 * 1024:
         if smem > _smem_optin(index):
             raise ValueError(f"{tuning}: its cp.async ring needs {smem} bytes of shared memory per CTA, the device "
@@ -695,9 +695,9 @@ def _convert_launch(src_bytes, src_sides, dst_bytes, dst_sides, rect: Rect, shap
     if items > _INT_MAX or lm * rect.n_heads * g > _INT_MAX // 2:
         return False
     for c, sh in enumerate(shapes):
-        kernel, resident, _ = _convert_kernel(dev.index, tuning, sh.lanes, sh.base)
-        grid = max(1, min(ctas or resident, -(-items // (CONVERT_THREADS // 32))))
         smem = tuning.ring_bytes() if sh.to_fp8 else 0
+        kernel, resident, _ = _convert_kernel(dev.index, tuning, sh.lanes, sh.base, smem)
+        grid = max(1, min(ctas or resident, -(-items // (CONVERT_THREADS // 32))))
         launch(stream, LaunchConfig(grid=grid, block=CONVERT_THREADS, shmem_size=smem), kernel, src_bytes.data_ptr(),
                dst_bytes.data_ptr(), *src_sides[c][0], *dst_sides[c][0], i32(g), i32(rect.t0), i32(rect.t1),
                i32(rect.n_layers), i32(rect.n_heads), i32(sh.elems), i32(sh.q), i32(sh.group), i32(sh.lanes),
