@@ -27,18 +27,22 @@ batch whose second entry of 100 MiB took about 100 ms) and frees the batch then.
 runs are submitted back to back, one call each (about 5 us per call on the CPU machine), and its
 completion is the last of theirs.
 
-Control plane: the default group's store, small keys (Mooncake's own notifications need a synchronous
-write to carry them: 0.64 ms per notice measured, against tens of microseconds for a key):
-``mc/R/<ctx>/<gen>/<request>.<seq>`` (staged: the gen slot's address and size, once it is free; the
-ctx rank deletes it when read), ``mc/T/<ctx>/<gen>/<request>`` (direct: the gen rank's block tables),
-``mc/D/<ctx>/<gen>/<request>.<seq>`` (the ctx rank saw every write of the chunk complete: the bytes are
-in the gen rank's memory; the gen rank deletes it when seen). The ctx rank ``polls``: the executor sees
-each completion, and the key goes out, when it happens. Every wait polls with the deadline
+Control plane: the default group's store (Mooncake's own notifications need a synchronous write to carry
+them: 0.64 ms per notice measured, against tens of microseconds for a store request). Per-chunk notices go
+through one queue per (ctx rank, gen rank) and kind, ``<request>.<seq> <value>`` each: ``mc/R/<ctx>/<gen>``
+(staged: the gen slot's address and size, once it is free) and ``mc/D/<ctx>/<gen>`` (the ctx rank saw every
+write of the chunk complete: the bytes are in the gen rank's memory). A push is one request to the store
+and a pop one more, with nothing left to delete; a keyed notice took a set, a check, a get and a delete,
+and on one H200 the gen rank's round trips were what bounded the chunks per second. A notice popped for
+another chunk than the one awaited is kept until that chunk asks. ``mc/T/<ctx>/<gen>/<request>`` (direct:
+the gen rank's block tables, once per request) stays a key. The ctx rank ``polls``: the executor sees each
+completion, and the notice goes out, when it happens. Every wait polls with the deadline
 ``transfer.timeout_s``; a write to a gen rank that is gone fails at once (the engine reports the broken
 connection), a rank waiting on a peer asks the peer's engine whether it is there every ``PROBE_S``
 (``send_probe``: a gen rank learns so that a ctx rank is gone, since only ctx ranks write), and a store
-that is gone (rank 0) fails the call. A gen rank polls its keys every ``LAND_POLL_S``, not faster: each
-poll is a round trip to the store's host, on the cores the engine's copies run on.
+that is gone (rank 0) fails the call. A gen rank polls its queue every ``LAND_POLL_S`` on CPUs, not faster:
+each poll is a round trip to the store's host, on the cores the engine's TCP copies run on; on GPUs, whose
+copies run on copy engines, every ``LAND_POLL_GPU_S``.
 
 On GPUs nothing blocks the host on the device: a chunk is written once the event recorded after its
 pack (or its layers' writes) has completed (the engine does not follow CUDA streams), and a gen slot is
@@ -58,6 +62,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed import QueueEmptyError
 
 from kvlab.core.errors import ConfigError
 from kvlab.model.schedule import Chunk, Staging
@@ -71,7 +76,8 @@ from kvlab.transports.staged import ChunkStaging
 
 MODES = ("direct", "staged")
 DIRECT_WAVE = 1024  # writes of one chunk in flight at once (_write)
-LAND_POLL_S = 2.5e-4  # gen: between two looks for a chunk's key in the store
+LAND_POLL_S = 2.5e-4  # gen, CPUs: between two looks for a chunk's notice in the store
+LAND_POLL_GPU_S = 5e-5  # gen, GPUs
 PROBE_S = 0.25  # between two probes of a peer's engine while waiting on it
 
 
@@ -102,7 +108,7 @@ class Landing:
     staged: bool
     posted: object
     reg: int = 0  # a per-chunk buffer's registered address (naive)
-    notice: tuple[str, str] | None = None  # (key, value) to publish; None: nothing to announce
+    notice: tuple | None = None  # (queued, key, value) to publish, queued or set; None: nothing to announce
     after: object = None  # GPUs: the event of the slot's last unpack, announced once it has completed
 
 
@@ -143,9 +149,11 @@ class Mooncake(Transport):
         self.unannounced: deque[Landing] = deque()  # gen: chunks whose room waits its turn (GPUs: an unpack)
         self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
         self.told: set[tuple[int, int]] = set()  # gen, direct: (request, ctx rank) sent the block tables
+        self.heard: dict[str, dict[str, str]] = {}  # queue -> notices popped before their chunk asked
         self.tables: dict[tuple[int, int], dict] = {}  # ctx, direct: (request, gen rank) -> its block tables
         self.probed: dict[int, float] = {}  # peer -> when its engine was last asked whether it is there
         self.spin_s = spin_for(device)
+        self.land_poll_s = LAND_POLL_GPU_S if getattr(device, "type", device) == "cuda" else LAND_POLL_S
         self.shut = False
         self.per_chunk = False
         self.window = setup.transfer.slots
@@ -278,8 +286,32 @@ class Mooncake(Transport):
 
     # -- control keys -----------------------------------------------------------------------
     @staticmethod
-    def _key(kind: str, c: Chunk) -> str:
-        return f"mc/{kind}/{c.src}/{c.dst}/{c.request}.{c.seq}"
+    def _notice(kind: str, c: Chunk, value: str) -> tuple[str, str]:
+        """(queue, entry) of chunk ``c``'s notice of ``kind`` carrying ``value``."""
+        return f"mc/{kind}/{c.src}/{c.dst}", f"{c.request}.{c.seq} {value}"
+
+    def _push(self, queue: str, entry: str, c: Chunk) -> None:
+        try:
+            self.store.queue_push(queue, entry)
+        except Exception as e:  # noqa: BLE001 - the store's errors are plain RuntimeErrors (host gone, ...)
+            raise self.failed(c, "control store unreachable", e) from e
+
+    def _heard(self, kind: str, c: Chunk) -> str | None:
+        """The value of chunk ``c``'s notice of ``kind`` once it has come, else None: the pair's queue is popped
+        until it has, or is empty; notices of other chunks popped meanwhile wait in ``heard`` for theirs."""
+        queue = f"mc/{kind}/{c.src}/{c.dst}"
+        got = self.heard.setdefault(queue, {})
+        name = f"{c.request}.{c.seq}"
+        while name not in got:
+            try:
+                entry = self.store.queue_pop(queue, block=False)
+            except QueueEmptyError:
+                return None
+            except Exception as e:  # noqa: BLE001
+                raise self.failed(c, "control store unreachable", e) from e
+            k, _, v = (entry.decode() if isinstance(entry, bytes) else entry).partition(" ")
+            got[k] = v
+        return got.pop(name)
 
     def _set(self, key: str, value: str, c: Chunk) -> None:
         try:
@@ -321,7 +353,7 @@ class Mooncake(Transport):
                     self.told.add((c.request, c.src))
                     n = self.ctx.faults.notice(i, c)
                     if n is not None:
-                        h.notice = (f"mc/T/{c.src}/{c.dst}/{n.request}", block_tables(self.ctx, c.request))
+                        h.notice = (False, f"mc/T/{c.src}/{c.dst}/{n.request}", block_tables(self.ctx, c.request))
             else:
                 buf, staged = self.staging.buffer(i, c)
                 h = Landing(i, c, buf, staged, clock.mark())
@@ -334,7 +366,7 @@ class Mooncake(Transport):
                     h.after = self.after_unpack.pop(i % self.window, None)  # the slot is free once that has run
                 n = self.ctx.faults.notice(i, c)
                 if n is not None:
-                    h.notice = (self._key("R", n), f"{buf.data_ptr()} {buf.numel()}")
+                    h.notice = (True, *self._notice("R", n, f"{buf.data_ptr()} {buf.numel()}"))
             self.unannounced.append(h)
             self._announce()
             return h
@@ -365,7 +397,8 @@ class Mooncake(Transport):
             h = self.unannounced.popleft()
             h.after = None
             if h.notice:
-                self._set(*h.notice, h.chunk)
+                queued, key, value = h.notice
+                (self._push if queued else self._set)(key, value, h.chunk)
 
     def _pump(self) -> None:
         """Write every packed chunk whose room on the gen rank has been announced."""
@@ -376,7 +409,7 @@ class Mooncake(Transport):
             elif self.mode == "direct":
                 room = self._landing(w.chunk)
             else:
-                room = self._take(self._key("R", w.chunk), w.chunk)
+                room = self._heard("R", w.chunk)
             if room is None:
                 still.append(w)
             else:
@@ -446,7 +479,7 @@ class Mooncake(Transport):
             w.done = self.ctx.clock.mark()
             n = self.ctx.faults.notice(w.index, w.chunk)
             if n is not None:
-                self._set(self._key("D", n), "", w.chunk)
+                self._push(*self._notice("D", n, ""), w.chunk)
         return complete
 
     def finish(self, h, rec) -> bool:
@@ -480,18 +513,18 @@ class Mooncake(Transport):
         return not h.staged
 
     def _land(self, c: Chunk, deadline: float) -> None:
-        """Gen: until the ctx rank's key says the chunk's bytes are here, polling the store every ``LAND_POLL_S``
-        (each poll is a round trip to the store's host: no faster, so as not to take the cores the engine's
-        copies run on) and asking the ctx engine whether it is still there every ``PROBE_S``."""
-        key, timeout = self._key("D", c), self.setup.transfer.timeout_s
+        """Gen: until the ctx rank's notice says the chunk's bytes are here, polling the store every
+        ``land_poll_s`` (the module's docstring says why not faster) and asking the ctx engine whether it is
+        still there every ``PROBE_S``."""
+        timeout = self.setup.transfer.timeout_s
         while True:
             self._announce()
-            if self._take(key, c) is not None:
+            if self._heard("D", c) is not None:
                 return
             self._alive(c, c.src)
             if time.time() > deadline:
                 raise self.failed(c, f"not done within {timeout:g} s or peer gone")
-            time.sleep(LAND_POLL_S)
+            time.sleep(self.land_poll_s)
 
     def _alive(self, c: Chunk, peer: int) -> None:
         """ChunkFailed if the peer's engine no longer answers (asked at most every ``PROBE_S``): a gen rank learns
@@ -505,9 +538,13 @@ class Mooncake(Transport):
             raise self.failed(c, f"peer gone: its engine does not answer (probe returned {rc})")
 
     def closed(self, request: int) -> None:
-        """The request's block tables are no longer needed on either side (direct)."""
+        """The request's block tables (direct) and its notices never asked for are dropped on either side."""
         self.told = {k for k in self.told if k[0] != request}
         self.tables = {k: v for k, v in self.tables.items() if k[0] != request}
+        mine = f"{request}."  # notices never asked for (a fault's, or a chunk's that failed first)
+        for got in self.heard.values():
+            for name in [n for n in got if n.startswith(mine)]:
+                del got[name]
 
     def _release(self, h) -> None:
         if h.reg:

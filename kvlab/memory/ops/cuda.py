@@ -209,10 +209,18 @@ def _kernels(index: int, tuning: Tuning = DEFAULT_TUNING, arch: str | None = Non
 
 
 def ensure_compiled(device: int | None = None, arch: str | None = None, tuning: Tuning = DEFAULT_TUNING) -> None:
-    """Compile (or load from the disk cache) and load the kernels on a CUDA device; raises without one."""
+    """Compile (or load from the disk cache) and load on a CUDA device every kernel the ops launch: pack/unpack as
+    ``tuning`` says and, for the device's own architecture, the rectangle copy and the converting copy, so that
+    no first use (an NVRTC compile of seconds on a fresh machine) falls inside a timed transfer; raises without
+    a device."""
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device")
-    _kernels(torch.cuda.current_device() if device is None else device, tuning, arch)
+    index = torch.cuda.current_device() if device is None else device
+    _kernels(index, tuning, arch)
+    if arch is None:
+        _rect_kernel(index, RECT_TUNING)
+        _convert_object(index, convert_tuning())
+        _fp8_kernel(index)
 
 
 def _work_items(tile: int, rows: tuple[int, ...], runs_per_tile: int, ntiles: int, unroll: int) -> int:
@@ -361,11 +369,6 @@ def unpack(wire_buf, pool, num_blocks, rect, block_ids, block_base, pool_bytes, 
 
 
 RECT_TUNING = Tuning(threads=256, unroll=8)  # 64 registers, 1024 threads per SM; see scripts/ipc_bench.py
-
-
-def ensure_run_copy(index: int, tuning: Tuning = RECT_TUNING) -> None:
-    """Load the rectangle-copy kernel on device ``index`` now, not inside the first timed copy."""
-    _rect_kernel(index, tuning)
 
 
 @lru_cache(maxsize=8)
