@@ -23,9 +23,11 @@ blocking (``transfer_check_status``). The Python binding's batch calls do not fi
 with a deadline: ``batch_transfer_async_write``'s status call, ``get_batch_transfer_status``, blocks
 until the whole batch is done, spinning a core, under the engine's own timeout (at least 5 s), and
 ``transfer_check_status`` on a batch reads its first entry only (measured: "done" after 11 ms for a
-batch whose second entry of 100 MiB took about 100 ms) and frees the batch then. So a direct chunk's
-runs are submitted back to back, one call each (about 5 us per call on the CPU machine), and its
-completion is the last of theirs.
+batch whose second entry of 100 MiB took about 100 ms) and frees the batch then; on ``nvlink_intra`` one
+H200, polling a batch so ended the writing process. So a direct chunk's runs are submitted back to back,
+one call each (about 5 us per call on the CPU machine), and its completion is the last of theirs. A batch
+would not lift direct's ceiling on one GPU much: 512 runs of 32 KiB move 2.24 GB/s one call each and 4.98 as
+one batch waited for whole (scripts/mooncake_bench.py, docs/results/mooncake.md).
 
 Control plane: the default group's store (Mooncake's own notifications need a synchronous write to carry
 them: 0.64 ms per notice measured, against tens of microseconds for a store request). Per-chunk notices go
