@@ -341,6 +341,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run only the cases whose 'model isl transport' contains this")
     ap.add_argument("--window", type=int, default=4, help="raw curve: writes in flight")
     ap.add_argument("--curve-only", action="store_true")
+    ap.add_argument("--no-curve", action="store_true", help="the table alone (each run has its in-run reference)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides for every run of the table (for example transfer.slots=8)")
     ap.add_argument("--keep", metavar="DIR", help="keep each run's directory (its parts: every chunk's marks) in DIR")
@@ -380,7 +381,7 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 
-    report["curve"] = raw_curve(CURVE, args.window, device)
+    report["curve"] = [] if args.no_curve else raw_curve(CURVE, args.window, device)
     save()
     if not args.curve_only:
         for model, isl in CASES:

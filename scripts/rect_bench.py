@@ -12,6 +12,7 @@ bytes, as scripts/ipc_bench.py does. Every case is checked against the torch ref
 
     python scripts/rect_bench.py --out rect_bench.json [--models llama3_8b deepseek_v32] [--pairs all|engines]
         [--layer-passes 0 4]   (0: one layer per work item, the kernels' earlier form; see cuda.LAYER_PASSES)
+        [--convert-layer-passes 4 16]  (gen fp8 cases whose items are one token, cuda.CONVERT_LAYER_PASSES)
         [--convert-rows 4 8]  (gen fp8 cases: rows in flight per lane team, cuda.CONVERT_ROWS)
         [--convert-ring 0 4]  (gen fp8 cases: cp.async slots per warp, 0 for loads in registers, cuda.CONVERT_RING)
         [--convert-ctas 2]    (gen fp8 cases: CTAs per SM the registers are bounded for, cuda.CONVERT_MIN_CTAS)
@@ -145,6 +146,8 @@ def main() -> None:
     ap.add_argument("--fp8-pairs", type=int, default=3, help="the first N pairs again with gen fp8")
     ap.add_argument("--layer-passes", type=int, nargs="+", default=[cuda_ops.LAYER_PASSES],
                     help="kvlab.memory.ops.cuda.LAYER_PASSES values to time each case with (0: a layer per item)")
+    ap.add_argument("--convert-layer-passes", type=int, nargs="+", default=[cuda_ops.CONVERT_LAYER_PASSES],
+                    help="the same for gen fp8 cases whose items are one token (cuda.CONVERT_LAYER_PASSES)")
     ap.add_argument("--convert-rows", type=int, nargs="+", default=[cuda_ops.CONVERT_ROWS],
                     help="kvlab.memory.ops.cuda.CONVERT_ROWS values to time each gen fp8 case with")
     ap.add_argument("--convert-ring", type=int, nargs="+", default=[cuda_ops.CONVERT_RING],
@@ -162,9 +165,13 @@ def main() -> None:
         fixed = [(cuda_ops.CONVERT_ROWS, cuda_ops.CONVERT_RING, cuda_ops.CONVERT_MIN_CTAS)]
         tunings = [(rows, ring, ctas) for rows in a.convert_rows for ring in a.convert_ring
                    for ctas in a.convert_ctas]
-        variants = [(t, lp, tu) for t in todo for lp in a.layer_passes for tu in (tunings if t[1] else fixed)]
+        variants = [(t, lp, tu) for t in todo for lp in (a.convert_layer_passes if t[1] else a.layer_passes)
+                    for tu in (tunings if t[1] else fixed)]
         for ((ctx, gen), fp8, path), lp, (rows, ring, ctas) in variants:
-            cuda_ops.LAYER_PASSES = lp
+            if fp8:
+                cuda_ops.CONVERT_LAYER_PASSES = lp
+            else:
+                cuda_ops.LAYER_PASSES = lp
             cuda_ops.CONVERT_ROWS, cuda_ops.CONVERT_RING, cuda_ops.CONVERT_MIN_CTAS = rows, ring, ctas
             try:
                 r = case(model, ctx, gen, fp8, a.tokens, a.iters, a.repeats, path)

@@ -292,9 +292,10 @@ class Mooncake(Transport):
         """(queue, entry) of chunk ``c``'s notice of ``kind`` carrying ``value``."""
         return f"mc/{kind}/{c.src}/{c.dst}", f"{c.request}.{c.seq} {value}"
 
-    def _push(self, queue: str, entry: str, c: Chunk) -> None:
+    def _ask(self, c: Chunk, call, *args):
+        """``call(*args)``, a request to the store; one that fails (the store's host gone) fails chunk ``c``."""
         try:
-            self.store.queue_push(queue, entry)
+            return call(*args)
         except Exception as e:  # noqa: BLE001 - the store's errors are plain RuntimeErrors (host gone, ...)
             raise self.failed(c, "control store unreachable", e) from e
 
@@ -314,12 +315,6 @@ class Mooncake(Transport):
             k, _, v = (entry.decode() if isinstance(entry, bytes) else entry).partition(" ")
             got[k] = v
         return got.pop(name)
-
-    def _set(self, key: str, value: str, c: Chunk) -> None:
-        try:
-            self.store.set(key, value)
-        except Exception as e:  # noqa: BLE001 - the store's errors are plain RuntimeErrors (host gone, ...)
-            raise self.failed(c, "control store unreachable", e) from e
 
     def _take(self, key: str, c: Chunk) -> str | None:
         """The key's value, deleted, if it is there; None otherwise."""
@@ -400,7 +395,7 @@ class Mooncake(Transport):
             h.after = None
             if h.notice:
                 queued, key, value = h.notice
-                (self._push if queued else self._set)(key, value, h.chunk)
+                self._ask(h.chunk, self.store.queue_push if queued else self.store.set, key, value)
 
     def _pump(self) -> None:
         """Write every packed chunk whose room on the gen rank has been announced."""
@@ -481,7 +476,7 @@ class Mooncake(Transport):
             w.done = self.ctx.clock.mark()
             n = self.ctx.faults.notice(w.index, w.chunk)
             if n is not None:
-                self._push(*self._notice("D", n, ""), w.chunk)
+                self._ask(w.chunk, self.store.queue_push, *self._notice("D", n, ""))
         return complete
 
     def finish(self, h, rec) -> bool:

@@ -506,14 +506,20 @@ def _copy_spans(src_bytes, src_pool, src_nb, src_ids, src_base, dst_bytes, dst_p
 # into SGLang's one-token blocks otherwise leaves most of a warp's loads empty. 0: one layer per item (the bench's
 # comparison, scripts/rect_bench.py --layer-passes).
 LAYER_PASSES = 4
+# the same for kv_convert_rect's items of one token (a side in blocks of one token: SGLang's), whose fixed work (the
+# block tables, both sides' bases) is paid per token: Llama-3.1-8B into SGLang's layout in fp8 reads 0.785-0.789 of
+# copy_ at 4 passes and 0.837-0.847 at 16. Items of a block of tokens keep LAYER_PASSES: at 16, DeepSeek-V3.2's
+# vLLM HND -> TensorRT-LLM lost 0.02-0.04 (scripts/rect_bench.py --convert-layer-passes, two runs)
+CONVERT_LAYER_PASSES = 16
 
 
-def layers_per_item(n_layers: int, per_layer: int, per_pass: int) -> int:
+def layers_per_item(n_layers: int, per_layer: int, per_pass: int, passes: int | None = None) -> int:
     """Layers an item takes: ``per_layer`` units of work (vectors, rows) per layer, ``per_pass`` a warp's units in
-    flight at once."""
-    if LAYER_PASSES <= 0 or per_layer <= 0:
+    flight at once, at least ``passes`` passes (``LAYER_PASSES`` by default) where the layers allow it."""
+    passes = LAYER_PASSES if passes is None else passes
+    if passes <= 0 or per_layer <= 0:
         return 1
-    return min(n_layers, max(1, -(-LAYER_PASSES * per_pass // per_layer)))
+    return min(n_layers, max(1, -(-passes * per_pass // per_layer)))
 
 
 def fast_div(d: int) -> tuple:
@@ -692,7 +698,8 @@ def _convert_launch(src_bytes, src_sides, dst_bytes, dst_sides, rect: Rect, shap
     # items: a span of g tokens (one block on a pool side, one wire tile on a wire side) by every head of lm layers;
     # a warp's teams keep KV_ROWS rows each in flight (the teams are the fewest lanes of any component)
     tuning = convert_tuning()
-    lm = layers_per_item(rect.n_layers, rect.n_heads * g, 32 // min(sh.lanes for sh in shapes) * tuning.rows)
+    lm = layers_per_item(rect.n_layers, rect.n_heads * g, 32 // min(sh.lanes for sh in shapes) * tuning.rows,
+                         CONVERT_LAYER_PASSES if g == 1 else None)
     nlg = -(-rect.n_layers // lm)
     items = ((rect.t1 - 1) // g - rect.t0 // g + 1) * nlg
     if items > _INT_MAX or lm * rect.n_heads * g > _INT_MAX // 2:
