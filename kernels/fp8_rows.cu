@@ -243,6 +243,20 @@ __device__ __forceinline__ void store_codes(unsigned char* p, const unsigned (&c
 // the fast form's range: amax 0 (s = 1) or in [2^-100, 2^127] (s in [2^-109, 2^119])
 __device__ __forceinline__ bool fast_range(float a) { return a == 0.0f || (a >= 0x1p-100f && a <= 0x1p127f); }
 
+// Where item ``item`` lies: its layers (ml from layer l) and its span's tokens [klo, khi), rows = its rows, and both
+// sides' bases and strides from CSIDE_ITEM (the register form's loop and the ring's producer).
+#define ITEM_PLACE(item)                                     \
+  do {                                                       \
+    const int qq_ = FDIV(item, nlgM, nlgL);                  \
+    const int l_ = ((item) - qq_ * nlg) * lm, ss_ = (qq_ + s0) * g; \
+    ml = nl - l_ < lm ? nl - l_ : lm;                        \
+    rows = ml * hg;                                          \
+    klo = t0 - ss_ > 0 ? t0 - ss_ : 0;                       \
+    khi = t1 - ss_ < g ? t1 - ss_ : g;                       \
+    CSIDE_ITEM(s_, ss_, l_, sB, sL, sH, sN);                 \
+    CSIDE_ITEM(d_, ss_, l_, dB, dL, dH, dN);                 \
+  } while (0)
+
 // Where a pass's rows lie on both sides (sp, dp): row r0 + r * teams + team of the item (the warp's teams on
 // neighbouring rows at each r) is layer li, head h, token k of it; 0 where the row is past the item's or its token
 // outside [klo, khi).
@@ -326,13 +340,9 @@ __device__ __forceinline__ void convert_rect(const unsigned char* __restrict__ s
   const int nwarps = (gridDim.x * blockDim.x) >> 5;
 #pragma unroll 1
   for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < items; item += nwarps) {
-    const int qq = FDIV(item, nlgM, nlgL);
-    const int l = (item - qq * nlg) * lm, ss = (qq + s0) * g;
-    const int ml = nl - l < lm ? nl - l : lm, rows = ml * hg;
-    const int klo = t0 - ss > 0 ? t0 - ss : 0, khi = t1 - ss < g ? t1 - ss : g;
+    int ml, rows, klo, khi;
     i64 sB, sL, sH, sN, dB, dL, dH, dN;
-    CSIDE_ITEM(s_, ss, l, sB, sL, sH, sN);
-    CSIDE_ITEM(d_, ss, l, dB, dL, dH, dN);
+    ITEM_PLACE(item);
 #pragma unroll 1
     for (int r0 = 0; r0 < rows; r0 += teams * KV_ROWS) {
       const unsigned char* sp[KV_ROWS];
@@ -446,16 +456,7 @@ __device__ __forceinline__ void convert_rect_ring(const unsigned char* __restric
   i64 sB = 0, sL = 0, sH = 0, sN = 0, dB = 0, dL = 0, dH = 0, dN = 0;
   const unsigned char* sp[KV_ROWS];
   unsigned char* dp[KV_ROWS];
-  auto begin_item = [&]() {
-    const int qq = FDIV(item, nlgM, nlgL);
-    const int l = (item - qq * nlg) * lm, ss = (qq + s0) * g;
-    ml = nl - l < lm ? nl - l : lm;
-    rows = ml * hg;
-    klo = t0 - ss > 0 ? t0 - ss : 0;
-    khi = t1 - ss < g ? t1 - ss : g;
-    CSIDE_ITEM(s_, ss, l, sB, sL, sH, sN);
-    CSIDE_ITEM(d_, ss, l, dB, dL, dH, dN);
-  };
+  auto begin_item = [&]() { ITEM_PLACE(item); };
   auto begin_pass = [&]() { PASS_ROWS(r0); };
   if (item < items) {
     begin_item();
