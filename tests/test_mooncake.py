@@ -261,3 +261,41 @@ GPU = ["device=cuda", "kernels=cuda", "workload.requests=3", "workload.concurren
 def test_mooncake_on_one_gpu_verified(overrides, mode, tmp_path):
     s = _verified(GPU + overrides, mode, tmp_path)
     assert s["kernels"] == "cuda", s
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_a_notice_reaches_its_chunk_whatever_order_the_queue_holds_them_in(data):
+    """Per-chunk notices share one store queue per (ctx rank, gen rank): a chunk asking sees its own notice once it
+    has been pushed, never another's, whatever came before it in the queue; a request's notices nobody asked for
+    go when it is closed."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from kvlab.model.schedule import Chunk
+    from kvlab.transports.mooncake import Mooncake
+
+    m = Mooncake.__new__(Mooncake)  # the control plane alone: no engine, no ranks
+    m.store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    m.heard, m.told, m.tables = {}, set(), {}
+    chunks = [Chunk(r, s, 0, 0, None, 0, 0) for r in (0, 1) for s in range(4)]
+    order = data.draw(st.permutations(chunks), label="pushed")
+    asks = data.draw(st.permutations(chunks), label="asked")
+    pushed = 0
+    for c in asks:
+        more = data.draw(st.integers(0, len(order) - pushed), label="pushed before this ask")
+        for n in order[pushed:pushed + more]:
+            m.store.queue_push(*m._notice("D", n, f"v{n.request}.{n.seq}"))
+        pushed += more
+        got = m._heard("D", c)
+        assert got == (f"v{c.request}.{c.seq}" if c in order[:pushed] else None), (c, pushed)
+        if got is None:  # pushed late: it arrives, and is handed over once
+            m.store.queue_push(*m._notice("D", c, f"v{c.request}.{c.seq}"))
+            order.remove(c)
+            assert m._heard("D", c) == f"v{c.request}.{c.seq}"
+    stray = Chunk(0, 99, 0, 0, None, 0, 0)  # a notice no chunk asks for (a fault's)
+    m.store.queue_push(*m._notice("D", stray, "x"))
+    assert m._heard("D", Chunk(1, 99, 0, 0, None, 0, 0)) is None  # popped and kept meanwhile
+    m.closed(0)
+    assert all(not k.startswith("0.") for got in m.heard.values() for k in got), m.heard
