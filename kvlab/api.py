@@ -40,6 +40,20 @@ def run_transfer(overrides: list[str] | tuple[str, ...] = (), run_dir: str | Pat
     return records.to_dict(summary)
 
 
+def profile_transfer(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """One more run with every rank under cProfile (``KVLAB_PROFILE=1``, kvlab.cli.worker), for a benchmark that
+    looks for per-chunk host costs: rank (``rank0``, ...) -> its 40 functions of most own time."""
+    import os
+    import tempfile
+
+    os.environ["KVLAB_PROFILE"] = "1"
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            run_transfer(overrides, d)
+            return {f.stem.removeprefix("profile_"): f.read_text() for f in sorted(Path(d).glob("profile_rank*.txt"))}
+    finally:
+        del os.environ["KVLAB_PROFILE"]
+
 
 def checked_overrides(field: str, overrides) -> list[str]:
     """``overrides`` as a list of strings; ConfigError for a bare string (a list of its characters) or anything

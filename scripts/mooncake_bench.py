@@ -344,6 +344,8 @@ def main() -> None:
     ap.add_argument("--no-curve", action="store_true", help="the table alone (each run has its in-run reference)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides for every run of the table (for example transfer.slots=8)")
+    ap.add_argument("--profile", action="store_true",
+                    help="each case once more with every rank under cProfile: its ranks' top functions, in the JSON")
     ap.add_argument("--keep", metavar="DIR", help="keep each run's directory (its parts: every chunk's marks) in DIR")
     ap.add_argument("--table", metavar="JSON", help="print the markdown tables of a report, run nothing")
     ap.add_argument("--redo-failed", metavar="JSON", help="run again the cases of a report that failed or did not "
@@ -397,6 +399,11 @@ def main() -> None:
                                    keep)
                 except Exception as e:  # noqa: BLE001 - one failed case is a row, not the end of the table
                     row["error"] = why(e)
+                if args.profile and "error" not in row:
+                    from kvlab.api import profile_transfer
+
+                    row["profiles"] = profile_transfer(common(args.gpu) + over + [f"model={model}",
+                                                                                  f"workload.isl={isl}", *args.set])
                 if name.endswith("gen fp8") and "gbps" in row and report["runs"] and "gbps" in report["runs"][-1]:
                     bf16 = report["runs"][-1]  # its bf16 sibling, the row before
                     row["source_bytes"] = bf16["bytes"]

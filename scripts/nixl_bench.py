@@ -70,19 +70,6 @@ def runs(device: str, with_ipc: bool, slot_mib: list[float], slots: int, thread:
     return out
 
 
-def profiled(overrides: list[str]) -> dict[str, str]:
-    """One more run of a case with every rank under cProfile (KVLAB_PROFILE=1): rank -> its top functions."""
-    from kvlab.api import run_transfer
-
-    os.environ["KVLAB_PROFILE"] = "1"
-    try:
-        with tempfile.TemporaryDirectory() as d:
-            run_transfer(overrides, d)
-            return {f.stem.removeprefix("profile_"): f.read_text() for f in sorted(Path(d).glob("profile_rank*.txt"))}
-    finally:
-        del os.environ["KVLAB_PROFILE"]
-
-
 def commit() -> str | None:
     """The measured code's commit (with "+dirty" when the working tree differs from it)."""
     try:
@@ -165,7 +152,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvlab.api import run_transfer
+    from kvlab.api import profile_transfer, run_transfer
     from kvlab.transports import nixl_agent as nixl
 
     console = Console()
@@ -190,7 +177,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(dict(report, transfers=done), indent=2))  # kept if cut short
     if args.profile:
         # host profiles of every rank, from runs of their own: cProfile slows the host, not the figures above
-        report["profiles"] = {name: profiled(overrides) for name, overrides in runs(
+        report["profiles"] = {name: profile_transfer(overrides) for name, overrides in runs(
             args.device, args.ipc, args.slot_mib, args.slots, args.progress_thread) if args.profile in name}
     # the references, after the runs (a small machine runs one thing at a time), from as many writers as the
     # runs have ctx ranks into one target: one descriptor per writer of the same bytes, and the same bytes
