@@ -56,6 +56,7 @@ flight, after one untimed round.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import deque
@@ -81,6 +82,18 @@ DIRECT_WAVE = 1024  # writes of one chunk in flight at once (_write)
 LAND_POLL_S = 2.5e-4  # gen, CPUs: between two looks for a chunk's notice in the store
 LAND_POLL_GPU_S = 5e-5  # gen, GPUs
 PROBE_S = 0.25  # between two probes of a peer's engine while waiting on it
+
+
+@contextlib.contextmanager
+def packing(stream):
+    """Work queued meanwhile goes on ``stream`` (after everything queued so far on the current one), or stays on the
+    current stream where ``stream`` is None."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
 
 
 @dataclass
@@ -155,6 +168,7 @@ class Mooncake(Transport):
         self.tables: dict[tuple[int, int], dict] = {}  # ctx, direct: (request, gen rank) -> its block tables
         self.probed: dict[int, float] = {}  # peer -> when its engine was last asked whether it is there
         self.spin_s = spin_for(device)
+        self.pack_stream = None  # ctx, GPUs, staged: where the packs run (connect)
         self.land_poll_s = LAND_POLL_GPU_S if getattr(device, "type", device) == "cuda" else LAND_POLL_S
         self.shut = False
         self.per_chunk = False
@@ -202,6 +216,11 @@ class Mooncake(Transport):
         if self.mode == "staged" or (self.sending and ctx.faults.flips):
             self.staging = ChunkStaging(ctx, self.ops)
         self.per_chunk = self.staging is not None and self.staging.per_chunk
+        if self.sending and self.staging is not None and self.device.type == "cuda":
+            # the engine's submit first waits, on the host, for the caller's default stream: on torch's legacy
+            # stream that is every pack queued so far, the later chunks' too. On a stream of their own a chunk's
+            # write waits for nothing but its own pack, which its event gates.
+            self.pack_stream = torch.cuda.Stream(self.device)
         self.wire = mooncake.protocol(self.protocol, self.device.type)
         self.te, self.session = mooncake.engine(self.wire, t.timeout_s)
         pools = ctx.cache.pools
@@ -372,17 +391,19 @@ class Mooncake(Transport):
             buf, staged = None, False
         else:
             buf, staged = self.staging.buffer(i, c)
+        side = self.pack_stream if staged and not self.per_chunk and i not in self.ctx.faults.flips else None
+        with packing(side):
             if staged:
                 self.staging.copy(c, buf, rec)
-        if self.staging is not None:
-            buf, staged = self.staging.flip_outgoing(i, c, buf, staged, rec)
-        w = Write(i, c, rec, buf, staged)
+            if self.staging is not None:
+                buf, staged = self.staging.flip_outgoing(i, c, buf, staged, rec)
+            w = Write(i, c, rec, buf, staged)
+            if self.device.type == "cuda":
+                w.event = torch.cuda.Event()
+                w.event.record()
         if staged and self.per_chunk:
             self._register(buf.data_ptr(), buf.numel())
             w.reg = buf.data_ptr()
-        if self.device.type == "cuda":
-            w.event = torch.cuda.Event()
-            w.event.record()
         self.waiting.append(w)
         self._pump()
         return w
