@@ -34,8 +34,8 @@ them: 0.64 ms per notice measured, against tens of microseconds for a store requ
 through one queue per (ctx rank, gen rank) and kind, ``<request>.<seq> <value>`` each: ``mc/R/<ctx>/<gen>``
 (staged: the gen slot's address and size, once it is free) and ``mc/D/<ctx>/<gen>`` (the ctx rank saw every
 write of the chunk complete: the bytes are in the gen rank's memory). A push is one request to the store
-and a pop one more, with nothing left to delete; a keyed notice took a set, a check, a get and a delete,
-and on one H200 the gen rank's round trips were what bounded the chunks per second. A notice popped for
+and a pop one more, with nothing left to delete, where a keyed notice took a set, a check, a get and a
+delete (on one H200 the staged rate did not move with it: docs/results/mooncake.md). A notice popped for
 another chunk than the one awaited is kept until that chunk asks. ``mc/T/<ctx>/<gen>/<request>`` (direct:
 the gen rank's block tables, once per request) stays a key. The ctx rank ``polls``: the executor sees each
 completion, and the notice goes out, when it happens. Every wait polls with the deadline
@@ -47,7 +47,8 @@ each poll is a round trip to the store's host, on the cores the engine's TCP cop
 copies run on copy engines, every ``LAND_POLL_GPU_S``.
 
 On GPUs nothing blocks the host on the device: a chunk is written once the event recorded after its
-pack (or its layers' writes) has completed (the engine does not follow CUDA streams), and a gen slot is
+pack (or its layers' writes) has completed (the engine does not follow CUDA streams; its submit waits on
+the host for the caller's default stream, so a ctx rank's packs run on a stream of their own), and a gen slot is
 announced again once the event of its last unpack has.
 
 The in-run link reference (``link_reference = "mooncake"``, kvlab.rank.linkrate): raw writes of the run's
