@@ -220,7 +220,6 @@ def ensure_compiled(device: int | None = None, arch: str | None = None, tuning: 
     if arch is None:
         _rect_kernel(index, RECT_TUNING)
         _convert_object(index, convert_tuning())
-        _fp8_kernel(index)
 
 
 def _work_items(tile: int, rows: tuple[int, ...], runs_per_tile: int, ntiles: int, unroll: int) -> int:
@@ -545,11 +544,9 @@ def _sm_count(index: int) -> int:
 
 @lru_cache(maxsize=8)
 def _fp8_kernel(index: int):
-    from cuda.core import Device, ObjectCode
-
-    Device(index).set_current()
-    obj = ObjectCode.from_cubin(compile_for_arch(device_arch(index), DEFAULT_TUNING, source=FP8_ROWS_SOURCE),
-                                name="fp8_rows")
+    """``kv_quantize_rows`` from the converting copy's object: its code uses none of that object's constants (the
+    sm_90 SASS is the same as from a compile of its own), and kernels/fp8_rows.cu is compiled once."""
+    obj = _convert_object(index, convert_tuning())
     return obj.get_kernel("kv_quantize_rows"), obj
 
 
