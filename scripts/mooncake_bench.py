@@ -104,18 +104,11 @@ def _raw_rank(rank: int, port: int, sizes: list[int] | str, window: int, device:
         n = max(4, min(512, (256 * MiB) // size))
         submits: list[float] = []
 
-        def complete(bid: int, size: int = size) -> None:
-            while (s := te.transfer_check_status(bid)) == 0:
-                if pause:
-                    time.sleep(pause)
-            if s != 1:
-                raise RuntimeError(f"a write of {size} B failed ({s})")
-
         def writes(count: int, size: int = size, submits: list = submits) -> None:
             inflight = []
             for _ in range(count):
                 if len(inflight) >= window:
-                    complete(inflight.pop(0), size)
+                    _complete(te, inflight.pop(0), pause, f"a write of {size} B")
                 t = time.perf_counter()
                 bid = te.transfer_submit_write(peer, buf.data_ptr(), addr, size)
                 submits.append(time.perf_counter() - t)
@@ -123,7 +116,7 @@ def _raw_rank(rank: int, port: int, sizes: list[int] | str, window: int, device:
                     raise RuntimeError(f"the engine refused a write of {size} B")
                 inflight.append(bid)
             for bid in inflight:
-                complete(bid, size)
+                _complete(te, bid, pause, f"a write of {size} B")
 
         writes(window)  # connection and pages warm, not timed
         times = []
@@ -135,8 +128,7 @@ def _raw_rank(rank: int, port: int, sizes: list[int] | str, window: int, device:
         store.set(f"done{size}", "1")
         store.wait([f"checked{size}"])
         mid = sorted(times)[1]  # the median of three
-        # how long the submit call itself holds the caller: a transport that copies inside it (nvlink_intra's
-        # cudaMemcpy) returns only once the write is done, whatever the window
+        # how long the submit call itself holds the caller (nvlink_intra's waits there for the caller's stream)
         rows.append({"bytes": size, "writes": n, "window": window, "seconds": mid, "gbps": n * size / mid / 1e9,
                      "submit_us": 1e6 * sorted(submits)[len(submits) // 2],
                      "gbps_range": [n * size / max(times) / 1e9, n * size / min(times) / 1e9],
@@ -147,6 +139,16 @@ def _raw_rank(rank: int, port: int, sizes: list[int] | str, window: int, device:
         store.set("bye", "1")
     else:  # the store's host leaves last
         store.wait(["bye"])
+
+
+def _complete(te, bid: int, pause: float, what: str) -> None:
+    """Until the engine says write ``bid`` is done, ``pause`` s between looks (0: spinning); RuntimeError naming
+    ``what`` if it failed."""
+    while (s := te.transfer_check_status(bid)) == 0:
+        if pause:
+            time.sleep(pause)
+    if s != 1:
+        raise RuntimeError(f"{what} failed ({s})")
 
 
 RUN_BYTES, RUNS = 32 * 1024, 512  # Llama-3.1-8B's run in transport.mode=direct: one block of one layer's K or V
@@ -180,11 +182,7 @@ def _scattered_runs(form, rank, store, te, peer, buf, addr, expect, pause) -> li
         else:
             ids = [te.batch_transfer_async_write(peer, src, dst, [RUN_BYTES] * RUNS)]
         for bid in ids if form != FORMS[2] else []:
-            while (st := te.transfer_check_status(bid)) == 0:
-                if pause:
-                    time.sleep(pause)
-            if st != 1:
-                raise RuntimeError(f"scattered runs, {form}: a write failed ({st})")
+            _complete(te, bid, pause, f"scattered runs, {form}: a write")
         first.append(time.perf_counter() - t0)
         if form != "per run":  # every entry done (this call blocks until they are)
             after = te.get_batch_transfer_status(ids)

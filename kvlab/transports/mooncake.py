@@ -124,7 +124,7 @@ class Landing:
     staged: bool
     posted: object
     reg: int = 0  # a per-chunk buffer's registered address (naive)
-    notice: tuple | None = None  # (queued, key, value) to publish, queued or set; None: nothing to announce
+    notice: tuple | None = None  # (store call, key, value) to publish: a queue push or a set; None: nothing
     after: object = None  # GPUs: the event of the slot's last unpack, announced once it has completed
 
 
@@ -370,7 +370,8 @@ class Mooncake(Transport):
                     self.told.add((c.request, c.src))
                     n = self.ctx.faults.notice(i, c)
                     if n is not None:
-                        h.notice = (False, f"mc/T/{c.src}/{c.dst}/{n.request}", block_tables(self.ctx, c.request))
+                        h.notice = (self.store.set, f"mc/T/{c.src}/{c.dst}/{n.request}",
+                                    block_tables(self.ctx, c.request))
             else:
                 buf, staged = self.staging.buffer(i, c)
                 h = Landing(i, c, buf, staged, clock.mark())
@@ -383,7 +384,7 @@ class Mooncake(Transport):
                     h.after = self.after_unpack.pop(i % self.window, None)  # the slot is free once that has run
                 n = self.ctx.faults.notice(i, c)
                 if n is not None:
-                    h.notice = (True, *self._notice("R", n, f"{buf.data_ptr()} {buf.numel()}"))
+                    h.notice = (self.store.queue_push, *self._notice("R", n, f"{buf.data_ptr()} {buf.numel()}"))
             self.unannounced.append(h)
             self._announce()
             return h
@@ -416,8 +417,7 @@ class Mooncake(Transport):
             h = self.unannounced.popleft()
             h.after = None
             if h.notice:
-                queued, key, value = h.notice
-                self._ask(h.chunk, self.store.queue_push if queued else self.store.set, key, value)
+                self._ask(h.chunk, *h.notice)
 
     def _pump(self) -> None:
         """Write every packed chunk whose room on the gen rank has been announced."""
