@@ -5,6 +5,7 @@ errors under ``-m``, run directories that cannot be written). Through the real `
 process group: the exit code, exactly one line on stderr, no traceback, no process left behind."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -810,6 +811,51 @@ def test_a_signal_lost_inside_a_library_still_ends_the_block(lost, capsys):
     assert e.value.code == 130
     assert capsys.readouterr().err == "kvlab: interrupted by SIGINT before any rank started\n"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # and the handlers are put back
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["in another block", "alone"])
+@pytest.mark.parametrize("where", ["entering __exit__", "inside __exit__"])
+def test_a_signal_as_the_block_is_left_is_still_its_one_line(where, nested, capsys, monkeypatch):
+    """A signal whose handler runs at ``__exit__``'s first instruction raises before ``__exit__`` can take it,
+    out of the ``with`` statement (CI saw it once in kvlab sim: a traceback, the line, then "Exception ignored
+    in: <generator object as_exit>"); ``outermost`` makes it the block's one line and exit code."""
+    from kvlab.core import interrupt
+
+    handlers = {s: signal.getsignal(s) for s in interrupt.SIGNALS}
+    leave = interrupt.as_exit.__exit__
+
+    left = []
+
+    def late(self, *ended):  # the inner block's end; the outer's is the real one
+        left.append(self)
+        if len(left) > 1:
+            return leave(self, *ended)
+        if where == "entering __exit__":
+            signal.raise_signal(signal.SIGINT)  # its handler runs before the real __exit__ is called
+            return leave(self, *ended)
+        try:
+            return leave(self, *ended)
+        finally:
+            signal.raise_signal(signal.SIGINT)  # after the handlers were put back: the outer block's
+
+    monkeypatch.setattr(interrupt.as_exit, "__exit__", late)
+
+    def command():
+        with interrupt.as_exit("before any rank started") if nested else contextlib.nullcontext():
+            with interrupt.as_exit("as the simulation ended"):
+                pass
+
+    try:
+        with pytest.raises(SystemExit) as e:
+            interrupt.outermost(command)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert e.value.code == 130
+    # the block the signal came in; after the last block was left, a Ctrl-C is the bare line
+    said = (" as the simulation ended" if where == "entering __exit__" else
+            " before any rank started" if nested else "")
+    assert capsys.readouterr().err == f"kvlab: interrupted by SIGINT{said}\n"
 
 
 @pytest.mark.slow

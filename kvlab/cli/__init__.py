@@ -11,9 +11,10 @@ def main(argv: list[str] | None = None) -> None:
     guard()  # a closed or full stdout does not fail a run (kvlab.core.streams)
     from kvlab.cli.commands import main as commands_main
 
-    if argv is None:  # the process's own command line: the process ends with it
-        from kvlab.core.interrupt import ends_with_command
+    if argv is None:  # the process's own command line: the process ends with it, and a signal is its one line
+        from kvlab.core.interrupt import ends_with_command, outermost
 
         ends_with_command()
-
-    commands_main(argv)
+        outermost(lambda: commands_main(argv))
+    else:
+        commands_main(argv)

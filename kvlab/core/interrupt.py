@@ -52,8 +52,24 @@ def ends_with_command() -> None:
     _process_ends[0] = True
 
 
-@contextlib.contextmanager
-def as_exit(what: str | Callable[[], str] = "", last: bool = False):
+def _raise_it(signum, frame):
+    for s in SIGNALS:
+        signal.signal(s, ignore)  # one is enough
+    _pending.append(signum)
+    _taken_in[:] = _open[-1:] or [""]
+    raise Interrupted(signum)
+
+
+def _say(signum: int, what: str | Callable[[], str]) -> None:
+    said = what() if callable(what) else what
+    print(f"kvlab: interrupted by {name(signum)}{' ' + said if said else ''}", file=sys.stderr)
+
+
+_open: list[str | Callable[[], str]] = []  # the ``what`` of each as_exit block entered and not yet left
+_taken_in: list[str | Callable[[], str]] = []  # the ``what`` of the innermost open block when the signal came
+
+
+class as_exit:
     """Within the block, SIGINT/SIGTERM end the process with one line and exit code 128 + signal.
 
     ``what`` says what was kept, and where, at the moment of the signal (a callable is asked then).
@@ -62,34 +78,72 @@ def as_exit(what: str | Callable[[], str] = "", last: bool = False):
     loaded): a signal that came is remembered, and the block ends as interrupted however it ends,
     at the latest at ``check_pending`` (the launcher's, before any rank starts) or at its own end.
 
+    A class and not a generator: a signal whose handler runs at the first instruction of ``__exit__`` raises
+    before ``__exit__`` can take it, out of the ``with`` statement. A generator's block then stayed suspended,
+    and closing it at teardown printed the line after the traceback and an "Exception ignored" one. Such an
+    ``Interrupted`` reaches ``outermost``, which says this block's line.
+
     ``last``: the command's last step. Once it has ended, however it ended, a signal can change nothing the
     command wrote, and in a process that ends with the command the signals are then ignored: Python's
     teardown (a quarter of a second with torch loaded) puts their default action back, and a Ctrl-C there
     ended a command that had done its work with exit 130 and not a word (or a KeyboardInterrupt traceback
     from releasing the run directory)."""
-    def raise_it(signum, frame):
-        for s in SIGNALS:
-            signal.signal(s, ignore)  # one is enough
-        _pending.append(signum)
-        raise Interrupted(signum)
 
-    _pending.clear()
-    previous = {s: signal.signal(s, raise_it) for s in SIGNALS}
+    def __init__(self, what: str | Callable[[], str] = "", last: bool = False):
+        self.what = what
+        self.last = last
+        self.previous: dict = {}
+        self.depth = 0
+
+    def __enter__(self) -> as_exit:
+        _pending.clear()
+        _taken_in.clear()
+        self.depth = len(_open)
+        _open.append(self.what)
+        self.previous = {s: signal.signal(s, _raise_it) for s in SIGNALS}
+        return self
+
+    def __exit__(self, typ, value, tb) -> bool:
+        said = False
+        try:
+            signum = _signal_of(value)
+            if signum is None:
+                return False  # no signal: whatever ended the block goes on as it was
+            _say(signum, _taken_in[0] if _taken_in else self.what)
+            said = True
+            raise SystemExit(128 + signum) from None
+        finally:
+            _pending.clear()
+            if said:
+                _taken_in.clear()
+            settled = self.last and _process_ends[0]
+            for s, h in self.previous.items():
+                signal.signal(s, signal.SIG_IGN if settled else h)
+            del _open[self.depth:]
+
+
+def _signal_of(ended: BaseException | None) -> int | None:
+    """The signal that ended a block: the one its handler took (what it raised may have been swallowed or
+    turned into another error), or one that escaped an inner block's end, or a Ctrl-C as KeyboardInterrupt."""
+    if _pending:
+        return _pending[0]
+    if isinstance(ended, Interrupted):
+        return ended.signum
+    return signal.SIGINT if isinstance(ended, KeyboardInterrupt) else None
+
+
+def outermost(command: Callable[[], object]) -> object:
+    """Run the process's own command: an ``Interrupted`` that escaped an ``as_exit`` block as it was being left
+    is that block's one line and exit code, and a Ctrl-C outside every block is one line, not a traceback."""
     try:
-        yield
-        check_pending()
-    except BaseException as e:
-        if not (_pending or isinstance(e, KeyboardInterrupt)):
-            raise
-        signum = _pending[0] if _pending else signal.SIGINT
-        said = what() if callable(what) else what
-        print(f"kvlab: interrupted by {name(signum)}{' ' + said if said else ''}", file=sys.stderr)
+        return command()
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = _signal_of(e)
+        _say(signum, _taken_in[0] if _taken_in else "")
         raise SystemExit(128 + signum) from None
     finally:
-        _pending.clear()
-        settled = last and _process_ends[0]
-        for s, h in previous.items():
-            signal.signal(s, signal.SIG_IGN if settled else h)
+        _open.clear()
+        _taken_in.clear()
 
 
 def check_pending() -> None:
