@@ -176,5 +176,22 @@ def test_copy_rect_refuses_pools_of_two_kinds():
                       torch.zeros(pb.pool_bytes(2), dtype=torch.uint8), pb, 2, ids, 0, rect)
 
 
+def test_auto_kernels_that_fail_to_compile_say_so_before_torch_copies(monkeypatch, capsys):
+    """kernels=auto on a GPU falls back to torch's copies when a kernel source fails to compile: the run's figures
+    are then torch's, so the fallback is one line that says why, not only ``kernels: torch`` in the records."""
+    cuda_ops = pytest.importorskip("kvlab.memory.ops.cuda")
+
+    def broken():
+        raise RuntimeError("kernels/fp8_rows.cu(12): error: identifier \"KV_RING\" is undefined\n1 error detected")
+
+    monkeypatch.setattr(cuda_ops, "ensure_compiled", broken)
+    assert get_ops("auto", "cuda").name == "torch"
+    assert capsys.readouterr().err == (
+        "kvlab: kernels=auto: the CUDA kernels are unavailable here (kernels/fp8_rows.cu(12): error: identifier "
+        "\"KV_RING\" is undefined); this process copies with torch, kernels=cuda would stop instead\n")
+    with pytest.raises(RuntimeError, match="kernels=cuda: the CUDA kernels are unavailable here"):
+        get_ops("cuda", "cuda")
+
+
 def test_get_ops_copies_rectangles_on_the_row_path_for_cpu_tensors():
     assert get_ops("auto", "cpu").copy_rect is cpu.copy_rect

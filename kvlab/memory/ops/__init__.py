@@ -4,7 +4,8 @@ Three implementations with one signature: ``reference`` (torch indexing; any dev
 definition of correct), ``cpu`` (gathers and scatters of whole rows, near ``copy_`` speed) and
 ``cuda`` (NVRTC kernels from ``kernels/``). ``get_ops`` picks one: ``kernels=torch`` always
 the reference, ``cuda`` the kernels (error without a GPU), ``auto`` the kernels for CUDA
-tensors when they compile (else the reference) and the row path for CPU tensors.
+tensors when they compile (else the reference, with one line on stderr that says why: the run's figures are
+then torch's copies, ``kernels: torch`` in its records) and the row path for CPU tensors.
 
 Signature of all three::
 
@@ -30,6 +31,7 @@ in torch on the buffers' device.
 """
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 from kvlab.core.errors import install_hint
@@ -39,16 +41,19 @@ from kvlab.memory.ops import cpu, reference
 def get_ops(kernels: str = "auto", device: str = "cpu"):
     if kernels == "auto" and device != "cuda":
         return SimpleNamespace(name="cpu", pack=cpu.pack, unpack=cpu.unpack, copy_rect=cpu.copy_rect)
+    torch_ops = SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
+                                copy_rect=reference.copy_rect)
     if kernels == "torch":
-        return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
-                               copy_rect=reference.copy_rect)
+        return torch_ops
     try:
         from kvlab.memory.ops import cuda as cuda_ops
         cuda_ops.ensure_compiled()
     except Exception as e:
+        why = install_hint("gpu", "NVRTC (cuda-core)") if isinstance(e, ImportError) else str(e)
         if kernels == "cuda":
-            why = install_hint("gpu", "NVRTC (cuda-core)") if isinstance(e, ImportError) else str(e)
             raise RuntimeError(f"kernels=cuda: the CUDA kernels are unavailable here ({why}); use kernels=torch") from e
-        return SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
-                               copy_rect=reference.copy_rect)
+        first = why.splitlines()[0] if why else repr(e)  # a compiler's log is many lines: its first says what
+        print(f"kvlab: kernels=auto: the CUDA kernels are unavailable here ({first}); "
+              "this process copies with torch, kernels=cuda would stop instead", file=sys.stderr)
+        return torch_ops
     return SimpleNamespace(name="cuda", pack=cuda_ops.pack, unpack=cuda_ops.unpack, copy_rect=cuda_ops.copy_rect)
