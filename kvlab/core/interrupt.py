@@ -1,7 +1,8 @@
 """Ctrl-C and SIGTERM as a way to end a run, not a crash: one line on stderr, exit code 128 + signal.
 
 The ``kvlab`` parent turns either signal into ``Interrupted`` while it composes and checks
-(nothing to clean up yet); while ranks run, the launcher (kvlab.cli.launch) takes the signals
+(nothing to clean up yet), in ``as_exit`` blocks under one ``outermost`` (a signal that slips out of a block
+as it is left is still its line); while ranks run, the launcher (kvlab.cli.launch) takes the signals
 over, stops the ranks and merges what they wrote. A rank turns its first signal into
 ``kvlab.rank.executor.Stopped`` (kvlab.rank.runner) and ignores later ones, so that writing its part
 file is not cut short; before it has set that up, a signal just ends it (``quiet_until_ready``).
