@@ -8,6 +8,10 @@
 #   a layer per work item and with layers grouped), into rect_bench_h200.json
 # --fp8: also scripts/rect_bench.py on the gen fp8 cases alone (the converting copy), over rows in flight and cp.async
 #   ring slots (KVLAB_FP8_SWEEP="--convert-rows 4 2 --convert-ring 0 4 6" by default), into rect_bench_fp8_h200.json
+# --ceilings: also scripts/rect_bench.py --ceilings over the engine pairs on both kernels and gen fp8: each pair beside
+#   what scattered pieces of 256 B-32 KiB give (no layout: the memory's own ceiling), into rect_bench_ceilings_h200.json
+# --gemma: also scripts/ipc_bench.py --gemma (Gemma-3-27B ctx TP2 -> gen TP1 layer_major tpb 64, 32k, 6 requests, 3 runs),
+#   into gemma_h200.json
 # --engines: also scripts/ipc_bench.py --engines (vLLM NHD ctx -> TensorRT-LLM gen, bf16 and gen fp8), into engines_h200.json
 # --caches: this year's caches on the GPU (hybrid state, context parallelism, prefill=model): check=decode of each,
 #   then Qwen3-Next TP2 -> TP1 and Llama CP2 -> DCP2 at 32k over ipc beside the in-run copy_, into caches_h200.json
@@ -23,9 +27,9 @@
 # and, for the nixl tests and scripts/nixl_bench.py, NIXL's wheel for the GPU machine's Python (without it they skip):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
-serving=0; mooncake=0; decode=0; engines=0; kernels=0; fp8=0; caches=0; mprefill=0; rest=()
+serving=0; mooncake=0; decode=0; engines=0; kernels=0; fp8=0; caches=0; mprefill=0; ceilings=0; gemma=0; rest=()
 for a in "$@"; do
-  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --fp8) fp8=1;; --caches) caches=1;; --model-prefill) mprefill=1;; *) rest+=("$a");; esac
+  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --fp8) fp8=1;; --caches) caches=1;; --model-prefill) mprefill=1;; --ceilings) ceilings=1;; --gemma) gemma=1;; *) rest+=("$a");; esac
 done
 set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
@@ -72,6 +76,12 @@ true
 true
 [ $fp8 = 1 ] && timeout 420 python3 scripts/rect_bench.py --out "$out/rect_bench_fp8_h200.json" --paths --fp8-pairs 3 \
   --repeats 3 ${KVLAB_FP8_SWEEP:---convert-rows 4 2 --convert-ring 0 4 6} 2>&1 | tee "$out/rect_bench_fp8.log" | grep "^|"
+true
+[ $ceilings = 1 ] && timeout 420 python3 scripts/rect_bench.py --out "$out/rect_bench_ceilings_h200.json" --ceilings \
+  --pairs engines --fp8-pairs 3 --repeats 3 2>&1 | tee "$out/rect_bench_ceilings.log" | grep "^|"
+true
+[ $gemma = 1 ] && timeout 400 python3 scripts/ipc_bench.py --gemma --no-handoff --requests 6 --repeats 3 \
+  --out "$out/gemma_h200.json" 2>&1 | tee "$out/gemma.log" | tail -6
 true
 [ $engines = 1 ] && timeout 500 python3 scripts/ipc_bench.py --engines --no-handoff --requests 6 --repeats 3 --out "$out/engines_h200.json" \
   2>&1 | tee "$out/engines.log" | tail -12

@@ -18,6 +18,7 @@ streams on this GPU, which every one-GPU request pays.
     python scripts/ipc_bench.py --out ipc.json            # every case
     python scripts/ipc_bench.py --out ipc.json --quick    # Llama-3.1-8B 32k only
     python scripts/ipc_bench.py --out engines.json --engines   # the engines' layouts and the KV dtype instead
+    python scripts/ipc_bench.py --out gemma.json --gemma       # Gemma-3-27B ctx TP2 -> gen TP1 layer_major tpb 64, 32k
 
 ``--engines``: Llama-3.1-8B and DeepSeek-V3.2 at 32k, TP1 -> TP1, vLLM's NHD cache (``vllm_lbnhc``) on the ctx
 side into TensorRT-LLM's (``trtllm``) on the gen side, against ``copy_`` of the same bytes; then the same with
@@ -54,6 +55,11 @@ ENGINE_MODELS = [("llama3_8b", 32768), ("deepseek_v32", 32768)]
 ENGINE_SIDES = [("vllm_lbnhc -> trtllm", ["ctx.tp=1", "gen.tp=1", "ctx.layout=vllm_lbnhc", "gen.layout=trtllm"]),
                 ("vllm_lbnhc -> trtllm, gen fp8", ["ctx.tp=1", "gen.tp=1", "ctx.layout=vllm_lbnhc",
                                                    "gen.layout=trtllm", "gen.kv_dtype=fp8"])]
+# the issue's Gemma-3 case: ctx TP2 -> gen TP1 into layer_major blocks of 64 tokens, whose runs are one block of one
+# head (4 KiB)
+GEMMA_MODELS = [("gemma3_27b", 32768)]
+GEMMA_SIDES = [("TP2 -> TP1, gen layer_major tpb 64", ["ctx.tp=2", "gen.tp=1", "gen.layout=layer_major",
+                                                       "gen.tokens_per_block=64"])]
 # ipc's chunks are not cut by size unless transfer.slot_mib is given: the default gives it its largest chunks
 COMMON = ["transport=ipc", "device=cuda", "kernels=cuda", "logger=quiet",
           "transfer=chunked", "transfer.timeout_s=120"]
@@ -229,17 +235,23 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel-against-copy-engine comparison")
     ap.add_argument("--no-handoff", action="store_true", help="skip scripts/ipc_handoff.py")
     ap.add_argument("--engines", action="store_true", help="the engines' layouts and gen fp8 (the docstring)")
+    ap.add_argument("--gemma", action="store_true", help="Gemma-3-27B's 4 KiB runs instead (the docstring)")
+    ap.add_argument("--models", nargs="*", help="only these models of the set (e.g. llama3_8b)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per case: the ratio's median and range over them, each run's requests after its first")
     a = ap.parse_args()
-    models = ENGINE_MODELS if a.engines else MODELS[:1] if a.quick else MODELS
-    sides = ENGINE_SIDES if a.engines else SIDES
+    if a.engines and a.gemma:
+        ap.error("--engines and --gemma are two sets of cases: give one")
+    models = ENGINE_MODELS if a.engines else GEMMA_MODELS if a.gemma else MODELS[:1] if a.quick else MODELS
+    models = [m for m in models if not a.models or m[0] in a.models]
+    sides = ENGINE_SIDES if a.engines else GEMMA_SIDES if a.gemma else SIDES
     env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpus": torch.cuda.device_count()}
     import cuda.bindings
     env["cuda_bindings"] = cuda.bindings.__version__
     print(json.dumps(env))
-    out = {"env": env, "kernel_vs_engine": None if a.no_kernels or a.engines else kernel_vs_engine(), "runs": []}
+    reshard = not (a.no_kernels or a.engines or a.gemma)
+    out = {"env": env, "kernel_vs_engine": kernel_vs_engine() if reshard else None, "runs": []}
     print(json.dumps(out["kernel_vs_engine"]))
     torch.cuda.empty_cache()
     from kvlab.results.records import to_dict
@@ -279,7 +291,7 @@ def main() -> None:
             out["runs"].append(r)
             print(json.dumps(r), flush=True)
             a.out.write_text(json.dumps(out, indent=1))
-    if a.engines:
+    if a.engines or a.gemma:  # the steady ratio over repeats
         print("| model | tokens | sides | GiB delivered | GiB of source | GB/s of the source bytes | copy_ GB/s "
               "| ratio | against bf16 | steady ratio, median (range) | verified |")
         print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")

@@ -8,6 +8,11 @@
   by events around the call, so the host's marshalling of the descriptors counts where it is the longer part
   (a CUDA graph cannot hold the batch: its capture is refused); ``host_ms`` is the call's own time on the host.
   Verified against the reference pack.
+- ``scattered pieces`` (scripts/rect_bench.py ``--ceilings``): the bytes of a request cut into pieces of one size,
+  each piece moved whole from a random place on one side to a random place on the other (or to the same place,
+  where that side is contiguous): the plainest copy with a paged cache's access pattern, no block table and no
+  layout. What the memory gives for pieces of that size, the ceiling of a layout pair whose contiguous pieces are
+  that long, where ``copy_`` is the ceiling for one contiguous buffer.
 """
 from __future__ import annotations
 
@@ -52,6 +57,55 @@ def launch_linear(kernel, src: torch.Tensor, dst: torch.Tensor, ctas: int, threa
     stream = Stream.from_handle(torch.cuda.current_stream(src.device).cuda_stream)
     launch(stream, LaunchConfig(grid=ctas, block=threads), kernel, src.data_ptr(), dst.data_ptr(),
            np.int64(src.numel() // 16))
+
+
+PIECES_SRC = r"""
+// blockDim.x lanes over a piece's m vectors, blockDim.y pieces side by side, UNROLL pieces in flight per thread:
+// piece p goes from s + ps[p] * m to d + pd[p] * m (16-byte vectors), no division per vector
+extern "C" __global__ void piece_copy(const uint4* __restrict__ s, uint4* __restrict__ d, const int* __restrict__ ps,
+                                      const int* __restrict__ pd, int n, int m) {
+    const int per = blockDim.y * UNROLL;
+    for (int p0 = blockIdx.x * per; p0 < n; p0 += gridDim.x * per) {
+        for (int x = threadIdx.x; x < m; x += blockDim.x) {
+            uint4 r[UNROLL];
+#pragma unroll
+            for (int k = 0; k < UNROLL; ++k) {
+                const int p = p0 + threadIdx.y + k * blockDim.y;
+                if (p < n) r[k] = s[(long long)ps[p] * m + x];
+            }
+#pragma unroll
+            for (int k = 0; k < UNROLL; ++k) {
+                const int p = p0 + threadIdx.y + k * blockDim.y;
+                if (p < n) d[(long long)pd[p] * m + x] = r[k];
+            }
+        }
+    }
+}
+"""
+
+
+def piece_copy(arch: str, unroll: int = 8):
+    """The scattered-pieces kernel compiled for ``arch`` with ``unroll`` pieces in flight per thread."""
+    from cuda.core import Program, ProgramOptions
+
+    opts = ProgramOptions(arch=arch, std="c++17", name="piece_copy", define_macro=[("UNROLL", str(unroll))])
+    return Program(PIECES_SRC, "c++", options=opts).compile("cubin").get_kernel("piece_copy")
+
+
+def launch_pieces(kernel, src: torch.Tensor, dst: torch.Tensor, ps: torch.Tensor, pd: torch.Tensor,
+                  piece: int) -> None:
+    """``dst``'s piece ``pd[i]`` = ``src``'s piece ``ps[i]`` for every i, pieces of ``piece`` bytes (a multiple of
+    16), on 1,024 threads per SM as kvlab's copy kernels are."""
+    import numpy as np
+    from cuda.core import LaunchConfig, Stream, launch
+
+    m = piece // 16
+    bx = min(m, 128)
+    by = max(1, 256 // bx)
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
+    stream = Stream.from_handle(torch.cuda.current_stream(src.device).cuda_stream)
+    launch(stream, LaunchConfig(grid=sms * max(1, 1024 // (bx * by)), block=(bx, by)), kernel, src.data_ptr(),
+           dst.data_ptr(), ps.data_ptr(), pd.data_ptr(), np.int32(ps.numel()), np.int32(m))
 
 
 class CopyEngines:

@@ -16,6 +16,12 @@ bytes, as scripts/ipc_bench.py does. Every case is checked against the torch ref
         [--convert-rows 4 8]  (gen fp8 cases: rows in flight per lane team, cuda.CONVERT_ROWS)
         [--convert-ring 0 4]  (gen fp8 cases: cp.async slots per warp, 0 for loads in registers, cuda.CONVERT_RING)
         [--convert-ctas 2]    (gen fp8 cases: CTAs per SM the registers are bounded for, cuda.CONVERT_MIN_CTAS)
+        [--ceilings]          (first: the same bytes as scattered pieces of one size, scripts/kernel_ceilings.py)
+
+``--ceilings`` times, before the pairs, what the memory gives for a paged cache's access pattern with no layout at
+all: Llama-3.1-8B's 32k bytes cut into pieces of 256 B to 32 KiB, each moved whole to or from a random place (on
+both sides, or on one), against ``copy_`` of the same bytes. A pair whose contiguous pieces are that long cannot
+beat that row; where the row itself is short of 0.9 of ``copy_``, so is every kernel's.
 """
 from __future__ import annotations
 
@@ -120,6 +126,46 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
     return r
 
 
+PIECES = (256, 1152, 4096, 8192, 32768)
+SCATTERED = ("both", "dst", "src")  # where the pieces lie at random places; elsewhere back to back
+
+
+def ceilings(nbytes: int, iters: int, repeats: int) -> list[dict]:
+    """The scattered-pieces copy (scripts/kernel_ceilings.py) of ``nbytes`` per piece size and side, each against
+    ``copy_`` of the same bytes, interleaved; a sample of pieces checked against torch's gather."""
+    import kernel_ceilings as kc
+
+    kernel = kc.piece_copy(cuda_ops.device_arch(0))
+    a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    out = []
+    for piece in PIECES:
+        n = nbytes // piece
+        g = torch.Generator(device="cuda").manual_seed(piece)
+        line = torch.arange(n, dtype=torch.int32, device="cuda")
+        for where in SCATTERED:
+            ps = torch.randperm(n, generator=g, device="cuda", dtype=torch.int32) if where != "dst" else line
+            pd = torch.randperm(n, generator=g, device="cuda", dtype=torch.int32) if where != "src" else line
+            src, dst = a[:n * piece], b[:n * piece]  # copy_ moves the same bytes
+            dst.zero_()
+            kc.launch_pieces(kernel, src, dst, ps, pd, piece)
+            pick = torch.randint(0, n, (4096,), device="cuda")
+            ok = bool(torch.equal(dst.view(n, piece)[pd[pick].long()], src.view(n, piece)[ps[pick].long()]))
+            times = time_pair(lambda s=src, d=dst, ps=ps, pd=pd, n=piece: kc.launch_pieces(kernel, s, d, ps, pd, n),
+                              lambda s=src, d=dst: d.copy_(s), iters, repeats)
+            ratios = sorted(c / k for k, c in times)
+            kms = sorted(k for k, _ in times)
+            r = {"ceiling": "scattered pieces", "piece": piece, "scattered": where, "bytes": n * piece,
+                 "gbps": n * piece / kms[len(kms) // 2] / 1e6, "ratio": ratios[len(ratios) // 2],
+                 "ratio_min": ratios[0], "ratio_max": ratios[-1], "verified": ok, "repeats": times}
+            print(json.dumps({k: v for k, v in r.items() if k != "repeats"}), flush=True)
+            out.append(r)
+            del ps, pd, src, dst
+    del a, b
+    torch.cuda.empty_cache()
+    return out
+
+
 def variant(r: dict) -> str:
     return f" ({r['convert_rows']}, ring {r['convert_ring']}, {r['convert_ctas']}/SM)" if r["gen_fp8"] else ""
 
@@ -154,11 +200,16 @@ def main() -> None:
                     help="kvlab.memory.ops.cuda.CONVERT_RING values (0: loads in registers) for each gen fp8 case")
     ap.add_argument("--convert-ctas", type=int, nargs="+", default=[cuda_ops.CONVERT_MIN_CTAS],
                     help="kvlab.memory.ops.cuda.CONVERT_MIN_CTAS values for each gen fp8 case")
+    ap.add_argument("--ceilings", action="store_true", help="first, the scattered-pieces ceilings (the docstring)")
     a = ap.parse_args()
     env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
     out = {"env": env, "runs": []}
     print(json.dumps(env), flush=True)
+    if a.ceilings:
+        _, layers, heads, elems = MODELS["llama3_8b"]
+        out["ceilings"] = ceilings(a.tokens * layers * heads * 2 * sum(elems), a.iters, a.repeats)
+        a.out.write_text(json.dumps(out, indent=1))
     for model in a.models:
         pairs = pairs_for(model, a.pairs)
         todo = [(p, False, path) for p in pairs for path in a.paths] + [(p, True, None) for p in pairs[:a.fp8_pairs]]
@@ -195,6 +246,12 @@ def main() -> None:
               f"{'yes' if r['gen_fp8'] else ''} | "
               f"{r['gbps']:,.0f} | {r['copy_gbps']:,.0f} | {r['ratio']:.3f} | {r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
               f" | {'yes' if r['verified'] else 'NO'} |")
+    if out.get("ceilings"):
+        print("| piece | random places on | GB/s | ratio to copy_ (median) | range | verified |")
+        print("| ---: | --- | ---: | ---: | --- | --- |")
+        for r in out["ceilings"]:
+            print(f"| {r['piece']:,} | {r['scattered']} | {r['gbps']:,.0f} | {r['ratio']:.3f} | "
+                  f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f} | {'yes' if r['verified'] else 'NO'} |")
 
 
 if __name__ == "__main__":
