@@ -19,6 +19,7 @@ streams on this GPU, which every one-GPU request pays.
     python scripts/ipc_bench.py --out ipc.json --quick    # Llama-3.1-8B 32k only
     python scripts/ipc_bench.py --out engines.json --engines   # the engines' layouts and the KV dtype instead
     python scripts/ipc_bench.py --out gemma.json --gemma       # Gemma-3-27B ctx TP2 -> gen TP1 layer_major tpb 64, 32k
+    python scripts/ipc_bench.py ... --set workload.concurrency=1   # more overrides for every case
 
 ``--engines``: Llama-3.1-8B and DeepSeek-V3.2 at 32k, TP1 -> TP1, vLLM's NHD cache (``vllm_lbnhc``) on the ctx
 side into TensorRT-LLM's (``trtllm``) on the gen side, against ``copy_`` of the same bytes; then the same with
@@ -237,6 +238,8 @@ def main() -> None:
     ap.add_argument("--engines", action="store_true", help="the engines' layouts and gen fp8 (the docstring)")
     ap.add_argument("--gemma", action="store_true", help="Gemma-3-27B's 4 KiB runs instead (the docstring)")
     ap.add_argument("--models", nargs="*", help="only these models of the set (e.g. llama3_8b)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more overrides for every case and its copy_ reference (e.g. workload.concurrency=1)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per case: the ratio's median and range over them, each run's requests after its first")
     a = ap.parse_args()
@@ -245,6 +248,7 @@ def main() -> None:
     models = ENGINE_MODELS if a.engines else GEMMA_MODELS if a.gemma else MODELS[:1] if a.quick else MODELS
     models = [m for m in models if not a.models or m[0] in a.models]
     sides = ENGINE_SIDES if a.engines else GEMMA_SIDES if a.gemma else SIDES
+    sides = [(label, [*ov, *a.set]) for label, ov in sides]
     env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpus": torch.cuda.device_count()}
     import cuda.bindings
