@@ -238,6 +238,7 @@ def main() -> None:
     ap.add_argument("--engines", action="store_true", help="the engines' layouts and gen fp8 (the docstring)")
     ap.add_argument("--gemma", action="store_true", help="Gemma-3-27B's 4 KiB runs instead (the docstring)")
     ap.add_argument("--models", nargs="*", help="only these models of the set (e.g. llama3_8b)")
+    ap.add_argument("--sides", nargs="*", help="only the cases of the set with these labels")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides for every case and its copy_ reference (e.g. workload.concurrency=1)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -248,7 +249,7 @@ def main() -> None:
     models = ENGINE_MODELS if a.engines else GEMMA_MODELS if a.gemma else MODELS[:1] if a.quick else MODELS
     models = [m for m in models if not a.models or m[0] in a.models]
     sides = ENGINE_SIDES if a.engines else GEMMA_SIDES if a.gemma else SIDES
-    sides = [(label, [*ov, *a.set]) for label, ov in sides]
+    sides = [(label, [*ov, *a.set]) for label, ov in sides if not a.sides or label in a.sides]
     env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpus": torch.cuda.device_count()}
     import cuda.bindings
