@@ -94,3 +94,35 @@ def test_a_summary_says_where_and_from_what_it_was_measured():
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent).stdout.strip()
     assert head and p["commit"].split("+")[0] == head
+
+
+def test_a_summary_says_how_its_ranks_shared_their_gpus(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from kvlab.config import devices
+    from kvlab.results import metrics
+
+    setup = build(compose(["device=cpu"]))
+    assert devices.gpu_sharing(setup) == {"ranks_per_gpu": 0, "mps": None}
+    # the MPS daemon's pipe, where CUDA_MPS_PIPE_DIRECTORY says (no daemon is needed to see the path)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert devices.mps_control() is None
+    (tmp_path / "control").touch()
+    assert devices.mps_control() == str(tmp_path / "control")
+
+    def printed(sharing: dict) -> str:
+        out = io.StringIO()
+        metrics.print_table([], Summary(gpu_sharing=sharing), Console(file=out, width=200))
+        return out.getvalue()
+
+    assert "took turns" in printed({"ranks_per_gpu": 3, "mps": False})
+    # side by side under MPS, alone on a GPU, on CPUs, or a summary written before the field: no line
+    for sharing in ({"ranks_per_gpu": 3, "mps": True}, {"ranks_per_gpu": 1, "mps": False},
+                    {"ranks_per_gpu": 0, "mps": None}, {}):
+        assert "took turns" not in printed(sharing), sharing
+    # the field round-trips through the run's files
+    summary = Summary(gpu_sharing={"ranks_per_gpu": 3, "mps": False})
+    records.write_run(tmp_path, [], [], summary)
+    assert records.read_summary(tmp_path).gpu_sharing == {"ranks_per_gpu": 3, "mps": False}

@@ -17,6 +17,7 @@ reverse); a run that names ``transport=p2p`` there is refused before any rank st
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,24 @@ def uses_cuda(setup: Setup) -> bool:
 def gpu_count(setup: Setup) -> int:
     """GPUs the ranks of this host share; 0 when they run on CPUs (kvlab.config.schema.visible_gpus)."""
     return config.visible_gpus(setup.device)
+
+
+def mps_control() -> str | None:
+    """The CUDA MPS control daemon's pipe that this host's CUDA processes join when they start
+    (``CUDA_MPS_PIPE_DIRECTORY``, else /tmp/nvidia-mps), where there is one."""
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps") / "control"
+    return str(pipe) if pipe.exists() else None
+
+
+def gpu_sharing(setup: Setup) -> dict:
+    """How this host's ranks share its GPUs: the most ranks on one GPU (0 on CPUs) and whether they run as
+    clients of a CUDA MPS daemon. Processes on one GPU without MPS take turns on it (time-slicing): a copy
+    then waits for the turns of the other processes' kernels, a prefill's or a check's, and its figures hold
+    them; under MPS they run side by side."""
+    gpus = gpu_count(setup) if uses_cuda(setup) else 0
+    if not gpus:
+        return {"ranks_per_gpu": 0, "mps": None}
+    return {"ranks_per_gpu": -(-local_world_size(setup) // gpus), "mps": mps_control() is not None}
 
 
 def default_backend(device: torch.device) -> str:

@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+from kvlab.config.devices import gpu_sharing
 from kvlab.config.workload import RunPlan
 from kvlab.core import figures
 from kvlab.core.decode_spec import check_line
@@ -231,6 +232,7 @@ def finalize(setup, run_dir: Path, plan: RunPlan, gathered: dict[int, PartFile],
     summary = metrics.summarize(rows, all_parts, setup, [g.peak for g in gathered.values()],
                                 env or Env(), errors, predicted_s, silent, link, traits, order)
     summary.interrupted = interrupted
+    summary.gpu_sharing = gpu_sharing(setup)
     summary.completed_requests = [r.request for r in rows if r.verified]
     write_run(run_dir, rows, timeline, summary)
     if rundir.sweep_dir(run_dir) is None:

@@ -281,6 +281,17 @@ def prediction_line(summary: Summary) -> str | None:
             f"(predicted/measured {ratio:.2f}){far}")
 
 
+def sharing_line(summary: Summary) -> str | None:
+    """One line where processes shared a GPU without MPS: their kernels took turns on it, and the copies'
+    figures hold the other processes' turns (kvlab.config.devices.gpu_sharing)."""
+    share = summary.gpu_sharing or {}
+    if share.get("ranks_per_gpu", 0) <= 1 or share.get("mps") is not False:
+        return None
+    return (f"up to {share['ranks_per_gpu']} processes shared a GPU without a CUDA MPS daemon: they took turns on it, "
+            "and a copy's time holds the turns of the others' kernels (prefills, checks); under MPS "
+            "(nvidia-cuda-mps-control -d) they run side by side")
+
+
 def console_for() -> Console:
     """The terminal's console: its own width on a terminal; on a log file or a pipe 132 columns at least (rich's
     80 would cut the tables' columns)."""
@@ -350,6 +361,9 @@ def print_table(rows: list[RequestRow], summary: Summary, console: Console | Non
             beaten = link.beaten_by(summary.gbps)
             if beaten:
                 console.print(beaten, markup=False, highlight=False)
+    shared = sharing_line(summary)
+    if shared:
+        console.print(shared, markup=False, highlight=False)
     if summary.serving:
         console.print(serving.table(summary.serving))
         console.print(f"{summary.arrival} arrivals, prefill={summary.prefill}; "

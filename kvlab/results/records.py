@@ -338,6 +338,8 @@ class Summary:
     in_loop_requests: dict[str, int] = field(default_factory=dict)  # requests verified inside the loop
     # commit (+dirty), host, load average at the end, versions (kvlab.core.paths.provenance)
     provenance: dict[str, Any] = field(default_factory=dict)
+    # ranks_per_gpu (0 on CPUs) and mps: whether processes sharing a GPU ran side by side (kvlab.config.devices)
+    gpu_sharing: dict[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA
 
 
