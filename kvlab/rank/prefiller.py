@@ -224,9 +224,13 @@ class Prefiller:
                 with x.untracked():
                     x.cache.fill(req, x.ops, layer)
                 p.fill_s += time.perf_counter() - t0
-            if cuda:  # the layer's kernels and its write done: the mark is its completion
+            if cuda:  # the layer's kernels and its write done: the mark is their completion on the device, not when
+                # this thread ran again after waiting for them (late by the host's load)
+                done = x.clock.mark()
                 torch.cuda.current_stream().synchronize()
-            p.ready[layer] = time.time()
+                p.ready[layer] = done
+            else:
+                p.ready[layer] = time.time()
             if layer < last:
                 self._publish(p, layer + 1)
             elif layer == last:
