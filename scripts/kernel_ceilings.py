@@ -42,12 +42,18 @@ extern "C" __global__ void lin_copy(const uint4* __restrict__ s, uint4* __restri
 LINEAR_TUNINGS = ((1024, 8), (512, 16), (1024, 16))  # (threads, unroll)
 
 
-def linear_copy(arch: str, unroll: int):
-    """The linear copy kernel compiled for ``arch`` with ``unroll`` vectors in flight per thread."""
+def compiled(source: str, name: str, arch: str, unroll: int):
+    """One of these kernels compiled by NVRTC for ``arch`` (cuda.core's ObjectCode; no GPU needed until a
+    kernel is taken from it)."""
     from cuda.core import Program, ProgramOptions
 
-    opts = ProgramOptions(arch=arch, std="c++17", name="lin_copy", define_macro=[("UNROLL", str(unroll))])
-    return Program(LINEAR_SRC, "c++", options=opts).compile("cubin").get_kernel("lin_copy")
+    opts = ProgramOptions(arch=arch, std="c++17", name=name, define_macro=[("UNROLL", str(unroll))])
+    return Program(source, "c++", options=opts).compile("cubin")
+
+
+def linear_copy(arch: str, unroll: int):
+    """The linear copy kernel compiled for ``arch`` with ``unroll`` vectors in flight per thread."""
+    return compiled(LINEAR_SRC, "lin_copy", arch, unroll).get_kernel("lin_copy")
 
 
 def launch_linear(kernel, src: torch.Tensor, dst: torch.Tensor, ctas: int, threads: int) -> None:
@@ -86,10 +92,7 @@ extern "C" __global__ void piece_copy(const uint4* __restrict__ s, uint4* __rest
 
 def piece_copy(arch: str, unroll: int = 8):
     """The scattered-pieces kernel compiled for ``arch`` with ``unroll`` pieces in flight per thread."""
-    from cuda.core import Program, ProgramOptions
-
-    opts = ProgramOptions(arch=arch, std="c++17", name="piece_copy", define_macro=[("UNROLL", str(unroll))])
-    return Program(PIECES_SRC, "c++", options=opts).compile("cubin").get_kernel("piece_copy")
+    return compiled(PIECES_SRC, "piece_copy", arch, unroll).get_kernel("piece_copy")
 
 
 def launch_pieces(kernel, src: torch.Tensor, dst: torch.Tensor, ps: torch.Tensor, pd: torch.Tensor,

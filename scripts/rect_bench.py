@@ -126,7 +126,7 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
     return r
 
 
-PIECES = (256, 1152, 4096, 8192, 32768)
+PIECES = (256, 656, 1152, 4096, 8192, 32768)  # 656: DeepSeek-V3.2's fp8 MLA row (codes, scales, bf16 RoPE)
 SCATTERED = ("both", "dst", "src")  # where the pieces lie at random places; elsewhere back to back
 
 

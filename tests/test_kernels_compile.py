@@ -125,3 +125,18 @@ def test_fp8_rows_compiles_without_spills(cuda_ops, arch, rows, ring):
                for base in ("bf16", "fp16"))
     spills = [line for line in log.getvalue().replace("\0", "").splitlines() if "spill" in line]
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()
+
+
+def test_the_benches_ceiling_kernels_compile(cuda_ops):
+    """scripts/kernel_ceilings.py's plainest copies, the ceilings the benches time beside kvlab's kernels, build."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import kernel_ceilings as kc
+    finally:
+        sys.path.pop(0)
+    for source, name in ((kc.LINEAR_SRC, "lin_copy"), (kc.PIECES_SRC, "piece_copy")):
+        cubin = bytes(kc.compiled(source, name, "sm_90", 8).code)
+        assert cubin[:4] == b"\x7fELF" and name.encode() in cubin
