@@ -56,8 +56,8 @@ ENGINE_MODELS = [("llama3_8b", 32768), ("deepseek_v32", 32768)]
 ENGINE_SIDES = [("vllm_lbnhc -> trtllm", ["ctx.tp=1", "gen.tp=1", "ctx.layout=vllm_lbnhc", "gen.layout=trtllm"]),
                 ("vllm_lbnhc -> trtllm, gen fp8", ["ctx.tp=1", "gen.tp=1", "ctx.layout=vllm_lbnhc",
                                                    "gen.layout=trtllm", "gen.kv_dtype=fp8"])]
-# the issue's Gemma-3 case: ctx TP2 -> gen TP1 into layer_major blocks of 64 tokens, whose runs are one block of one
-# head (4 KiB)
+# the issue's Gemma-3 case: two ctx ranks (blocks of 32 tokens) into one gen rank's layer_major blocks of 64 tokens:
+# runs of 32 tokens of one head (8 KiB), from two processes' pools
 GEMMA_MODELS = [("gemma3_27b", 32768)]
 GEMMA_SIDES = [("TP2 -> TP1, gen layer_major tpb 64", ["ctx.tp=2", "gen.tp=1", "gen.layout=layer_major",
                                                        "gen.tokens_per_block=64"])]
@@ -236,7 +236,7 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel-against-copy-engine comparison")
     ap.add_argument("--no-handoff", action="store_true", help="skip scripts/ipc_handoff.py")
     ap.add_argument("--engines", action="store_true", help="the engines' layouts and gen fp8 (the docstring)")
-    ap.add_argument("--gemma", action="store_true", help="Gemma-3-27B's 4 KiB runs instead (the docstring)")
+    ap.add_argument("--gemma", action="store_true", help="Gemma-3-27B ctx TP2 -> gen TP1 instead (the docstring)")
     ap.add_argument("--models", nargs="*", help="only these models of the set (e.g. llama3_8b)")
     ap.add_argument("--sides", nargs="*", help="only the cases of the set with these labels")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
