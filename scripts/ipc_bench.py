@@ -247,8 +247,13 @@ def main() -> None:
     if a.engines and a.gemma:
         ap.error("--engines and --gemma are two sets of cases: give one")
     models = ENGINE_MODELS if a.engines else GEMMA_MODELS if a.gemma else MODELS[:1] if a.quick else MODELS
-    models = [m for m in models if not a.models or m[0] in a.models]
     sides = ENGINE_SIDES if a.engines else GEMMA_SIDES if a.gemma else SIDES
+    for flag, given, known in (("--models", a.models, [m for m, _ in models]),
+                               ("--sides", a.sides, [label for label, _ in sides])):
+        unknown = [x for x in given or () if x not in known]
+        if unknown:
+            ap.error(f"{flag} {' '.join(unknown)}: not in this set of cases; it has {', '.join(map(repr, known))}")
+    models = [m for m in models if not a.models or m[0] in a.models]
     sides = [(label, [*ov, *a.set]) for label, ov in sides if not a.sides or label in a.sides]
     env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpus": torch.cuda.device_count()}

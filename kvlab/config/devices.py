@@ -47,7 +47,7 @@ def gpu_sharing(setup: Setup) -> dict:
     clients of a CUDA MPS daemon. Processes on one GPU without MPS take turns on it (time-slicing): a copy
     then waits for the turns of the other processes' kernels, a prefill's or a check's, and its figures hold
     them; under MPS they run side by side."""
-    gpus = gpu_count(setup) if uses_cuda(setup) else 0
+    gpus = gpu_count(setup)
     if not gpus:
         return {"ranks_per_gpu": 0, "mps": None}
     return {"ranks_per_gpu": -(-local_world_size(setup) // gpus), "mps": mps_control() is not None}
