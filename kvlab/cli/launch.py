@@ -3,17 +3,21 @@
 ``kvlab run`` outside torchrun starts ``world_size`` processes of ``python -m kvlab.cli.worker``
 with the environment torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*),
 watches them, and when one fails gives the others ``grace_s`` to finish reporting before
-stopping them, so that no rank is left hanging. Under torchrun (gpt-fast's
+stopping them, so that no rank is left hanging. The ranks' temporary directory (``TMPDIR``) is one made for the
+run and removed with it: a rank ends with ``os._exit`` (kvlab.cli.worker), which skips the clean-up that
+libraries leave to the interpreter's exit (wandb's staging directories, three per run). Under torchrun (gpt-fast's
 ``maybe_init_dist`` idea) every process is already a rank and runs the worker directly.
 """
 from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,13 +86,15 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
         signals.append(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in SIGNALS}
+    scratch = tempfile.mkdtemp(prefix="kvlab-ranks-")  # in the caller's TMPDIR; gone when the ranks are
     try:
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), KVLAB_PARENT=str(os.getpid()),
                        # c10d's retry warnings while peers are being stopped are noise, not news
-                       TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"), **(extra_env or {}))
+                       TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"), TMPDIR=scratch,
+                       **(extra_env or {}))
             if config_yaml is not None:
                 from kvlab.results.rundir import CONFIG_ENV
 
@@ -176,6 +182,7 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                         f"rank {r}: killed {stop_wait_s:g} s after it was told to stop (stuck joining the others)"]))
         for s, h in previous.items():
             signal.signal(s, h)
+        shutil.rmtree(scratch, ignore_errors=True)
     if signals:
         return Outcome(128 + signals[0], signals[0], died)
     for r, p in enumerate(procs):
