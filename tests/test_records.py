@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -106,11 +108,30 @@ def test_a_summary_says_how_its_ranks_shared_their_gpus(tmp_path, monkeypatch):
 
     setup = build(compose(["device=cpu"]))
     assert devices.gpu_sharing(setup) == {"ranks_per_gpu": 0, "mps": None}
-    # the MPS daemon's pipe, where CUDA_MPS_PIPE_DIRECTORY says (no daemon is needed to see the path)
+    # the MPS daemon's pipe, where CUDA_MPS_PIPE_DIRECTORY says, and only while a process reads it: a daemon that
+    # ended uncleanly leaves the pipe, and CUDA processes then run without MPS
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    control = tmp_path / "control"
     assert devices.mps_control() is None
-    (tmp_path / "control").touch()
-    assert devices.mps_control() == str(tmp_path / "control")
+    os.mkfifo(control)
+    assert devices.mps_control() is None
+    hold = "import os, sys; os.open(sys.argv[1], os.O_RDONLY | os.O_NONBLOCK); print(flush=True); sys.stdin.read()"
+    reader = subprocess.Popen([sys.executable, "-c", hold, str(control)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        reader.stdout.readline()  # it holds the pipe open
+        assert devices.mps_control() == str(control)
+        assert devices.mps_control() == str(control)  # the probe leaves the reader as it was
+    finally:
+        reader.communicate(timeout=60)
+    assert devices.mps_control() is None
+    # a socket endpoint: live while something listens on it
+    control.unlink()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(control))
+        server.listen(1)
+        assert devices.mps_control() == str(control)
+    assert devices.mps_control() is None
 
     def printed(sharing: dict) -> str:
         out = io.StringIO()

@@ -17,6 +17,8 @@ reverse); a run that names ``transport=p2p`` there is refused before any rank st
 from __future__ import annotations
 
 import os
+import socket
+import stat
 from pathlib import Path
 
 import torch
@@ -36,10 +38,23 @@ def gpu_count(setup: Setup) -> int:
 
 
 def mps_control() -> str | None:
-    """The CUDA MPS control daemon's pipe that this host's CUDA processes join when they start
-    (``CUDA_MPS_PIPE_DIRECTORY``, else /tmp/nvidia-mps), where there is one."""
+    """The control endpoint of a live CUDA MPS daemon that this host's CUDA processes join when they start
+    (``control`` under ``CUDA_MPS_PIPE_DIRECTORY``, else /tmp/nvidia-mps), where there is one. A daemon that
+    ended uncleanly leaves its pipe behind, and the processes then run without MPS: a named pipe that no
+    process holds open for reading, or a socket that refuses a connection, is such a leftover. The probe
+    opens and closes the endpoint without a word written, as a client that changed its mind."""
     pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps") / "control"
-    return str(pipe) if pipe.exists() else None
+    try:
+        kind = pipe.stat().st_mode
+        if stat.S_ISFIFO(kind):
+            os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO: nobody reads it
+        elif stat.S_ISSOCK(kind):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(1.0)
+                s.connect(str(pipe))
+    except OSError:
+        return None
+    return str(pipe)
 
 
 def gpu_sharing(setup: Setup) -> dict:
