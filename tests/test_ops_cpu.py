@@ -2,6 +2,7 @@
 pairs of mismatched sides."""
 from __future__ import annotations
 
+import functools
 import math
 from unittest import mock
 
@@ -176,7 +177,7 @@ def test_copy_rect_refuses_pools_of_two_kinds():
                       torch.zeros(pb.pool_bytes(2), dtype=torch.uint8), pb, 2, ids, 0, rect)
 
 
-def test_auto_kernels_that_fail_to_compile_say_so_before_torch_copies(monkeypatch, capsys):
+def test_auto_kernels_that_fail_to_compile_say_so_before_torch_copies(monkeypatch, capsys, tmp_path):
     """kernels=auto on a GPU falls back to torch's copies when a kernel source fails to compile: the run's figures
     are then torch's, so the fallback is one line that says why, not only ``kernels: torch`` in the records."""
     cuda_ops = pytest.importorskip("kvlab.memory.ops.cuda")
@@ -191,6 +192,14 @@ def test_auto_kernels_that_fail_to_compile_say_so_before_torch_copies(monkeypatc
         "\"KV_RING\" is undefined); this process copies with torch, kernels=cuda would stop instead\n")
     with pytest.raises(RuntimeError, match="kernels=cuda: the CUDA kernels are unavailable here"):
         get_ops("cuda", "cuda")
+    # in a run every rank of a host falls back alike: its first local rank says it, the others' records do
+    from kvlab.rank.runner import say_for_host
+
+    for local_rank in ("1", "0"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert get_ops("auto", "cuda", say=functools.partial(say_for_host, tmp_path, "kernels-auto")).name == "torch"
+        err = capsys.readouterr().err
+        assert err.startswith("kvlab: kernels=auto: the CUDA kernels are unavailable") if local_rank == "0" else not err
 
 
 def test_get_ops_copies_rectangles_on_the_row_path_for_cpu_tensors():

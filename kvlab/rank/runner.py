@@ -47,6 +47,7 @@ from kvlab.rank.progress import Progress
 from kvlab.rank.wandb_sink import WandbSink
 from kvlab.results import metrics
 from kvlab.results.records import Env, PartFile, Peak, marked_dead, read_part, write_part, write_refusal
+from kvlab.results.rundir import say_once
 from kvlab.sizing import budget
 from kvlab.sizing.cost import predict_run
 from kvlab.sizing.preflight import preflight
@@ -96,6 +97,13 @@ def _parent_merges() -> bool:
     """Whether the local launcher that started this rank is alive to merge the part files itself."""
     parent = os.environ.get("KVLAB_PARENT")
     return parent is not None and os.getppid() == int(parent)
+
+
+def say_for_host(run_dir: Path, key: str, line: str) -> None:
+    """A line every rank of a host would print alike (the same sources, the same compiler): its first local rank
+    says it, once per sweep (kvlab.results.rundir.say_once); each rank's records keep what it did."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        say_once(run_dir, key, line)
 
 
 def worker_main(cfg: DictConfig, run_dir: Path) -> int:
@@ -205,7 +213,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
             raise ConfigError(*next(p for p in problems if p))
     mine = run_plan.chunks_of(world_rank)
 
-    ops = get_ops(setup.kernels, device.type)
+    ops = get_ops(setup.kernels, device.type, say=functools.partial(say_for_host, run_dir, "kernels-auto"))
     cache = PagedCache(state, needed, setup.cache.spare_blocks, setup.cache.fragmentation,
                        setup.workload.seed + 17 * world_rank, device, mover.pool_storage)
     gpu_prefill, alone = None, {}

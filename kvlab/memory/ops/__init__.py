@@ -32,13 +32,19 @@ in torch on the buffers' device.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import SimpleNamespace
 
 from kvlab.core.errors import install_hint
 from kvlab.memory.ops import cpu, reference
 
 
-def get_ops(kernels: str = "auto", device: str = "cpu"):
+def _stderr(line: str) -> None:
+    print(f"kvlab: {line}", file=sys.stderr)
+
+
+def get_ops(kernels: str = "auto", device: str = "cpu", say: Callable[[str], object] = _stderr):
+    """``say``: where the fallback's line goes (a run's ranks pass one that lets one process of a host say it)."""
     if kernels == "auto" and device != "cuda":
         return SimpleNamespace(name="cpu", pack=cpu.pack, unpack=cpu.unpack, copy_rect=cpu.copy_rect)
     torch_ops = SimpleNamespace(name="torch", pack=reference.pack, unpack=reference.unpack,
@@ -53,7 +59,7 @@ def get_ops(kernels: str = "auto", device: str = "cpu"):
         if kernels == "cuda":
             raise RuntimeError(f"kernels=cuda: the CUDA kernels are unavailable here ({why}); use kernels=torch") from e
         first = why.splitlines()[0] if why else repr(e)  # a compiler's log is many lines: its first says what
-        print(f"kvlab: kernels=auto: the CUDA kernels are unavailable here ({first}); "
-              "this process copies with torch, kernels=cuda would stop instead", file=sys.stderr)
+        say(f"kernels=auto: the CUDA kernels are unavailable here ({first}); "
+            "this process copies with torch, kernels=cuda would stop instead")
         return torch_ops
     return SimpleNamespace(name="cuda", pack=cuda_ops.pack, unpack=cuda_ops.unpack, copy_rect=cuda_ops.copy_rect)
