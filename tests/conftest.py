@@ -56,6 +56,24 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile("quick")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_the_sessions_directory(tmp_path_factory):
+    """What the tests' processes leave in their temporary directory (torchrun's agent keeps a torchelastic_*
+    directory per run; a run the test kills leaves its ranks' scratch) goes under pytest's own base directory,
+    which pytest prunes, instead of piling up in /tmp."""
+    import tempfile
+
+    scratch = tmp_path_factory.mktemp("tmp")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = str(scratch), None
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR")
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+
+
 def kvlab_argv(*args: str, torchrun: list[str] | None = None) -> list[str]:
     """The argv of ``kvlab ARGS``, or of torchrun's agent starting ``python -m kvlab ARGS`` per rank."""
     if torchrun is not None:
