@@ -134,7 +134,8 @@ def run_case(model: str, isl: int, label: str, overrides: list[str], keep: Path 
                           "kernel_s": r["unpack_s"],
                           "other_s": r["seconds"] - r["unpack_s"]} for r in rows],
             "peak_staging_bytes": s["peak_staging_bytes"], "peak_extra_device_bytes": s["peak_extra_device_bytes"],
-            "wall_s": time.time() - t0}
+            # ranks on one GPU take turns on it without MPS: the figures hold the others' kernels
+            "gpu_sharing": s.get("gpu_sharing"), "wall_s": time.time() - t0}
 
 
 def kernel_vs_engine(isl: int = 32768) -> dict:
