@@ -42,6 +42,34 @@ def test_poisson_rate_and_determinism():
     assert half == pytest.approx([x * 0.5 for x in t])
 
 
+@pytest.mark.parametrize("burstiness", [0.25, 4.0, 1e6])
+def test_burstiness_shapes_the_gaps_and_keeps_their_mean(burstiness):
+    """vLLM's serving benchmark's knob: gamma gaps of shape ``burstiness`` and mean 1/rate, so their coefficient of
+    variation is 1/sqrt(burstiness); 1 is the Poisson process, drawn as before the knob existed."""
+    spec = WorkloadSpec(arrival="poisson", rate=50.0, seed=3, burstiness=burstiness)
+    t = arrivals.times(spec, 4000)
+    assert t == arrivals.times(spec, 4000) and t[0] == 0.0 and all(a <= b for a, b in zip(t, t[1:]))
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert abs(statistics.mean(gaps) - 1 / 50) < 0.1 / 50
+    assert statistics.pstdev(gaps) / statistics.mean(gaps) == pytest.approx(burstiness ** -0.5, rel=0.1)
+    assert arrivals.times(WorkloadSpec(arrival="poisson", rate=50.0, seed=3, burstiness=1.0), 100) == \
+        arrivals.times(WorkloadSpec(arrival="poisson", rate=50.0, seed=3), 100)
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["workload.arrival=poisson", "workload.burstiness=0"],
+     "workload.burstiness=0.0: must be in [0.001, 1e+06] (1 a Poisson process, below 1 burstier, above 1 more even)"),
+    (["workload.arrival=poisson", "workload.burstiness=nan"], "workload.burstiness=nan: must be a finite number"),
+    (["workload.burstiness=4"], "workload.burstiness=4.0: shapes the gaps of workload.arrival=poisson only (now "
+                                "burst); set workload.arrival=poisson or leave it at 1"),
+])
+def test_bad_burstiness_is_one_line(overrides, line):
+    msg = check_overrides(overrides)
+    assert msg and msg.startswith(line), msg
+    with pytest.raises(ConfigError, match="workload.burstiness"):
+        WorkloadSpec(arrival="poisson", burstiness=float("nan"))
+
+
 def test_poisson_through_the_config_keeps_prompt_lengths():
     a = requests("workload.arrival=poisson", "workload.rate=20", "workload.distribution=uniform",
                  "workload.requests=50")

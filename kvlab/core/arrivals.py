@@ -1,7 +1,9 @@
 """When requests arrive, and how long their prompts are when a trace says so.
 
 ``workload.arrival``: ``burst`` (every request at t = 0), ``poisson`` (exponential gaps at
-``workload.rate`` requests per second, drawn from ``workload.seed``) or ``trace`` (the times
+``workload.rate`` requests per second, drawn from ``workload.seed``; ``workload.burstiness`` other than 1 draws
+gamma gaps of that shape and the same mean, as vLLM's serving benchmark does: below 1 burstier, above 1 more
+even) or ``trace`` (the times
 and prompt lengths of ``workload.trace``, kvlab.core.traces). ``workload.time_scale`` multiplies
 every arrival time: 0.1 replays a trace ten times faster. ``workload.requests`` caps the count.
 A trace prompt longer than ``workload.isl_max`` (or than ``cache.capacity_tokens`` when set) is
@@ -17,6 +19,7 @@ from kvlab.core import traces
 from kvlab.core.errors import ConfigError, require
 
 KINDS = ("burst", "poisson", "trace")
+BURSTINESS = (1e-3, 1e6)  # from gaps nearly all 0 with a rare long one, to gaps within 0.1% of 1/rate
 LONG_PROMPTS = ("clip", "refuse")
 # the latest a request may arrive: a run waits for its arrivals in real time, and a wait past what the
 # clock and the thread primitives can hold (about 292 years) dies of OverflowError in the ranks
@@ -36,6 +39,14 @@ def check(w) -> None:
     require(isinstance(w.time_scale, (int, float)) and math.isfinite(w.time_scale) and w.time_scale > 0,
             "workload.time_scale", w.time_scale, "must be > 0 (1: real time, 0.1: ten times faster)")
     require(w.long_prompts in LONG_PROMPTS, "workload.long_prompts", w.long_prompts, "use clip or refuse")
+    # the gamma draw's shape, within what a serving study means by it (BURSTINESS)
+    require(isinstance(w.burstiness, (int, float)) and not isinstance(w.burstiness, bool)
+            and BURSTINESS[0] <= w.burstiness <= BURSTINESS[1], "workload.burstiness", w.burstiness,
+            f"must be within [{BURSTINESS[0]:g}, {BURSTINESS[1]:g}]: 1 a Poisson process, below 1 burstier, above 1 "
+            "more even")
+    require(w.burstiness == 1.0 or w.arrival == "poisson", "workload.burstiness", w.burstiness,
+            f"shapes the gaps of workload.arrival=poisson only (now {w.arrival}); set workload.arrival=poisson or "
+            "leave it at 1")
     if w.arrival == "poisson":  # the mean gap alone: the drawn times are checked again where they are drawn
         span = (w.requests - 1) / w.rate * w.time_scale
         if not span <= MAX_ARRIVAL_S:
@@ -53,19 +64,25 @@ def check(w) -> None:
 
 
 def times(w, n: int) -> list[float]:
-    """Arrival times in seconds of ``n`` requests drawn by a distribution (burst, poisson) of workload ``w``."""
+    """Arrival times in seconds of ``n`` requests drawn by a distribution (burst, poisson with its burstiness) of
+    workload ``w``."""
     if w.arrival == "burst":
         return [0.0] * n
     if w.arrival != "poisson":
         raise ValueError(f"{w.arrival} arrivals come from the trace: use from_trace")
     rng = random.Random(w.seed * 7919 + 1)  # apart from the prompt-length stream of the same seed
+    # shape 1 is the exponential: its own draw keeps a Poisson run's times what they were before burstiness
+    gap = (lambda: rng.expovariate(w.rate)) if w.burstiness == 1.0 else \
+        (lambda: rng.gammavariate(w.burstiness, 1.0 / (w.rate * w.burstiness)))
     t, out = 0.0, []
     for _ in range(n):
         out.append(t * w.time_scale)
-        t += rng.expovariate(w.rate)
+        t += gap()
+    bursty = f", workload.burstiness={w.burstiness:g}" if w.burstiness != 1.0 else ""
     require(not out or out[-1] <= MAX_ARRIVAL_S, "workload.rate", w.rate,
             f"request {n - 1} would arrive after {_late(out[-1] if out else 0.0)} (x workload.time_scale="
-            f"{w.time_scale:g}), {_LATE}; raise workload.rate or lower workload.time_scale")
+            f"{w.time_scale:g}{bursty}), {_LATE}; raise workload.rate{' or workload.burstiness' if bursty else ''} "
+            "or lower workload.time_scale")
     return out
 
 
