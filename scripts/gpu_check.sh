@@ -13,6 +13,10 @@
 # --gemma: also scripts/ipc_bench.py --gemma (Gemma-3-27B ctx TP2 -> gen TP1 layer_major tpb 64, 32k, 6 requests, 3 runs),
 #   into gemma_h200.json
 # --engines: also scripts/ipc_bench.py --engines (vLLM NHD ctx -> TensorRT-LLM gen, bf16 and gen fp8), into engines_h200.json
+# --apart: --gemma and --engines with arrivals 2 s apart (poisson at 0.5/s, burstiness 1e6: all but constant gaps),
+#   longer than a 32k prefill, so no ctx process's prefill runs beside a pull, into *_apart_h200.json
+# --mps: --gemma and --engines (and --apart) again with every process a client of a CUDA MPS daemon of this script's
+#   own (quit before the script ends, whatever happens), into *_mps_h200.json
 # --caches: this year's caches on the GPU (hybrid state, context parallelism, prefill=model): check=decode of each,
 #   then Qwen3-Next TP2 -> TP1 and Llama CP2 -> DCP2 at 32k over ipc beside the in-run copy_, into caches_h200.json
 # --model-prefill: prefill=model (the transformers model on the clock) decode-checked over ipc: Llama-3.1-8B TP1 -> TP1
@@ -27,9 +31,10 @@
 # and, for the nixl tests and scripts/nixl_bench.py, NIXL's wheel for the GPU machine's Python (without it they skip):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
-serving=0; mooncake=0; decode=0; engines=0; kernels=0; fp8=0; caches=0; mprefill=0; ceilings=0; gemma=0; rest=()
+serving=0; mooncake=0; decode=0; engines=0; kernels=0; fp8=0; caches=0; mprefill=0; ceilings=0; gemma=0; apart=0
+usemps=0; rest=()
 for a in "$@"; do
-  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --fp8) fp8=1;; --caches) caches=1;; --model-prefill) mprefill=1;; --ceilings) ceilings=1;; --gemma) gemma=1;; *) rest+=("$a");; esac
+  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --fp8) fp8=1;; --caches) caches=1;; --model-prefill) mprefill=1;; --ceilings) ceilings=1;; --gemma) gemma=1;; --apart) apart=1;; --mps) usemps=1;; *) rest+=("$a");; esac
 done
 set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
@@ -80,11 +85,32 @@ true
 [ $ceilings = 1 ] && timeout 420 python3 scripts/rect_bench.py --out "$out/rect_bench_ceilings_h200.json" --ceilings \
   --pairs engines --fp8-pairs 3 --repeats 3 2>&1 | tee "$out/rect_bench_ceilings.log" | grep "^|"
 true
-[ $gemma = 1 ] && timeout 400 python3 scripts/ipc_bench.py --gemma --no-handoff --requests 6 --repeats 3 \
-  --out "$out/gemma_h200.json" 2>&1 | tee "$out/gemma.log" | tail -6
-true
-[ $engines = 1 ] && timeout 500 python3 scripts/ipc_bench.py --engines --no-handoff --requests 6 --repeats 3 --out "$out/engines_h200.json" \
-  2>&1 | tee "$out/engines.log" | tail -12
+# the end-to-end sets: TAG (the files' suffix) and ipc_bench's extra arguments; then again under MPS with --mps
+e2e() {
+  local tag=$1; shift
+  [ $gemma = 1 ] && timeout 400 python3 scripts/ipc_bench.py --gemma --no-handoff --requests 6 --repeats 3 "$@" \
+    --out "$out/gemma${tag}_h200.json" 2>&1 | tee "$out/gemma${tag}.log" | tail -6
+  [ $engines = 1 ] && timeout 500 python3 scripts/ipc_bench.py --engines --no-handoff --requests 6 --repeats 3 "$@" \
+    --out "$out/engines${tag}_h200.json" 2>&1 | tee "$out/engines${tag}.log" | tail -12
+  true
+}
+apart_set=(--set workload.arrival=poisson workload.rate=0.5 workload.burstiness=1e6)
+e2e ""
+[ $apart = 1 ] && e2e _apart "${apart_set[@]}"
+if [ $usemps = 1 ]; then
+  mps=/usr/local/nvidia/bin/nvidia-cuda-mps-control
+  [ -x $mps ] || mps=$(command -v nvidia-cuda-mps-control) || { echo "--mps: no nvidia-cuda-mps-control here"; mps=; }
+  if [ -n "$mps" ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+    trap 'echo quit | $mps' EXIT
+    if $mps -d; then
+      e2e _mps
+      [ $apart = 1 ] && e2e _apart_mps "${apart_set[@]}"
+    fi
+    echo quit | $mps; trap - EXIT
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+fi
 true
 [ $mooncake = 1 ] && timeout 400 python3 scripts/mooncake_bench.py --gpu --out "$out/mooncake_h200.json" 2>&1 \
   | tee "$out/mooncake.log" | tail -30
