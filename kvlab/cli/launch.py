@@ -85,16 +85,19 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
     def on_signal(signum, frame):
         signals.append(signum)
 
+    try:  # in the caller's TMPDIR; gone with the ranks (one that cannot be written: the ranks use it as it is)
+        scratch = {"TMPDIR": tempfile.mkdtemp(prefix="kvlab-ranks-")}
+    except OSError:
+        scratch = {}
     previous = {s: signal.signal(s, on_signal) for s in SIGNALS}
-    scratch = tempfile.mkdtemp(prefix="kvlab-ranks-")  # in the caller's TMPDIR; gone when the ranks are
     try:
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), KVLAB_PARENT=str(os.getpid()),
                        # c10d's retry warnings while peers are being stopped are noise, not news
-                       TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"), TMPDIR=scratch,
-                       **(extra_env or {}))
+                       TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+                       **scratch, **(extra_env or {}))
             if config_yaml is not None:
                 from kvlab.results.rundir import CONFIG_ENV
 
@@ -182,7 +185,8 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
                         f"rank {r}: killed {stop_wait_s:g} s after it was told to stop (stuck joining the others)"]))
         for s, h in previous.items():
             signal.signal(s, h)
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch:
+            shutil.rmtree(scratch["TMPDIR"], ignore_errors=True)
     if signals:
         return Outcome(128 + signals[0], signals[0], died)
     for r, p in enumerate(procs):

@@ -16,10 +16,12 @@ import math
 import random
 
 from kvlab.core import traces
+from kvlab.core.bounds import Bound
 from kvlab.core.errors import ConfigError, require
 
 KINDS = ("burst", "poisson", "trace")
-BURSTINESS = (1e-3, 1e6)  # from gaps nearly all 0 with a rare long one, to gaps within 0.1% of 1/rate
+# workload.burstiness: from gaps nearly all 0 with a rare long one, to gaps within 0.1% of 1/rate
+BURSTINESS = Bound(lo=1e-3, hi=1e6, why="1 a Poisson process, below 1 burstier, above 1 more even")
 LONG_PROMPTS = ("clip", "refuse")
 # the latest a request may arrive: a run waits for its arrivals in real time, and a wait past what the
 # clock and the thread primitives can hold (about 292 years) dies of OverflowError in the ranks
@@ -39,11 +41,10 @@ def check(w) -> None:
     require(isinstance(w.time_scale, (int, float)) and math.isfinite(w.time_scale) and w.time_scale > 0,
             "workload.time_scale", w.time_scale, "must be > 0 (1: real time, 0.1: ten times faster)")
     require(w.long_prompts in LONG_PROMPTS, "workload.long_prompts", w.long_prompts, "use clip or refuse")
-    # the gamma draw's shape, within what a serving study means by it (BURSTINESS)
+    # the field's bound, for a spec built without the composed config's walk (kvlab.core.bounds.check_tree)
     require(isinstance(w.burstiness, (int, float)) and not isinstance(w.burstiness, bool)
-            and BURSTINESS[0] <= w.burstiness <= BURSTINESS[1], "workload.burstiness", w.burstiness,
-            f"must be within [{BURSTINESS[0]:g}, {BURSTINESS[1]:g}]: 1 a Poisson process, below 1 burstier, above 1 "
-            "more even")
+            and math.isfinite(w.burstiness) and BURSTINESS.problem(w.burstiness) is None, "workload.burstiness",
+            w.burstiness, BURSTINESS.hint())
     require(w.burstiness == 1.0 or w.arrival == "poisson", "workload.burstiness", w.burstiness,
             f"shapes the gaps of workload.arrival=poisson only (now {w.arrival}); set workload.arrival=poisson or "
             "leave it at 1")

@@ -346,8 +346,7 @@ class WorkloadSpec:
     rate: float = 1.0  # requests per second with arrival=poisson (kvlab.core.arrivals bounds the run's span)
     # the gaps' gamma shape with arrival=poisson, as vLLM's serving benchmark: 1 a Poisson process, below 1 burstier,
     # above 1 more even (1e6: all but constant gaps of 1/rate); the mean gap stays 1/rate
-    burstiness: float = bounded(1.0, lo=arrivals.BURSTINESS[0], hi=arrivals.BURSTINESS[1],
-                                why="1 a Poisson process, below 1 burstier, above 1 more even")
+    burstiness: float = bounded(1.0, lo=arrivals.BURSTINESS.lo, hi=arrivals.BURSTINESS.hi, why=arrivals.BURSTINESS.why)
     trace: str | None = None  # Mooncake .jsonl or Azure .csv, with arrival=trace (kvlab.core.traces)
     time_scale: float = 1.0  # multiplies arrival times: 0.1 replays ten times faster
     long_prompts: str = "clip"  # clip | refuse: trace prompts above isl_max (or cache.capacity_tokens)
