@@ -58,6 +58,17 @@ gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 [ $bench = 1 ] && [ "$gpus" -ge 2 ] && python3 scripts/bench.py --out "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
 [ $bench = 1 ] && python3 scripts/ipc_bench.py --out "$out/ipc.json" "$@" 2>&1 | tee "$out/ipc.log"
 true
+# with_mps CMD...: CMD with every CUDA process it starts a client of a CUDA MPS daemon of this script's own, quit when
+# CMD ends, whatever happens
+with_mps() {
+  local mps=/usr/local/nvidia/bin/nvidia-cuda-mps-control
+  [ -x $mps ] || mps=$(command -v nvidia-cuda-mps-control) || { echo "no nvidia-cuda-mps-control here: $1 skipped"; return 1; }
+  export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+  trap "echo quit | $mps" EXIT
+  $mps -d && "$@"
+  echo quit | $mps; trap - EXIT
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
 # the serving timeline (scripts/serving_bench.py), then its Mooncake cases again with ctx and gen as clients
 # of a CUDA MPS daemon of this script's own (quit before the script ends, whatever happens)
 if [ $serving = 1 ]; then
@@ -66,14 +77,8 @@ if [ $serving = 1 ]; then
   # cases before a change, on the same GPU in the same call
   [ -d build/before ] && python3 scripts/serving_bench.py --out "$out/serving_before.json" --tag before \
     --root build/before --only mooncake-layerwise mooncake-chunked 2>&1 | tee "$out/serving_before.log"
-  mps=/usr/local/nvidia/bin/nvidia-cuda-mps-control
-  if [ -x $mps ]; then
-    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
-    trap 'echo quit | $mps' EXIT
-    $mps -d && python3 scripts/serving_bench.py --out "$out/serving_mps.json" --tag mps \
-      --only mooncake-layerwise mooncake-chunked 2>&1 | tee "$out/serving_mps.log"
-    echo quit | $mps; trap - EXIT
-  fi
+  with_mps python3 scripts/serving_bench.py --out "$out/serving_mps.json" --tag mps \
+    --only mooncake-layerwise mooncake-chunked 2>&1 | tee "$out/serving_mps.log"
 fi
 true
 [ $kernels = 1 ] && timeout 420 python3 scripts/rect_bench.py --out "$out/rect_bench_h200.json" --pairs engines \
@@ -97,20 +102,8 @@ e2e() {
 apart_set=(--set workload.arrival=poisson workload.rate=0.5 workload.burstiness=1e6)
 e2e ""
 [ $apart = 1 ] && e2e _apart "${apart_set[@]}"
-if [ $usemps = 1 ]; then
-  mps=/usr/local/nvidia/bin/nvidia-cuda-mps-control
-  [ -x $mps ] || mps=$(command -v nvidia-cuda-mps-control) || { echo "--mps: no nvidia-cuda-mps-control here"; mps=; }
-  if [ -n "$mps" ]; then
-    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
-    trap 'echo quit | $mps' EXIT
-    if $mps -d; then
-      e2e _mps
-      [ $apart = 1 ] && e2e _apart_mps "${apart_set[@]}"
-    fi
-    echo quit | $mps; trap - EXIT
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  fi
-fi
+e2e_mps() { e2e _mps; [ $apart = 1 ] && e2e _apart_mps "${apart_set[@]}"; true; }
+[ $usemps = 1 ] && with_mps e2e_mps
 true
 [ $mooncake = 1 ] && timeout 400 python3 scripts/mooncake_bench.py --gpu --out "$out/mooncake_h200.json" 2>&1 \
   | tee "$out/mooncake.log" | tail -30
