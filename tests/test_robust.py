@@ -321,7 +321,7 @@ def test_budget_on_gpus_counts_the_ranks_that_share_one():
     assert budget.device_problem(setup, 0, 2, int(1.5 * ctx), 1) is None  # torchrun across hosts: alone
 
 
-@pytest.mark.parametrize("many", ["ctx.tp=64", "gen.tp=64"])
+@pytest.mark.parametrize("many", ["ctx.tp=64", "gen.tp=64", "ctx.cp=64", "gen.dcp=64"])
 def test_more_processes_than_the_host_can_run_are_named_as_such(monkeypatch, many):
     """Ranks whose memory apart from the sizes (process, temporaries, staging) is already more than the host
     has: the field that makes them many is refused, not the prompt length (no prompt length would fit)."""

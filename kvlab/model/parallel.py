@@ -16,6 +16,7 @@ an explicit ``layer_split``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from kvlab.core.bounds import bounded
@@ -152,9 +153,13 @@ class SideSpec:
         """The format of its converted pools (``PoolSpec.fmt``): "" where the rows hold ``dtype`` itself."""
         return "" if self.kv_dtype in (None, self.dtype) else self.kv_dtype
 
+    # the parallel sizes whose product is the side's ranks: what a refusal of too many ranks may name
+    # (kvlab.sizing.budget)
+    RANK_DIMS = ("tp", "pp", "dp", "cp", "dcp")
+
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.cp * self.ranks_tp
+        return math.prod(getattr(self, d) for d in self.RANK_DIMS)
 
     def coord(self, rank: int) -> RankCoord:
         """Its dp, pp and cp index, and ``tp``: its rank in the stage's TP group (of ``tp * dcp`` ranks)."""

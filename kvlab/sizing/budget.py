@@ -26,6 +26,7 @@ from kvlab.config.schema import Setup
 from kvlab.core.errors import ConfigError
 from kvlab.core.paths import room_fix
 from kvlab.memory.cache import verify_piece_bytes
+from kvlab.model.parallel import SideSpec
 from kvlab.model.plan import Request, plan
 from kvlab.model.schedule import Cut, Staging
 from kvlab.model.state import CacheState
@@ -280,7 +281,7 @@ def _ranks_culprit(setup: Setup, ranks: int, each: float, have: int) -> tuple[st
     parallel size that makes the most of them, and how many ranks fit (``each``: a rank's bytes apart from
     what grows with the sizes)."""
     sides = sorted((getattr(side, dim), f"{side.name}.{dim}") for side in (setup.ctx, setup.gen)
-                   for dim in ("tp", "pp", "dp"))
+                   for dim in SideSpec.RANK_DIMS)
     value, f = sides[-1]
     return f, value, f"{ranks} processes cannot run here: each needs {fmt(int(each))} whatever the sizes, so at " \
                      f"most {int(have // each)} fit (ctx and gen ranks together); lower {f}"
