@@ -813,6 +813,40 @@ def test_a_signal_lost_inside_a_library_still_ends_the_block(lost, capsys):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # and the handlers are put back
 
 
+@pytest.mark.parametrize("handler", ["as_exit's", "ignored"])
+def test_a_signal_during_the_held_import_waits_for_its_end(handler, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the parent imported torch raised inside torch's C start-up and aborted ``kvlab run``
+    (SIGABRT, no line; the signals fuzzer drew it at 1.0 s on a loaded machine). ``import_held`` lets the import
+    finish and then raises the signal as the block's one line; a signal ignored before (nohup) stays ignored."""
+    from kvlab.core import interrupt
+
+    (tmp_path / "kvlab_slow_start.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(0.5)  # a handler that raises would raise here, mid-import\n"
+        "LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kvlab_slow_start", raising=False)
+    handlers = {s: signal.getsignal(s) for s in interrupt.SIGNALS}
+    try:
+        if handler == "ignored":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            interrupt.import_held("kvlab_slow_start")
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        else:
+            with pytest.raises(SystemExit) as e, interrupt.as_exit("before any rank started"):
+                interrupt.import_held("kvlab_slow_start")
+                raise AssertionError("the block went on after the signal")
+            assert e.value.code == 130
+            assert capsys.readouterr().err == "kvlab: interrupted by SIGINT before any rank started\n"
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert sys.modules["kvlab_slow_start"].LOADED  # the import ran to its end
+    interrupt.import_held("kvlab_slow_start")  # loaded: nothing happens, the handlers stay
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @pytest.mark.parametrize("nested", [True, False], ids=["in another block", "alone"])
 @pytest.mark.parametrize("where", ["entering __exit__", "inside __exit__"])
 def test_a_signal_as_the_block_is_left_is_still_its_one_line(where, nested, capsys, monkeypatch):

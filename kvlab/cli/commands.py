@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if argv[0] == "sim":  # its own Hydra app (conf/sim.yaml) and its calibrate subcommand
         with interrupt.as_exit("before the simulation started; nothing was simulated or written"):
+            interrupt.import_held("torch")  # a signal raised inside torch's C start-up aborts the process
             from kvlab.sim.cmd import main as sim_main
 
             problem = None if argv[1:2] == ["calibrate"] else check_arguments(  # not Hydra's flags (-m, --cfg)
@@ -397,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     held = None
     with interrupt.as_exit("before any rank started"):  # Ctrl-C or SIGTERM while starting: one line
+        interrupt.import_held("torch")  # a signal raised inside torch's C start-up aborts the process
         try:
             args = parse_args(command, rest)
         except _BadArguments as e:

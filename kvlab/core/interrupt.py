@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import signal
 import sys
@@ -145,6 +146,28 @@ def outermost(command: Callable[[], object]) -> object:
     finally:
         _open.clear()
         _taken_in.clear()
+
+
+def import_held(module: str) -> None:
+    """Import ``module`` with SIGINT and SIGTERM held: a signal that comes meanwhile is noted, and raised as
+    ``Interrupted`` once the import is done (inside an ``as_exit`` block, that block's line).
+
+    For torch, the parent's first heavy import: ``as_exit``'s handler raises where the main thread is, and a
+    Ctrl-C in the first second of ``kvlab run`` raised inside torch's C initialisation, which aborted the process
+    (SIGABRT, no line) instead of failing the import. A signal ignored here (SIG_IGN, as under ``nohup``) stays
+    ignored. Already imported: nothing happens."""
+    if module in sys.modules:
+        return
+    came: list[int] = []
+    held = [s for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in held}
+    try:
+        importlib.import_module(module)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if came:
+        raise Interrupted(came[0])
 
 
 def check_pending() -> None:
