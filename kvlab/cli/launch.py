@@ -22,6 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvlab.core import held
+
+SCRATCH_PREFIX = "kvlab-ranks-"  # the ranks' TMPDIR, one per launch (kvlab.core.held)
+
 # How long the others get, once a frozen rank is killed, to end by themselves before they are stopped. It
 # was killed only after ``frozen_s`` (the transfer timeout) without a sign of life, so a rank whose own
 # deadline runs on it is giving up already, and one blocked joining it (a rendezvous, a process group's
@@ -85,10 +89,15 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
     def on_signal(signum, frame):
         signals.append(signum)
 
-    try:  # in the caller's TMPDIR; gone with the ranks (one that cannot be written: the ranks use it as it is)
-        scratch = {"TMPDIR": tempfile.mkdtemp(prefix="kvlab-ranks-")}
+    # the ranks' TMPDIR, in the caller's; gone with the ranks (where it cannot be made, the ranks use the caller's).
+    # Held (kvlab.core.held): a launcher killed with SIGKILL leaves it, and the next launch removes it
+    base = tempfile.gettempdir()
+    held.sweep(base, SCRATCH_PREFIX)
+    try:
+        scratch_dir, scratch_fd = held.make_held_dir(base, SCRATCH_PREFIX)
+        scratch = {"TMPDIR": scratch_dir}
     except OSError:
-        scratch = {}
+        scratch, scratch_fd = {}, -1
     previous = {s: signal.signal(s, on_signal) for s in SIGNALS}
     try:
         for rank in range(world_size):
@@ -187,6 +196,7 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
             signal.signal(s, h)
         if scratch:
             shutil.rmtree(scratch["TMPDIR"], ignore_errors=True)
+            os.close(scratch_fd)
     if signals:
         return Outcome(128 + signals[0], signals[0], died)
     for r, p in enumerate(procs):

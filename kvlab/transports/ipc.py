@@ -57,7 +57,6 @@ offsets; the gen rank is the one that copies, so ``fault.flip_rank`` must be a g
 from __future__ import annotations
 
 import datetime
-import fcntl
 import json
 import os
 import sys
@@ -69,7 +68,9 @@ import torch
 import torch.distributed as dist
 
 from kvlab.config import devices
+from kvlab.core import held
 from kvlab.core.errors import ConfigError
+from kvlab.core.held import create_locked
 from kvlab.model.layout import Rect, runs
 from kvlab.model.plan import Segment
 from kvlab.model.schedule import Chunk, cut_rect
@@ -124,44 +125,10 @@ class RequestStore:
         return getattr(self._store, name)
 
 
-def create_locked(path: str, nbytes: int) -> int:
-    """A new file of ``nbytes`` at ``path`` that appears already locked (flock) by this process, which keeps the
-    lock as long as it keeps the returned descriptor open: made under a hidden name, locked, then renamed, so
-    that ``sweep`` never sees it unlocked under its own name."""
-    hidden = os.path.join(os.path.dirname(path), "." + os.path.basename(path))
-    fd = os.open(hidden, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.ftruncate(fd, nbytes)
-    os.rename(hidden, path)
-    return fd
-
-
 def sweep(directory: str = SHM_DIR) -> list[str]:
-    """Remove the pool files whose creator is gone (no lock held on them: it died before unlinking them, e.g.
-    killed between creating its pools and the gen ranks mapping them); returns their names. A hidden name
-    (``create_locked`` before its rename) counts only once it is a minute old."""
-    gone = []
-    try:
-        names = sorted(n for n in os.listdir(directory) if n.lstrip(".").startswith(POOL_PREFIX))
-    except OSError:
-        return gone
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            if name.startswith(".") and time.time() - os.fstat(fd).st_mtime < 60:
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its creator lives
-            os.unlink(path)
-            gone.append(name)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return gone
+    """Remove the pool files whose creator is gone (kvlab.core.held: it died before unlinking them, e.g. killed
+    between creating its pools and the gen ranks mapping them); returns their names."""
+    return held.sweep(directory, POOL_PREFIX)
 
 
 def copy_pieces(rect: Rect, rows: tuple[int, ...], ops: str, piece_bytes: int = COPY_PIECE_BYTES) -> list[Rect]:
