@@ -46,7 +46,7 @@ nvidia-smi -L; nvidia-smi topo -m | head -4
 python3 -c 'import torch, cuda.core; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "cuda.core", cuda.core.__version__)'
 tests=1; [ "${1:-}" = "--no-tests" ] && { tests=0; shift; }
 bench=1; [ "${1:-}" = "--no-bench" ] && { bench=0; shift; }
-jobs=(); [ "${1:-}" = "--jobs" ] && { jobs=(-n "$2"); shift 2; }
+jobs=(); [ "${1:-}" = "--jobs" ] && { jobs=(-n "$2" --dist load); shift 2; }  # load: not the GPU tests' one group
 if [ $tests = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider -rf "${jobs[@]}" -m "gpu or gpu2" ${KVLAB_GPU_TESTS:-tests/} 2>&1 | tee "$out/gpu_tests.log" | tail -25
   failed=$(grep -o '^FAILED [^ ]*' "$out/gpu_tests.log" | cut -d' ' -f2 | sort -u)

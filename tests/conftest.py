@@ -42,13 +42,16 @@ settings.register_profile("quick", max_examples=10)
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The fuzzers' longer budgets (marker ``fuzz``) run only when asked for (``pytest -m fuzz``): the default
-    suite keeps their quick draws."""
-    if "fuzz" in (config.getoption("markexpr") or ""):
-        return
+    suite keeps their quick draws. The GPU tests run in one pytest-xdist worker (``--dist loadgroup``, the
+    default's): one after another, as on a machine of one GPU they always have, unless ``--dist load`` spreads
+    them (scripts/gpu_check.sh --jobs N)."""
+    fuzz = "fuzz" in (config.getoption("markexpr") or "")
     skip = pytest.mark.skip(reason="the fuzzers' longer budget: pytest -m fuzz runs it")
     for item in items:
-        if item.get_closest_marker("fuzz"):
+        if item.get_closest_marker("fuzz") and not fuzz:
             item.add_marker(skip)
+        if item.get_closest_marker("gpu") or item.get_closest_marker("gpu2"):
+            item.add_marker(pytest.mark.xdist_group("gpu"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -21,7 +21,7 @@ def test_notebooks_execute():
     failed = {}
     for p in paths:
         proc = subprocess.run([sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=600", "-q",
-                               "-p", "no:cacheprovider", str(p)],
+                               "-p", "no:cacheprovider", "-n", "0", str(p)],
                               cwd=NOTEBOOKS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=900)
         if proc.returncode != 0 or "1 passed" not in proc.stdout:
