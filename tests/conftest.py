@@ -77,6 +77,22 @@ def _temporary_files_in_the_sessions_directory(tmp_path_factory):
     tempfile.tempdir = None
 
 
+@pytest.fixture
+def own_shm():
+    """A directory of the test's own in /dev/shm, for ``transport.shm_dir``: what a run leaves there is its own,
+    whatever other runs on the machine (another pytest-xdist worker's) hold in /dev/shm meanwhile."""
+    import shutil
+    import tempfile
+
+    from kvlab.transports.ipc import SHM_DIR
+
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip(f"no {SHM_DIR} here")
+    d = Path(tempfile.mkdtemp(dir=SHM_DIR, prefix="kvlab-test-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def kvlab_argv(*args: str, torchrun: list[str] | None = None) -> list[str]:
     """The argv of ``kvlab ARGS``, or of torchrun's agent starting ``python -m kvlab ARGS`` per rank."""
     if torchrun is not None:

@@ -20,7 +20,6 @@ from kvlab.core.errors import ConfigError
 from kvlab.memory.fill import locate
 from kvlab.model.plan import plan
 from kvlab.model.state import CacheState
-from kvlab.transports import ipc
 
 QUIET = ["logger=quiet", "transport=ipc"]
 TIMEOUT_S = 4
@@ -43,10 +42,6 @@ CASES = [
 ]
 
 
-def _ours() -> set[str]:
-    return {p.name for p in Path(ipc.SHM_DIR).glob("kvlab-ipc-*")}
-
-
 def _rows(run_dir: Path) -> dict[int, dict]:
     check_figures(run_dir)
     return {r["request"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
@@ -55,10 +50,9 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 @pytest.mark.slow
 @settings(max_examples=3, **E2E)
 @given(case=st.sampled_from(CASES))
-def test_pulled_and_verified(case, tmp_path_factory):
+def test_pulled_and_verified(case, tmp_path_factory, own_shm):
     overrides, tmp_path = case[1], tmp_path_factory.mktemp("ipc")
-    before = _ours()
-    summary = run_transfer(overrides + QUIET, tmp_path)
+    summary = run_transfer([*overrides, *QUIET, f"transport.shm_dir={own_shm}"], tmp_path)
     assert summary["verified"], summary
     assert summary["failed_requests"] == [] and summary["errors"] == []
     assert summary["transport"] == "ipc"
@@ -69,7 +63,7 @@ def test_pulled_and_verified(case, tmp_path_factory):
     for req in make_requests(setup):  # every request moved exactly what its gen ranks must hold
         assert rows[req.id]["bytes"] == sum(s.nbytes for s in plan(setup.model, setup.ctx, setup.gen, req))
         assert rows[req.id]["in_place_chunks"] == rows[req.id]["chunks"]  # no chunk went through a buffer
-    assert _ours() <= before  # every shared-memory file was unlinked
+    assert list(own_shm.iterdir()) == []  # every shared-memory file was unlinked
 
 
 def test_bad_input_names_the_transport(monkeypatch):
@@ -85,12 +79,12 @@ def test_bad_input_names_the_transport(monkeypatch):
 
 
 @pytest.mark.slow
-def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path, kvlab_cli):
-    before = _ours()
+def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path, kvlab_cli, own_shm):
     run_dir = tmp_path / "run"
     # every wait has the deadline transfer.timeout_s, so the run ends; the subprocess timeout only guards
     # against a hang (shared cores make wall time a poor assertion)
-    p = kvlab_cli("run", f"hydra.run.dir={run_dir}", *QUIET, "transfer.slot_mib=0.5", "workload.requests=6",
+    p = kvlab_cli("run", f"hydra.run.dir={run_dir}", *QUIET, f"transport.shm_dir={own_shm}", "transfer.slot_mib=0.5",
+                  "workload.requests=6",
                   f"transfer.timeout_s={TIMEOUT_S}", "fault.kill_rank=1", "fault.kill_at_chunk=24", timeout=600)
     assert p.returncode == 3, p.stderr
     assert "rank 1 (ctx1) died: exit code 3" in p.stderr
@@ -111,7 +105,7 @@ def test_dead_ctx_rank_ends_the_run_within_the_deadline(tmp_path, kvlab_cli):
     # ctx1, or ctx0 held up waiting for its peer ctx1, and then the dead ctx1 is named
     assert re.search(r"with ctx1|with ctx0: .*; ctx1 \(rank 1\) had died", gen["errors"][0]), gen["errors"]
     assert gen["held_blocks"] == 0
-    assert _ours() <= before  # unlinked at the handshake: a dead ctx rank leaves no file behind
+    assert list(own_shm.iterdir()) == []  # unlinked at the handshake: a dead ctx rank leaves no file behind
 
 
 @pytest.mark.slow
