@@ -16,12 +16,13 @@ import pytest
 from kvlab.cli.launch import SCRATCH_PREFIX
 from kvlab.core import held
 
-HOLD = ("import sys, time; from kvlab.core import held; print(held.make_held_dir(sys.argv[1], 'kvlab-ranks-')[0], "
+HOLD = ("import sys, time; from kvlab.core import held; print(held.make_held_dir(sys.argv[1], sys.argv[2])[0], "
         "flush=True); time.sleep(60)")
 
 
 def _holder(directory: Path) -> tuple[subprocess.Popen, Path]:
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(directory)], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(directory), SCRATCH_PREFIX], stdout=subprocess.PIPE,
+                         text=True)
     return p, Path(p.stdout.readline().strip())
 
 
@@ -36,9 +37,12 @@ def test_a_held_directory_is_removed_only_once_its_maker_is_gone(tmp_path):
         (left / "deep" / "f").write_bytes(b"x")
         (tmp_path / f".{SCRATCH_PREFIX}being-made").mkdir()  # hidden and younger than a minute
         (tmp_path / "someone-else").mkdir()
+        (tmp_path / "kvlab-ranks-a1b_x9zq").mkdir()  # an older kvlab's, held by no lock: maybe a live run's
+        assert held.unheld(str(tmp_path), SCRATCH_PREFIX) == [left.name]  # names it, removes nothing
+        assert held.unheld(str(tmp_path), SCRATCH_PREFIX, grace_s=0) == [f".{SCRATCH_PREFIX}being-made", left.name]
         assert held.sweep(str(tmp_path), SCRATCH_PREFIX) == [left.name]
-        assert sorted(p.name for p in tmp_path.iterdir()) == [f".{SCRATCH_PREFIX}being-made", made.name,
-                                                              "someone-else"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f".{SCRATCH_PREFIX}being-made", "kvlab-ranks-a1b_x9zq",
+                                                              made.name, "someone-else"]
     finally:
         live.kill()
         live.wait()

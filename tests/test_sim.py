@@ -364,6 +364,19 @@ def test_slo_and_sim_specs_refuse_what_cannot_work():
         SimSpec(rate=0)
 
 
+def test_a_set_rate_makes_a_workload_poisson_before_its_burstiness_is_checked():
+    """``sim.rate`` makes any workload but a trace Poisson at that rate (kvlab.sim.run.requests), so a
+    ``workload.burstiness`` beside it shapes the gaps, where ``kvlab run`` with the same burst workload refuses it."""
+    runs = {b: sim_setup("workload=default", "workload.osl=16", "workload.requests=400", "sim.rate=10",
+                         f"workload.burstiness={b}") for b in (1, 0.25)}
+    assert {s.setup.workload.arrival for s in runs.values()} == {"poisson"}
+    gaps = {b: np.diff(requests(s)[0]) for b, s in runs.items()}
+    cv = {b: g.std() / g.mean() for b, g in gaps.items()}  # gamma gaps of shape b: 1 / sqrt(b), 1 and 2
+    assert 0.8 < cv[1] < 1.2 and 1.6 < cv[0.25] < 2.4, cv
+    with pytest.raises(ConfigError, match=r"^workload.burstiness=0.25: shapes the gaps of workload.arrival=poisson"):
+        sim_setup("workload=default", "workload.osl=16", "workload.burstiness=0.25")  # no rate: its own burst
+
+
 def test_simulate_without_decode_ends_at_the_transfer():
     s = sim_setup("sim.decode=false", "sim.rate=10")
     a, i, o = requests(s)

@@ -24,7 +24,9 @@ from pathlib import Path
 
 from kvlab.core import held
 
-SCRATCH_PREFIX = "kvlab-ranks-"  # the ranks' TMPDIR, one per launch (kvlab.core.held)
+# the ranks' TMPDIR, one per launch (kvlab.core.held). Not the "kvlab-ranks-" of kvlab before 2026-12-05, which
+# did not hold it: a live run of that kvlab on the machine would look left and be swept
+SCRATCH_PREFIX = "kvlab-scratch-"
 
 # How long the others get, once a frozen rank is killed, to end by themselves before they are stopped. It
 # was killed only after ``frozen_s`` (the transfer timeout) without a sign of life, so a rank whose own

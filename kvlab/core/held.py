@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 
 HIDDEN_GRACE_S = 60.0
 
@@ -46,24 +47,17 @@ def make_held_dir(directory: str, prefix: str) -> tuple[str, int]:
     return path, fd
 
 
+def unheld(directory: str, prefix: str, grace_s: float = HIDDEN_GRACE_S) -> list[str]:
+    """The names of the entries of ``directory`` named ``prefix...`` (or hidden, ``.prefix...``, once ``grace_s``
+    old) that no process holds: what a process that died left there. Removes nothing."""
+    return [name for name, _ in _left(directory, prefix, grace_s)]
+
+
 def sweep(directory: str, prefix: str) -> list[str]:
-    """Remove the entries of ``directory`` named ``prefix...`` (or hidden, ``.prefix...``) that no process holds;
-    returns their names."""
+    """Remove the entries ``unheld`` names; returns their names."""
     gone = []
-    try:
-        names = sorted(n for n in os.listdir(directory) if n.lstrip(".").startswith(prefix))
-    except OSError:
-        return gone
-    for name in names:
-        path = os.path.join(directory, name)
+    for name, path in _left(directory, prefix, HIDDEN_GRACE_S):
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            if name.startswith(".") and time.time() - os.fstat(fd).st_mtime < HIDDEN_GRACE_S:
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its maker lives
             if os.path.isdir(path):
                 shutil.rmtree(path)
             else:
@@ -71,9 +65,32 @@ def sweep(directory: str, prefix: str) -> list[str]:
             gone.append(name)
         except OSError:
             pass
+    return gone
+
+
+def _left(directory: str, prefix: str, grace_s: float) -> Iterator[tuple[str, str]]:
+    """(name, path) of each entry no process holds, locked by this process until the caller asks for the next: no
+    other sweep takes it meanwhile."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.lstrip(".").startswith(prefix))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if name.startswith(".") and time.time() - os.fstat(fd).st_mtime < grace_s:
+                continue  # being made: its maker locks and renames it next
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: its maker lives
+            yield name, path
         finally:
             os.close(fd)
-    return gone
 
 
 def _hidden(path: str) -> str:

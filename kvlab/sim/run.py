@@ -85,6 +85,10 @@ def build_sim(cfg: DictConfig) -> SimSetup:
     check_tree(ClusterSpec, plain.get("cluster") or {}, "cluster.")
     check_tree(SimSpec, plain.get("sim") or {}, "sim.")
     base = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k not in SIM_KEYS])
+    if (cfg.sim.get("rate") is not None or cfg.sim.get("search")) and base.workload.get("arrival") != "trace":
+        # a set rate makes the workload Poisson (``requests``): its checks (workload.burstiness) must see that
+        base = base.copy()
+        base.workload.arrival = "poisson"
     setup = build(base)
     plain = OmegaConf.to_container(cfg, resolve=True)
     cluster = _typed(ClusterSpec, plain.get("cluster") or {}, "cluster")

@@ -24,7 +24,9 @@ from conftest import kvlab_argv
 from hypothesis import HealthCheck, Phase, example, given, note, settings
 from hypothesis import strategies as st
 
+from kvlab.core import held
 from kvlab.results import records
+from kvlab.transports import ipc
 
 E2E = dict(deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
 BOUND_S = 150  # start-up under load, the 10 s transfer timeout, the launcher's stop wait (20 s), the merge
@@ -35,29 +37,14 @@ KINDS = ["SIGINT", "double SIGINT", "SIGTERM", "SIGKILL"]
 
 
 def _shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.lstrip(".").startswith("kvlab-ipc-")} if os.path.isdir(
+    return {n for n in os.listdir("/dev/shm") if n.lstrip(".").startswith(ipc.POOL_PREFIX)} if os.path.isdir(
         "/dev/shm") else set()
 
 
 def _orphans(before: set[str]) -> set[str]:
-    """Pool files made since ``before`` whose creator is gone (no lock held: kvlab.transports.ipc), not those of
-    another run alive on this machine."""
-    import fcntl
-
-    out = set()
-    for name in _shm() - before:
-        try:
-            fd = os.open(os.path.join("/dev/shm", name), os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            out.add(name)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return out
+    """Pool files made since ``before`` whose creator is gone (kvlab.core.held: no lock held, a hidden one at any
+    age), not those of another run alive on this machine."""
+    return set(held.unheld("/dev/shm", ipc.POOL_PREFIX, grace_s=0)) - before
 
 
 def _send(proc: subprocess.Popen, kind: str, target: str) -> None:
