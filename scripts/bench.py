@@ -66,16 +66,17 @@ def raw_rank(sizes: list[int], out: Path) -> None:
 
 
 def raw_nccl(sizes: list[int]) -> dict[int, dict]:
-    from kvlab.cli.launch import free_port
+    from kvlab.cli.launch import reserve_port
 
     out = Path(tempfile.mkdtemp()) / "raw.json"
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "--raw-rank", str(out), *map(str, sizes)],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-             for r in range(2)]
-    if any(p.wait() for p in procs):
-        raise RuntimeError("raw NCCL measurement failed")
+    with reserve_port() as reserved:
+        port = reserved.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, __file__, "--raw-rank", str(out), *map(str, sizes)],
+                                  env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                 for r in range(2)]
+        if any([p.wait() for p in procs]):  # every rank waited for, not only up to the first that failed
+            raise RuntimeError("raw NCCL measurement failed")
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 

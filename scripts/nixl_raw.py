@@ -127,20 +127,21 @@ def measure(cases: list[tuple[int, int]], device: str = "cpu", env: dict | None 
     """Run the writers and the target as processes on this machine: {"cases": one dict per (bytes,
     descriptors), "log": their output} (with ``UCX_PROTO_INFO=y`` in ``env`` the log holds the protocols
     UCX chose). Bytes must split into ``writers`` x descriptors pieces of whole 8-byte words."""
-    from kvlab.cli.launch import free_port
+    from kvlab.cli.launch import reserve_port
 
     for n, k in cases:
         if n <= 0 or k % writers or n % (8 * k):
             raise ValueError(f"{n} B in {k} descriptors over {writers} writers: not whole 8-byte pieces")
     out = Path(tempfile.mkdtemp()) / "raw.json"
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank-of", str(out), str(writers), device,
-                               *(f"{n}:{k}" for n, k in cases)],
-                              env=dict(os.environ, **(env or {}), RANK=str(r), LOCAL_RANK=str(r),
-                                       MASTER_PORT=str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(writers + 1)]
-    logs = [p.communicate()[0] for p in procs]
+    with reserve_port() as reserved:
+        port = reserved.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, __file__, "--rank-of", str(out), str(writers), device,
+                                   *(f"{n}:{k}" for n, k in cases)],
+                                  env=dict(os.environ, **(env or {}), RANK=str(r), LOCAL_RANK=str(r),
+                                           MASTER_PORT=str(port)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(writers + 1)]
+        logs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("raw NIXL measurement failed:\n" + "\n".join(log[-3000:] for log in logs))
     return {"cases": json.loads(out.read_text()), "log": "\n".join(logs)}

@@ -112,15 +112,16 @@ def _ranks(run_dirs: list[Path], timeout: float = 120,
            env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     """Start ``python -m kvlab.cli.worker DIR`` once per entry as the ranks of one job, as torchrun would
     (rank i reads ``run_dirs[i]/config.yaml``, so ranks may be given different configs), and wait for all."""
-    from kvlab.cli.launch import free_port
+    from kvlab.cli.launch import reserve_port
 
-    port, world = free_port(), len(run_dirs)
-    procs = [subprocess.Popen([sys.executable, "-m", "kvlab.cli.worker", str(d)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {})))
-             for rank, d in enumerate(run_dirs)]
-    outs = [p.communicate(timeout=timeout) for p in procs]
+    with reserve_port() as reserved:
+        port, world = reserved.getsockname()[1], len(run_dirs)
+        procs = [subprocess.Popen([sys.executable, "-m", "kvlab.cli.worker", str(d)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {})))
+                 for rank, d in enumerate(run_dirs)]
+        outs = [p.communicate(timeout=timeout) for p in procs]
     return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
 
 

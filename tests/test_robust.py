@@ -936,12 +936,13 @@ def test_a_rank_told_to_stop_while_joining_ends_at_once(tmp_path, kvlab_cli):
     only at its own timeout (here 300 s) in C++, where Python's signal handlers cannot run: SIGTERM must
     end a rank within moments all the same, with its part file saying so, whatever phase of its start-up
     it was in (slow imports included)."""
-    from kvlab.cli.launch import free_port
+    from kvlab.cli.launch import reserve_port
     from kvlab.results.records import read_part
 
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(compose(["transfer.timeout_s=300", *QUIET]),
                                                             resolve=True))
-    port = free_port()
+    reserved = reserve_port()
+    port = reserved.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, "-m", "kvlab.cli.worker", str(tmp_path)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r),
@@ -960,6 +961,7 @@ def test_a_rank_told_to_stop_while_joining_ends_at_once(tmp_path, kvlab_cli):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        reserved.close()
     for r in (0, 1):
         part = read_part(tmp_path, r)
         assert part is not None and len(part.errors) == 1, part

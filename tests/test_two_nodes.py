@@ -10,12 +10,13 @@ import subprocess
 import pytest
 from conftest import check_figures
 
-from kvlab.cli.launch import free_port
+from kvlab.cli.launch import reserve_port
 
 
 @pytest.mark.slow
 def test_ctx_node_and_gen_node_verified_in_one_run_dir(tmp_path, kvlab_cli):
-    port, rdzv_id = free_port(), "kvlab-two-nodes"
+    reserved, rdzv_id = reserve_port(), "kvlab-two-nodes"
+    port = reserved.getsockname()[1]
     agents = []
     for node in (0, 1):
         cmd = kvlab_cli.argv("run", "logger=quiet", "ctx.tp=2", "gen.tp=2", "workload.requests=2",
@@ -30,6 +31,7 @@ def test_ctx_node_and_gen_node_verified_in_one_run_dir(tmp_path, kvlab_cli):
         for a in agents:
             if a.poll() is None:
                 a.kill()
+        reserved.close()
     assert [a.returncode for a in agents] == [0, 0], [e[-3000:] for _, e in outs]
 
     runs = list((tmp_path / "outputs").iterdir())

@@ -39,10 +39,20 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def reserve_port() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1 and never listening, for a store to bind after it (rank 0's
+    TCPStore, torchrun's c10d rendezvous); its port is ``.getsockname()[1]``. While it is open, the kernel hands
+    that port to no other bind to port 0 (another run's launcher, a gloo listener of any run), which it does to
+    a port found free and closed again, in the seconds before rank 0 binds it. The store's own bind succeeds
+    beside it: both set SO_REUSEADDR, and this one never listens. Close it once the ranks have ended."""
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 @dataclass
@@ -83,7 +93,8 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
 
     check_pending()  # a Ctrl-C taken while composing, and lost there, starts no rank
 
-    port = free_port()
+    reserved = reserve_port()
+    port = reserved.getsockname()[1]
     names = names or [f"rank {r}" for r in range(world_size)]
     procs = []
     signals: list[int] = []
@@ -199,6 +210,7 @@ def launch_local(run_dir: Path, world_size: int, grace_s: float = 30.0, extra_en
         if scratch:
             shutil.rmtree(scratch["TMPDIR"], ignore_errors=True)
             os.close(scratch_fd)
+        reserved.close()
     if signals:
         return Outcome(128 + signals[0], signals[0], died)
     for r, p in enumerate(procs):
