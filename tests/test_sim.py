@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -362,6 +363,16 @@ def test_slo_and_sim_specs_refuse_what_cannot_work():
     assert SloSpec(ttft_ms=100).met(0.05, float("nan"))
     with pytest.raises(ConfigError, match=r"^sim.rate=0: must be > 0"):
         SimSpec(rate=0)
+
+
+@pytest.mark.parametrize("key, value", [("cluster.decode.weight_bytes", 4.4e16), ("cluster.decode.weights_gb", 2000.0)])
+def test_weights_that_fill_the_gen_hbm_are_one_line_naming_them(key, value):
+    """Drawn by the config fuzzer: weights that leave a gen DP group no HBM for KV were refused only mid-simulation,
+    naming ``cluster.decode.capacity_tokens=0``, which the user never set."""
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}={re.escape(str(value))}: the weights .* no room for KV"):
+        sim_setup(f"{key}={value}")
+    sim_setup(f"{key}={value}", "sim.decode=false")  # no decode, no KV held: nothing to refuse
+    sim_setup(f"{key}={value}", "cluster.decode.capacity_tokens=200000")  # a capacity of its own: as given
 
 
 def test_a_set_rate_makes_a_workload_poisson_before_its_burstiness_is_checked():

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlab.config.schema import Setup
+from kvlab.core.errors import ConfigError
 from kvlab.core.sim_terms import PrefillTerms, TransportTerms
 from kvlab.model.prefill import layer_seconds
 from kvlab.model.schedule import Ready
@@ -95,18 +96,41 @@ def prefill_model_s(setup: Setup, isls: np.ndarray, tflops: float, mfu: float) -
     return np.interp(isls, pts, whole), np.interp(isls, pts, first)
 
 
-def decode_rates(setup: Setup, cluster: ClusterSpec, kv_token_bytes: float) -> tuple[float, float, float, int]:
-    """(seconds per step fixed, per cached token, per batch member) and KV tokens of one gen DP group."""
-    g = cluster.gpu
+def _active_and_weights(setup: Setup, cluster: ClusterSpec) -> tuple[float, float]:
+    """(active parameters per token, weight bytes one gen DP group reads per step)."""
     d = cluster.decode
-    gpus = setup.gen.ranks_tp * setup.gen.pp
     try:  # active parameters per token, as the prefill's formula counts them (kvlab.model.prefill)
         from kvlab.model.prefill import layer_flops
 
         active = sum(layer_flops(setup.model, layer, 1) for layer in range(setup.model.num_layers)) / 2
     except Exception:  # noqa: BLE001 - a model without dims: weights_gb must say
         active = 0.0
-    weights = d.weights_gb * 1e9 if d.weights_gb is not None else active * d.weight_bytes
+    return active, d.weights_gb * 1e9 if d.weights_gb is not None else active * d.weight_bytes
+
+
+def check_decode_memory(setup: Setup, cluster: ClusterSpec) -> None:
+    """A gen DP group whose KV capacity comes from its HBM (``cluster.decode.capacity_tokens=0``) must have HBM
+    left once the weights are in: said in one line naming the weights' field, before anything is simulated."""
+    d, g = cluster.decode, cluster.gpu
+    if d.capacity_tokens:
+        return
+    _, weights = _active_and_weights(setup, cluster)
+    hbm = setup.gen.ranks_tp * setup.gen.pp * g.hbm_gb * 1e9 * d.memory_fraction
+    if weights >= hbm:
+        key, value = (("cluster.decode.weights_gb", d.weights_gb) if d.weights_gb is not None
+                      else ("cluster.decode.weight_bytes", d.weight_bytes))
+        raise ConfigError(key, value, f"the weights ({weights / 1e9:,.4g} GB) fill a gen DP group's "
+                          f"{hbm / 1e9:,.4g} GB (cluster.gpu.hbm_gb x cluster.decode.memory_fraction x its GPUs) and "
+                          "leave no room for KV; lower it, give the gen side more GPUs (gen.tp, gen.pp), or set "
+                          "cluster.decode.capacity_tokens")
+
+
+def decode_rates(setup: Setup, cluster: ClusterSpec, kv_token_bytes: float) -> tuple[float, float, float, int]:
+    """(seconds per step fixed, per cached token, per batch member) and KV tokens of one gen DP group."""
+    g = cluster.gpu
+    d = cluster.decode
+    gpus = setup.gen.ranks_tp * setup.gen.pp
+    active, weights = _active_and_weights(setup, cluster)
     hbm = gpus * g.hbm_gbps * 1e9 * g.hbm_efficiency
     fixed = d.step_us * 1e-6 + weights / hbm
     per_token = kv_token_bytes / hbm
@@ -234,8 +258,6 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
     if decode:
         worst = int(np.argmax(need))
         if need[worst] > cap:
-            from kvlab.core.errors import ConfigError
-
             raise ConfigError("cluster.decode.capacity_tokens", cap, f"a gen DP group holds {cap} KV tokens and "
                               f"request {worst} needs {int(need[worst])} (prompt + output); give the gen side more "
                               "GPUs (gen.tp, gen.pp), a larger cluster.gpu.hbm_gb, or cap workload.isl_max")

@@ -25,7 +25,7 @@ from kvlab.core.errors import ConfigError, require
 from kvlab.core.sim_terms import PrefillTerms, TransportTerms
 from kvlab.sim import plans, report
 from kvlab.sim.cluster import ClusterSpec, SimSpec
-from kvlab.sim.engine import Outcome, simulate
+from kvlab.sim.engine import Outcome, check_decode_memory, simulate
 
 SIM_KEYS = ("cluster", "sim")
 
@@ -95,6 +95,8 @@ def build_sim(cfg: DictConfig) -> SimSetup:
     sim = _typed(SimSpec, plain.get("sim") or {}, "sim")
     ctx_gpus, gen_gpus = setup.ctx.size, setup.gen.size
     cluster.check_links(ctx_gpus, gen_gpus)
+    if sim.decode:
+        check_decode_memory(setup, cluster)
     fitted = setup.cost.fitted
     if fitted is None:
         raise ConfigError("cost", setup.cost.profile, "holds no fitted terms; kvlab sim costs transfers with "
