@@ -16,7 +16,7 @@
 # --apart: --gemma and --engines with arrivals 2 s apart (poisson at 0.5/s, burstiness 1e6: all but constant gaps),
 #   longer than a 32k prefill, so no ctx process's prefill runs beside a pull, into *_apart_h200.json
 # --mps: --gemma and --engines (and --apart) again with every process a client of a CUDA MPS daemon of this script's
-#   own (quit before the script ends, whatever happens), into *_mps_h200.json
+#   own (quit before the script ends, whatever happens), into *_mps_h200.json; --mps-only: those under MPS alone
 # --caches: this year's caches on the GPU (hybrid state, context parallelism, prefill=model): check=decode of each,
 #   then Qwen3-Next TP2 -> TP1 and Llama CP2 -> DCP2 at 32k over ipc beside the in-run copy_, into caches_h200.json
 # --model-prefill: prefill=model (the transformers model on the clock) decode-checked over ipc: Llama-3.1-8B TP1 -> TP1
@@ -32,9 +32,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
 serving=0; mooncake=0; decode=0; engines=0; kernels=0; fp8=0; caches=0; mprefill=0; ceilings=0; gemma=0; apart=0
-usemps=0; rest=()
+usemps=0; mpsonly=0; rest=()
 for a in "$@"; do
-  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --fp8) fp8=1;; --caches) caches=1;; --model-prefill) mprefill=1;; --ceilings) ceilings=1;; --gemma) gemma=1;; --apart) apart=1;; --mps) usemps=1;; *) rest+=("$a");; esac
+  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --fp8) fp8=1;; --caches) caches=1;; --model-prefill) mprefill=1;; --ceilings) ceilings=1;; --gemma) gemma=1;; --apart) apart=1;; --mps) usemps=1;; --mps-only) usemps=1; mpsonly=1;; *) rest+=("$a");; esac
 done
 set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
@@ -64,9 +64,11 @@ with_mps() {
   local mps=/usr/local/nvidia/bin/nvidia-cuda-mps-control
   [ -x $mps ] || mps=$(command -v nvidia-cuda-mps-control) || { echo "no nvidia-cuda-mps-control here: $1 skipped"; return 1; }
   export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
-  trap "echo quit | $mps" EXIT
-  $mps -d && "$@"
-  echo quit | $mps; trap - EXIT
+  # the daemon keeps none of this script's output open (a reader of it would wait for the daemon), and its quit
+  # is bounded: a call under MPS once ran to its limit after its last figure was written
+  trap "echo quit | timeout 60 $mps" EXIT
+  $mps -d </dev/null >/dev/null 2>&1 && "$@"
+  echo quit | timeout 60 $mps; trap - EXIT
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 # the serving timeline (scripts/serving_bench.py), then its Mooncake cases again with ctx and gen as clients
@@ -100,8 +102,7 @@ e2e() {
   true
 }
 apart_set=(--set workload.arrival=poisson workload.rate=0.5 workload.burstiness=1e6)
-e2e ""
-[ $apart = 1 ] && e2e _apart "${apart_set[@]}"
+if [ $mpsonly = 0 ]; then e2e ""; [ $apart = 1 ] && e2e _apart "${apart_set[@]}"; fi
 e2e_mps() { e2e _mps; [ $apart = 1 ] && e2e _apart_mps "${apart_set[@]}"; true; }
 [ $usemps = 1 ] && with_mps e2e_mps
 true

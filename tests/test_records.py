@@ -132,6 +132,32 @@ def test_a_summary_says_how_its_ranks_shared_their_gpus(tmp_path, monkeypatch):
         server.listen(1)
         assert devices.mps_control() == str(control)
     assert devices.mps_control() is None
+    # a live daemon whose socket is of another type than a stream, or whose queue of connections is full, is live:
+    # only a refusal means the daemon is gone
+    for kind in (socket.SOCK_SEQPACKET, socket.SOCK_DGRAM):
+        control.unlink()
+        with socket.socket(socket.AF_UNIX, kind) as server:
+            server.bind(str(control))
+            if kind != socket.SOCK_DGRAM:
+                server.listen(1)
+            assert devices.mps_control() == str(control), kind
+        assert devices.mps_control() is None, kind
+    control.unlink()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(control))
+        server.listen(0)
+        queued = []
+        try:
+            while True:  # fill the queue: the next connection would wait
+                client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                client.setblocking(False)
+                queued.append(client)
+                client.connect(str(control))
+        except BlockingIOError:
+            assert devices.mps_control() == str(control)
+        finally:
+            for client in queued:
+                client.close()
 
     def printed(sharing: dict) -> str:
         out = io.StringIO()

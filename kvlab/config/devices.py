@@ -16,6 +16,7 @@ reverse); a run that names ``transport=p2p`` there is refused before any rank st
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import stat
@@ -40,21 +41,42 @@ def gpu_count(setup: Setup) -> int:
 def mps_control() -> str | None:
     """The control endpoint of a live CUDA MPS daemon that this host's CUDA processes join when they start
     (``control`` under ``CUDA_MPS_PIPE_DIRECTORY``, else /tmp/nvidia-mps), where there is one. A daemon that
-    ended uncleanly leaves its pipe behind, and the processes then run without MPS: a named pipe that no
+    ended uncleanly leaves its endpoint behind, and the processes then run without MPS: a named pipe that no
     process holds open for reading, or a socket that refuses a connection, is such a leftover. The probe
-    opens and closes the endpoint without a word written, as a client that changed its mind."""
+    opens and closes the endpoint without a word written, as a client that changed its mind.
+
+    Only a refusal or a missing file counts as no daemon. A socket of another type than the probe's (the
+    kernel answers EPROTOTYPE only where a socket is bound) or one whose queue is full (EAGAIN, or the
+    probe's timeout) has a live daemon behind it: on one H200 under a live daemon of CUDA 13 (copies at
+    0.905 of ``copy_`` against 0.62 without it) a stream-only probe said there was none."""
     pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps") / "control"
     try:
         kind = pipe.stat().st_mode
         if stat.S_ISFIFO(kind):
             os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO: nobody reads it
-        elif stat.S_ISSOCK(kind):
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(1.0)
-                s.connect(str(pipe))
+            return str(pipe)
+        if not stat.S_ISSOCK(kind):
+            return None
     except OSError:
         return None
-    return str(pipe)
+    return str(pipe) if _listened(pipe) else None
+
+
+def _listened(path: Path) -> bool:
+    """Whether something is bound to the Unix socket at ``path``: a connection of any type it accepts, or an
+    answer only a bound socket gives."""
+    for kind in (socket.SOCK_STREAM, socket.SOCK_SEQPACKET):
+        try:
+            with socket.socket(socket.AF_UNIX, kind) as s:
+                s.settimeout(1.0)
+                s.connect(str(path))
+            return True
+        except (TimeoutError, BlockingIOError):
+            return True
+        except OSError as e:
+            if e.errno != errno.EPROTOTYPE:
+                return False
+    return True  # bound, of a type neither probe speaks (datagrams)
 
 
 def gpu_sharing(setup: Setup) -> dict:
