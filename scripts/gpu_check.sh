@@ -67,7 +67,8 @@ with_mps() {
   # the daemon keeps none of this script's output open (a reader of it would wait for the daemon), and its quit
   # is bounded: a call under MPS once ran to its limit after its last figure was written
   trap "echo quit | timeout 60 $mps" EXIT
-  $mps -d </dev/null >/dev/null 2>&1 && "$@"
+  if $mps -d </dev/null >"$CUDA_MPS_LOG_DIRECTORY/start.out" 2>&1; then "$@"
+  else echo "nvidia-cuda-mps-control -d failed, $1 skipped: $(cat "$CUDA_MPS_LOG_DIRECTORY/start.out")"; fi
   echo quit | timeout 60 $mps; trap - EXIT
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }

@@ -144,6 +144,9 @@ def outermost(command: Callable[[], object]) -> object:
         _say(signum, _taken_in[0] if _taken_in else "")
         raise SystemExit(128 + signum) from None
     finally:
+        # a signal that escaped a block as it was left is still noted: in a process that goes on (a test worker,
+        # a notebook), the next launch's check_pending would raise it again
+        _pending.clear()
         _open.clear()
         _taken_in.clear()
 
