@@ -148,11 +148,12 @@ def test_a_summary_says_how_its_ranks_shared_their_gpus(tmp_path, monkeypatch):
         server.listen(0)
         queued = []
         try:
-            while True:  # fill the queue: the next connection would wait
+            for _ in range(4096):  # fill the queue: the next connection would wait
                 client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 client.setblocking(False)
                 queued.append(client)
                 client.connect(str(control))
+            raise AssertionError("4,096 connections queued on a listen(0) socket")
         except BlockingIOError:
             assert devices.mps_control() == str(control)
         finally:
