@@ -882,10 +882,12 @@ def test_a_signal_as_the_block_is_left_is_still_its_one_line(where, nested, caps
     try:
         with pytest.raises(SystemExit) as e:
             interrupt.outermost(command)
+        after = {s: signal.getsignal(s) for s in interrupt.SIGNALS}
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
     assert e.value.code == 130
+    assert after == handlers  # a later Ctrl-C in this process is not ignored
     # the block the signal came in; after the last block was left, a Ctrl-C is the bare line
     said = (" as the simulation ended" if where == "entering __exit__" else
             " before any rank started" if nested else "")

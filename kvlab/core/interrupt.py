@@ -58,7 +58,7 @@ def _raise_it(signum, frame):
     for s in SIGNALS:
         signal.signal(s, ignore)  # one is enough
     _pending.append(signum)
-    _taken_in[:] = _open[-1:] or [""]
+    _taken_in[:] = [b.what for b in _open[-1:]] or [""]
     raise Interrupted(signum)
 
 
@@ -67,7 +67,7 @@ def _say(signum: int, what: str | Callable[[], str]) -> None:
     print(f"kvlab: interrupted by {name(signum)}{' ' + said if said else ''}", file=sys.stderr)
 
 
-_open: list[str | Callable[[], str]] = []  # the ``what`` of each as_exit block entered and not yet left
+_open: list[as_exit] = []  # each as_exit block entered and not yet left, outermost first
 _taken_in: list[str | Callable[[], str]] = []  # the ``what`` of the innermost open block when the signal came
 
 
@@ -83,7 +83,8 @@ class as_exit:
     A class and not a generator: a signal whose handler runs at the first instruction of ``__exit__`` raises
     before ``__exit__`` can take it, out of the ``with`` statement. A generator's block then stayed suspended,
     and closing it at teardown printed the line after the traceback and an "Exception ignored" one. Such an
-    ``Interrupted`` reaches ``outermost``, which says this block's line.
+    ``Interrupted`` reaches ``outermost``, which says this block's line and puts back the handlers the
+    outermost block left so found.
 
     ``last``: the command's last step. Once it has ended, however it ended, a signal can change nothing the
     command wrote, and in a process that ends with the command the signals are then ignored: Python's
@@ -101,7 +102,7 @@ class as_exit:
         _pending.clear()
         _taken_in.clear()
         self.depth = len(_open)
-        _open.append(self.what)
+        _open.append(self)
         self.previous = {s: signal.signal(s, _raise_it) for s in SIGNALS}
         return self
 
@@ -144,8 +145,12 @@ def outermost(command: Callable[[], object]) -> object:
         _say(signum, _taken_in[0] if _taken_in else "")
         raise SystemExit(128 + signum) from None
     finally:
-        # a signal that escaped a block as it was left is still noted: in a process that goes on (a test worker,
-        # a notebook), the next launch's check_pending would raise it again
+        # a signal that escaped a block as it was left is still noted, and that block's handlers (``ignore``
+        # after the first signal) are still set: in a process that goes on (a test worker, a notebook), the
+        # next launch's check_pending would raise it again and later signals would be ignored
+        if _open and not _process_ends[0]:
+            for s, h in _open[0].previous.items():
+                signal.signal(s, h)
         _pending.clear()
         _open.clear()
         _taken_in.clear()
