@@ -31,3 +31,24 @@ def test_a_gpu_clock_places_its_marks_between_the_host_times_around_them():
         torch.cuda.synchronize()
         t1 = time.time()
         assert t0 - clock.bracket_s / 2 - 1e-5 <= clock.seconds(m) <= t1 + clock.bracket_s / 2 + 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_settled_marks_seconds_apart_stay_where_the_host_saw_them():
+    # the device's timer and the host's clock tick at rates that differ by tens of parts per million on some
+    # cards (one H100: 30 us a second): over a run of seconds, a mark read at the timer's rate drifts off
+    # the host times that a ctx rank's posts are compared with
+    clock = Clock(torch.device("cuda"))
+    seen = []
+    for _ in range(12):
+        time.sleep(0.4)
+        torch.cuda.synchronize()
+        t0 = time.time()
+        m = clock.mark()
+        torch.cuda.synchronize()
+        seen.append((t0, m, time.time()))
+    clock.settle()
+    slack = clock.bracket_s / 2 + 2e-5
+    off = [(t0 - clock.seconds(m), clock.seconds(m) - t1) for t0, m, t1 in seen]
+    assert all(a <= slack and b <= slack for a, b in off), (clock.rate, clock.bracket_s, off)

@@ -288,6 +288,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
     for rec in records:
         if rec.end is None:
             rec.end = clock.mark()
+    clock.settle()  # after every mark above: they lie between its two brackets
     parts = [metrics.resolve(r, clock, setup.model.num_layers) for r in records]
     if setup.check.decode:
         decode_check.finish(parts, board.beat)
