@@ -47,8 +47,9 @@ def mps_control() -> str | None:
 
     Only a refusal or a missing file counts as no daemon. A socket of another type than the probe's (the
     kernel answers EPROTOTYPE only where a socket is bound) or one whose queue is full (EAGAIN, or the
-    probe's timeout) has a live daemon behind it: on one H200 under a live daemon of CUDA 13 (copies at
-    0.906 of ``copy_`` against 0.731 without it) a stream-only probe said there was none."""
+    probe's timeout) has a live daemon behind it. CUDA 13's daemon listens on a seqpacket socket (a stream
+    connection gets EPROTOTYPE): on one H200 under a live daemon (copies at 0.906 of ``copy_`` against 0.731
+    without it) a stream-only probe said there was none."""
     pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps") / "control"
     try:
         kind = pipe.stat().st_mode
