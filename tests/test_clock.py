@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from kvlab.core import clock as clock_module
 from kvlab.core.clock import Clock, launches_s, median_launches_s
 
 
@@ -52,3 +53,34 @@ def test_settled_marks_seconds_apart_stay_where_the_host_saw_them():
     slack = clock.bracket_s / 2 + 2e-5
     off = [(t0 - clock.seconds(m), clock.seconds(m) - t1) for t0, m, t1 in seen]
     assert all(a <= slack and b <= slack for a, b in off), (clock.rate, clock.bracket_s, off)
+
+
+class _Timer:
+    """A device timer's event: ``t`` seconds on the host's clock, read by a timer that runs at ``speed``."""
+
+    def __init__(self, t: float, speed: float):
+        self.t, self.speed = t, speed
+
+    def elapsed_time(self, other: "_Timer") -> float:
+        return (other.t - self.t) * self.speed * 1e3
+
+
+@pytest.mark.parametrize("speed", [1 - 30e-6, 1.0, 1 + 80e-6])
+@pytest.mark.parametrize("set_meanwhile", [False, True], ids=["steady", "wall clock set"])
+def test_settling_reads_marks_at_the_timer_s_rate_against_the_host(speed, set_meanwhile, monkeypatch):
+    # the arithmetic of Clock.settle on any machine: a timer 30 ppm slow (one H100's) read at its own rate
+    # put a mark 5 s on 150 us early; settled, it is where the host saw it. A wall clock stepped by a second
+    # between the brackets is no rate: the timer's own is kept.
+    brackets = iter([(2e-5, 100.0, _Timer(100.0, speed)),
+                     (3e-5, 160.0 + (1.0 if set_meanwhile else 0.0), _Timer(160.0, speed))])
+    monkeypatch.setattr(clock_module, "_bracketed", lambda device: next(brackets))
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: pytest.fail("a mark is made in this test, not taken"))
+    c = Clock(torch.device("cuda"))
+    marks = [_Timer(t, speed) for t in (100.0, 105.0, 130.0, 159.9)]
+    c.settle()
+    for m in marks:
+        if set_meanwhile:
+            assert c.rate == 1.0 and c.bracket_s == 2e-5
+            assert c.seconds(m) == pytest.approx(100.0 + (m.t - 100.0) * speed, abs=1e-9)
+        else:
+            assert c.seconds(m) == pytest.approx(m.t, abs=1e-9) and c.bracket_s == 3e-5

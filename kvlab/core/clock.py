@@ -23,6 +23,7 @@ import time
 import torch
 
 SYNC_TRIES = 8
+MAX_RATE_ERROR = 1e-3
 
 
 def _bracketed(device: torch.device) -> tuple[float, float, torch.cuda.Event]:
@@ -57,8 +58,11 @@ class Clock:
             return
         width, at, end = _bracketed(self.device)
         elapsed = self.base.elapsed_time(end) / 1e3
-        if elapsed > 0:
-            self.rate = (at - self.epoch) / elapsed
+        rate = (at - self.epoch) / elapsed if elapsed > 0 else 1.0
+        # no two clocks' crystals differ by a thousandth: a rate beyond it is a wall clock set meanwhile, or
+        # brackets as wide as a short run, and the timer's own rate is then the better guess
+        if abs(rate - 1) <= MAX_RATE_ERROR:
+            self.rate = rate
             self.bracket_s = max(self.bracket_s, width)
 
     def mark(self):
