@@ -119,10 +119,13 @@ class as_exit:
             _pending.clear()
             if said:
                 _taken_in.clear()
-            settled = self.last and _process_ends[0]
-            for s, h in self.previous.items():
-                signal.signal(s, signal.SIG_IGN if settled else h)
+            self.put_back(ignored=self.last and _process_ends[0])
             del _open[self.depth:]
+
+    def put_back(self, ignored: bool = False) -> None:
+        """The handlers this block found (SIG_IGN instead, ``ignored``)."""
+        for s, h in self.previous.items():
+            signal.signal(s, signal.SIG_IGN if ignored else h)
 
 
 def _signal_of(ended: BaseException | None) -> int | None:
@@ -149,8 +152,7 @@ def outermost(command: Callable[[], object]) -> object:
         # after the first signal) are still set: in a process that goes on (a test worker, a notebook), the
         # next launch's check_pending would raise it again and later signals would be ignored
         if _open and not _process_ends[0]:
-            for s, h in _open[0].previous.items():
-                signal.signal(s, h)
+            _open[0].put_back()
         _pending.clear()
         _open.clear()
         _taken_in.clear()
