@@ -32,6 +32,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -112,8 +113,10 @@ def run_case(model: str, isl: int, label: str, overrides: list[str], keep: Path 
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         if keep is not None:
-            d = keep / f"{model}-{isl}-{label.replace(' ', '').replace('>', '')}"
-            d.mkdir(parents=True, exist_ok=True)
+            # a name Hydra's override grammar takes as one value (a label's comma would make it a list), and one
+            # directory per repeat, so that a later repeat does not overwrite an earlier one's parts
+            keep.mkdir(parents=True, exist_ok=True)
+            d = Path(tempfile.mkdtemp(prefix=f"{model}-{isl}-{re.sub(r'[^A-Za-z0-9_.]+', '_', label)}-", dir=keep))
         args = [sys.executable, "-m", "kvlab", "run", f"hydra.run.dir={d}", f"model={model}",
                 f"workload.isl={isl}", *COMMON, f"workload.requests={requests}", *overrides]
         t0 = time.time()

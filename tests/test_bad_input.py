@@ -42,6 +42,9 @@ CATALOGUE = [
     ("dcp-on-ctx", ["ctx.dcp=2"], ["ctx.dcp=2", "ctx.cp"]),
     ("cp-zero", ["ctx.cp=0"], ["ctx.cp=0", "positive integer"]),
     ("cp-scheme-unknown", ["ctx.cp=2", "ctx.cp_scheme=ring"], ["ctx.cp_scheme=ring", "contiguous or load_balanced"]),
+    # each size is bounded alone; their product, one DP group's ranks, is bounded too, naming the largest
+    ("group-too-many-ranks", ["ctx.tp=6", "ctx.cp=400"],
+     ["ctx.cp=400", "2,400 ranks", "at most 1,024", "use ctx.cp <= 170"]),
     ("dcp-interleave-not-dividing-block", ["gen.dcp=2", "gen.dcp_interleave=3", "gen.tokens_per_block=16"],
      ["gen.dcp_interleave=3", "tokens_per_block % interleave", "divisor of gen.tokens_per_block=16"]),
     ("dcp-interleave-without-dcp", ["gen.dcp_interleave=4"], ["gen.dcp_interleave=4", "gen.dcp > 1"]),

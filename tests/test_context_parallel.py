@@ -23,7 +23,7 @@ from kvlab.config.workload import make_requests
 from kvlab.model.parallel import SideSpec
 from kvlab.model.plan import plan
 from kvlab.model.prefill import PrefillSpec, layer_seconds
-from kvlab.model.tokens import Tokens
+from kvlab.model.tokens import Tokens, boundary
 
 QUIET = ["logger=quiet", "transfer.baseline=false"]
 
@@ -75,6 +75,49 @@ def test_ranks_are_numbered_tp_then_cp_then_pp_then_dp_and_dcp_inside_tp():
 
     m = preset("tiny_gqa")
     assert [gen.tokens(r, m).rank for r in range(4)] == [0, 1, 0, 1]  # consecutive TP ranks form a DCP group
+
+
+@settings(max_examples=200, deadline=None)
+@given(isl=st.integers(1, 100_000), n=st.integers(1, 2048), align=st.sampled_from([1, 16, 32, 64, 256]))
+def test_a_chunk_boundary_in_closed_form_is_the_block_by_block_walk(isl, n, align):
+    """``boundary`` gives any one boundary at once (a rank's chunks cost the same whatever the CP degree); the
+    reference walks the blocks out chunk by chunk, earlier chunks taking the extra block."""
+    blocks = -(-isl // align)
+    walk, b = [0], 0
+    for i in range(n):
+        b += blocks // n + (1 if i < blocks % n else 0)
+        walk.append(min(isl, b * align))
+    assert [boundary(isl, n, align, i) for i in range(n + 1)] == walk
+
+
+@pytest.mark.parametrize("model", ["gemma3_27b", "deepseek_v32", "gpt_oss_120b"])
+def test_layers_of_one_kind_are_costed_once_as_each_layer_would_be(model):
+    """A CP prefill's layer time is worked out once per layer kind (its window or top-k, dense or MoE): the
+    same figures as the slowest CP rank of each layer on its own, for models whose layers differ."""
+    from kvlab.model.prefill import layer_flops, layer_kind
+
+    m = build(compose([f"model={model}"])).model
+    spec, n = PrefillSpec(), 50_000
+    cp = Tokens("load_balanced", 3, 0, align=64)
+    ranks = [Tokens("load_balanced", 3, r, align=64).chunks(n) for r in range(3)]
+    rate = spec.tflops * 1e12 * spec.mfu
+    each = [max(sum(layer_flops(m, layer, n, q) for q in chunks) for chunks in ranks) / rate
+            for layer in range(m.num_layers)]
+    assert layer_seconds(m, spec, 1, n, cp) == each
+    assert len({layer_kind(m, layer) for layer in range(m.num_layers)}) > 1  # the models chosen mix kinds
+
+
+def test_a_dp_group_s_ranks_are_bounded_by_their_product_naming_the_largest():
+    from kvlab.core.errors import ConfigError
+    from kvlab.model.parallel import MAX_GROUP
+
+    assert SideSpec("ctx", tp=8, cp=MAX_GROUP // 8).size == MAX_GROUP  # the bound itself is a group
+    with pytest.raises(ConfigError) as e:
+        SideSpec("gen", tp=8, pp=2, dcp=MAX_GROUP // 8)
+    assert str(e.value).startswith(f"gen.dcp={MAX_GROUP // 8}:") and f"use gen.dcp <= {MAX_GROUP // 16}" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # no one size can fix it alone: the line says so
+        SideSpec("ctx", tp=MAX_GROUP * 2, pp=MAX_GROUP * 2)
+    assert "lower ctx.tp, ctx.pp, ctx.cp, ctx.dcp" in str(e.value)
 
 
 def test_the_prefill_layer_ends_with_its_slowest_cp_rank():

@@ -50,6 +50,11 @@ class RankCoord:
     cp: int = 0  # the prefill side's context-parallel index (the decode side's DCP index is tp % dcp)
 
 
+# ranks of one DP group (tp x pp x cp x dcp): beyond any engine's model-parallel group, and what keeps a plan (one
+# chunk per rank pair, a simulation plans each prompt length) within seconds: a plan's work grows with the ranks
+MAX_GROUP = 1 << 10
+
+
 @dataclass(frozen=True)
 class SideSpec:
     name: str  # "ctx" or "gen"
@@ -83,6 +88,7 @@ class SideSpec:
     def __post_init__(self):
         for f in ("tp", "pp", "dp", "cp", "dcp", "dcp_interleave"):
             positive(f"{self.name}.{f}", getattr(self, f))
+        self._check_group()
         self._check_context_parallel()
         try:
             object.__setattr__(self, "layout", layout_of(self.layout))
@@ -113,6 +119,21 @@ class SideSpec:
                     f"needs one layer count per pp stage ({self.pp})")
             require(all(isinstance(n, int) and n > 0 for n in self.layer_split), f"{self.name}.layer_split",
                     list(self.layer_split), "every stage needs at least one layer")
+
+    def _check_group(self) -> None:
+        """One DP group's ranks at most ``MAX_GROUP``: a plan, a simulation's table and the budget walk every rank of
+        a group, so each field's own bound would let their product ask for 2**48 ranks."""
+        dims = {d: getattr(self, d) for d in self.RANK_DIMS if d != "dp"}
+        group = math.prod(dims.values())
+        if group <= MAX_GROUP:
+            return
+        dim = max(dims, key=lambda d: (dims[d], d == "cp" or d == "dcp"))  # the largest, the token split on ties
+        rest = group // dims[dim]
+        fits = (f"use {self.name}.{dim} <= {MAX_GROUP // rest}" if rest <= MAX_GROUP
+                else f"lower {', '.join(f'{self.name}.{d}' for d in dims)}")
+        raise ConfigError(f"{self.name}.{dim}", dims[dim], f"makes one {self.name} DP group {group:,} ranks "
+                          f"({' x '.join(f'{d} {v}' for d, v in dims.items())}); kvlab maps groups of at most "
+                          f"{MAX_GROUP:,} ranks: {fits}")
 
     def _check_context_parallel(self) -> None:
         n = self.name

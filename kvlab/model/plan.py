@@ -67,15 +67,18 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
     gen.validate_for(model)
     check_kv_dtypes(ctx, gen)
     segments = []
+    wires: dict[str, tuple[int, str, int]] = {}  # per pool, the same for every gen rank: worked out once
     for g_tp_pp in range(gen.pp * gen.ranks_tp):
         dst = req.gen_dp * gen.pp * gen.ranks_tp + g_tp_pp
         g = gen.coord(dst)
         mine = gen.tokens(dst, model)  # a DCP rank's tokens, counted in its local positions
         for gp in CacheState(model, gen, dst).pools():
             spec = gp.spec
-            tile = wire_tile(ctx, gen, model, spec)  # per pool: one token where a side splits token rows
-            on_wire, place = wire_pool(model, ctx, gen, spec.name)  # a KV dtype converted in flight: its rows
-            wire, wire_rows = (pool_format(on_wire) if place != "none" else ""), on_wire.comp_row_bytes()
+            if spec.name not in wires:
+                tile = wire_tile(ctx, gen, model, spec)  # per pool: one token where a side splits token rows
+                on_wire, place = wire_pool(model, ctx, gen, spec.name)  # a KV dtype converted in flight: its rows
+                wires[spec.name] = tile, (pool_format(on_wire) if place != "none" else ""), on_wire.comp_row_bytes()
+            tile, wire, wire_rows = wires[spec.name]
             t0 = window_start(spec, req.isl, tile)
             if window_trim and spec.window:
                 t0 = min(req.isl - 1, max(0, req.isl - spec.window + 1) + window_trim)

@@ -65,6 +65,14 @@ def causal_pairs(n: int, reach: int = 0) -> int:
     return reach * (reach + 1) // 2 + (n - reach) * reach
 
 
+def layer_kind(model: ModelSpec, layer: int) -> tuple[int, bool]:
+    """What of a layer its FLOPs depend on: the keys a query reaches (0: all of them) and whether its MLP is dense;
+    layers of one kind cost the same."""
+    dims = model.dims
+    reach = min((r for r in (model.layer_window(layer), dims.attention_topk) if r), default=0)
+    return reach, dims.experts_active == 0 or layer < dims.dense_layers
+
+
 def layer_flops(model: ModelSpec, layer: int, n: int, queries: tuple[int, int] | None = None) -> float:
     """Forward FLOPs of global layer ``layer`` over a prompt of ``n`` tokens (the formula above); of the queries
     ``[a, b)`` alone where given (a context-parallel rank's chunk: its keys are all those before it)."""
@@ -79,9 +87,8 @@ def layer_flops(model: ModelSpec, layer: int, n: int, queries: tuple[int, int] |
         qk = dims.qk_head_dim or model.head_dim
         v = dims.v_head_dim or qk
         proj = h * qk * qh + 2 * h * model.kv_heads * qk + qh * v * h
-    dense = dims.experts_active == 0 or layer < dims.dense_layers
+    reach, dense = layer_kind(model, layer)
     mlp = 3 * h * (dims.intermediate_size if dense else dims.experts_active * dims.moe_intermediate_size)
-    reach = min((r for r in (model.layer_window(layer), dims.attention_topk) if r), default=0)
     a, b = queries or (0, n)
     flops = 2.0 * (b - a) * (proj + mlp) + 2.0 * qh * (qk + v) * (causal_pairs(b, reach) - causal_pairs(a, reach))
     if dims.indexer_heads:
@@ -100,8 +107,12 @@ def layer_seconds(model: ModelSpec, spec: PrefillSpec, tp: int, n: int, cp: Toke
     if cp is None or cp.ranks == 1:
         return [layer_flops(model, layer, n) / rate for layer in range(model.num_layers)]
     ranks = [replace(cp, rank=r).chunks(n) for r in range(cp.ranks)]
-    return [max(sum(layer_flops(model, layer, n, q) for q in chunks) for chunks in ranks) / rate
-            for layer in range(model.num_layers)]
+    slowest: dict[tuple[int, bool], float] = {}  # per layer kind: the ranks are walked once per kind, not per layer
+    for layer in range(model.num_layers):
+        kind = layer_kind(model, layer)
+        if kind not in slowest:
+            slowest[kind] = max(sum(layer_flops(model, layer, n, q) for q in chunks) for chunks in ranks) / rate
+    return [slowest[layer_kind(model, layer)] for layer in range(model.num_layers)]
 
 
 @dataclass(frozen=True)

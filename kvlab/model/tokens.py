@@ -54,9 +54,9 @@ class Tokens:
         if self.kind in ("all", "interleaved"):
             return [(0, isl)]
         n = 2 * self.ranks if self.kind == "load_balanced" else self.ranks
-        bounds = cut(isl, n, self.align)
         mine = [self.rank] if self.kind == "contiguous" else [self.rank, n - 1 - self.rank]
-        return [(bounds[i], bounds[i + 1]) for i in sorted(mine) if bounds[i] < bounds[i + 1]]
+        spans = [(boundary(isl, n, self.align, i), boundary(isl, n, self.align, i + 1)) for i in sorted(mine)]
+        return [(a, b) for a, b in spans if a < b]
 
     def count(self, isl: int) -> int:
         """Tokens of an ``isl``-token prompt this rank holds."""
@@ -76,16 +76,12 @@ class Tokens:
         return u // i * (i * self.ranks) + self.rank * i + u % i
 
 
-def cut(isl: int, n: int, align: int) -> list[int]:
-    """``n + 1`` boundaries of ``n`` chunks of an ``isl``-token prompt, each a whole number of ``align``-token
-    blocks but the last one's tail, earlier chunks taking the extra block."""
-    blocks = math.ceil(isl / align)
-    base, extra = divmod(blocks, n)
-    out, b = [0], 0
-    for i in range(n):
-        b += base + (1 if i < extra else 0)
-        out.append(min(isl, b * align))
-    return out
+def boundary(isl: int, n: int, align: int, i: int) -> int:
+    """Boundary ``i`` (0..n) of ``n`` chunks of an ``isl``-token prompt, each a whole number of ``align``-token
+    blocks but the last one's tail, earlier chunks taking the extra block; in closed form, so that a rank's chunks
+    cost the same whatever the number of ranks."""
+    base, extra = divmod(math.ceil(isl / align), n)
+    return min(isl, (i * base + min(i, extra)) * align)
 
 
 def to_global(local: tuple[int, int, int] | None, u: torch.Tensor) -> torch.Tensor:
