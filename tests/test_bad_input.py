@@ -78,6 +78,9 @@ CATALOGUE = [
     ("misspelt-key", ["ctx.tpp=2"], ["ctx.tpp=2", "no such key", "tp, pp, dp"]),
     ("misspelt-group-key", ["workload.isl_lst=[1]"], ["workload.isl_lst=[1]", "no such key", "isl_list"]),
     ("not-an-integer", ["ctx.tp=abc"], ["ctx.tp=abc", "must be an integer"]),
+    # a value with a line break, in Hydra's own refusals too, is shown escaped: the line stays one
+    ("unknown-key-value-with-newline", ["gen.name='a\nb'"], ["gen.name='a\\nb'", "no such key"]),
+    ("not-an-integer-with-newline", ["ctx.tp='a\nb'"], ["ctx.tp='a\\nb'", "must be an integer"]),
     ("not-a-number-in-list", ["workload.isl_list=[a]"], ["workload.isl_list=[a]", "must be an integer"]),
     ("not-a-bool", ["model.indexer=maybe"], ["model.indexer=maybe", "true or false"]),
     # timeouts and ranges

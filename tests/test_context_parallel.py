@@ -107,6 +107,24 @@ def test_layers_of_one_kind_are_costed_once_as_each_layer_would_be(model):
     assert len({layer_kind(m, layer) for layer in range(m.num_layers)}) > 1  # the models chosen mix kinds
 
 
+@settings(max_examples=60, deadline=None)
+@given(model=st.sampled_from(["tiny_gqa", "tiny_swa", "tiny_dsa"]), isl=st.integers(1, 20_000),
+       split=st.sampled_from([("ctx", dict(cp=3, cp_scheme="load_balanced")), ("ctx", dict(cp=2)),
+                              ("gen", dict(dcp=2, dcp_interleave=4)), ("gen", {})]),
+       tpb=st.sampled_from([16, 32, 64]), data=st.data())
+def test_a_rank_s_blocks_counted_without_the_table_are_the_table_s(model, isl, split, tpb, data):
+    """``held_blocks`` counts the union of a rank's spans in closed form (a budget asks it of prompts of 2**32
+    tokens, whose table would be a list of 2**28 entries): the count of the table's held entries."""
+    from kvlab.model.state import CacheState
+
+    name, kw = split
+    m = build(compose([f"model={model}"])).model
+    side = SideSpec(name, tokens_per_block=tpb, **kw)
+    rank = data.draw(st.integers(0, side.size - 1))
+    for pool in CacheState(m, side, rank).pools():
+        assert pool.held_blocks(isl) == sum(pool.block_table(isl)[1]), (pool.name, rank)
+
+
 def test_a_dp_group_s_ranks_are_bounded_by_their_product_naming_the_largest():
     from kvlab.core.errors import ConfigError
     from kvlab.model.parallel import MAX_GROUP

@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvlab.core.errors import ConfigError, one_line_warnings
+from kvlab.core.errors import ConfigError, one_line_warnings, printable
 
 COMMANDS = {
     "plan": "what a setup would move per (ctx rank -> gen rank), its predicted time and memory; writes plan.json",
@@ -92,6 +92,7 @@ def _plain_message(flat: str, overrides: list[str]) -> str | None:
         if k == base or k.startswith(base + "."):  # a key under an unknown one is reported in full
             base, value = k, v
             break
+    base, value = printable(base), printable(value)
     if m := re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", flat):
         return f"{base}={value}: use one of {m.group(2)}"
     if "is not a valid bool" in flat:

@@ -10,10 +10,14 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, value, hint: str):
         self.field, self.value, self.hint = field, value, hint
-        shown = str(value)
-        if not shown.isprintable():  # a control or line-separator character would break the one line
-            shown = shown.encode("unicode_escape").decode("ascii")
-        super().__init__(f"{field}={shown}: {hint}")
+        super().__init__(f"{printable(field)}={printable(value)}: {hint}")
+
+
+def printable(value) -> str:
+    """``value`` as a one-line error shows it: escaped where it holds a control or line-separator character, which
+    would break the one line."""
+    shown = str(value)
+    return shown if shown.isprintable() else shown.encode("unicode_escape").decode("ascii")
 
 
 def require(cond: bool, field: str, value, hint: str) -> None:

@@ -139,14 +139,23 @@ class RankPool:
         return [(max(a, start), min(b, stop)) for a, b in self.tokens.chunks(isl) if b > start and a < stop]
 
     def held_blocks(self, isl: int) -> int:
-        """Blocks this rank allocates for a request of ``isl`` tokens."""
-        return sum(self.block_table(isl)[1])
+        """Blocks this rank allocates for a request of ``isl`` tokens: the union of its spans, counted without the
+        table (a budget check asks this of prompts of billions of tokens)."""
+        total, end = 0, 0
+        for a, b in self._block_spans(isl):
+            total += max(0, b - max(a, end))
+            end = max(end, b)
+        return total
+
+    def _block_spans(self, isl: int) -> list[tuple[int, int]]:
+        """The logical blocks [a, b) of each interval this rank holds, ascending."""
+        tpb = self.tokens_per_block
+        return [(a // tpb, (b - 1) // tpb + 1) for a, b in self.held(isl)]
 
     def block_table(self, isl: int) -> tuple[int, list[bool]]:
         """(first logical block, whether each logical block from there is held): the block table's shape for a
         request; a context-parallel rank holds no block between its two chunks (``HOLE`` there)."""
-        tpb = self.tokens_per_block
-        spans = [(a // tpb, (b - 1) // tpb + 1) for a, b in self.held(isl)]
+        spans = self._block_spans(isl)
         if not spans:
             return 0, []
         first = spans[0][0]
