@@ -9,17 +9,19 @@ exactly once (the oracle of test_plan_properties), and the plan, cost model, mem
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_plan_properties import SCALE, SETTINGS, STRATEGY, Case, cases, check_plan, check_schedule
 
 from kvlab.cli import commands as cli
 from kvlab.cli.plan_cmd import summarize
 from kvlab.config.schema import DEFAULT_SLOT_MIB, build, compose
 from kvlab.config.workload import plan_run
-from kvlab.model.plan import plan
+from kvlab.model.plan import Request, plan
 from kvlab.model.schedule import Cut, schedule
 from kvlab.sizing import budget
 from kvlab.sizing.cost import predict
@@ -146,3 +148,24 @@ def test_kvlab_plan_says_chunks_are_not_cut(tmp_path, capsys):
     assert data["chunk_cap_bytes"] is None and data["total_chunks"] == sum(p["segments"] for p in data["pairs"])
     assert "chunks not cut by size (ipc pulls)" in out
     assert data["memory"]["ranks"][0]["staging"] == 0
+
+
+@settings(max_examples=12, deadline=None)
+@given(ctx_dp=st.integers(1, 4), gen_dp=st.integers(1, 4), ctx_tp=st.sampled_from([1, 2]),
+       gen_tp=st.sampled_from([1, 2]), model=st.sampled_from(["tiny_gqa", "tiny_swa", "tiny_mla"]))
+def test_a_rank_s_staging_is_what_the_requests_to_its_dp_group_give_it(ctx_dp, gen_dp, ctx_tp, gen_tp, model):
+    """The budget plans one request, to DP group 0, and gives every rank what its place in group 0 needs (a request
+    to other groups is the same plan offset by whole groups). The reference plans one request for every combination
+    of groups the requests cycle through, and filters each rank's segments out of all of them; a naive transfer
+    stages a buffer per segment in flight, so each rank's staging shows both its count and its largest."""
+    setup = build(compose([f"model={model}", f"ctx.dp={ctx_dp}", f"gen.dp={gen_dp}", f"ctx.tp={ctx_tp}",
+                           f"gen.tp={gen_tp}", "transfer=naive", *QUIET]))
+    b = budget.estimate(setup)
+    t, tokens = setup.transfer, b.longest[2]
+    samples = [plan(setup.model, setup.ctx, setup.gen, Request(i, tokens, i % ctx_dp, i % gen_dp))
+               for i in range(math.lcm(ctx_dp, gen_dp))]
+    for need in b.ranks:
+        side, r = setup.side_of(need.world_rank)
+        mine = [[s for s in segs if (s.src if side.name == "ctx" else s.dst) == r] for segs in samples]
+        in_flight = min(t.slots, b.open_requests * max(len(segs) for segs in mine))
+        assert need.staging == in_flight * max((s.nbytes for segs in mine for s in segs), default=0), need.name

@@ -161,10 +161,9 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
     longest = w.longest_prompt()
     tokens = longest[2]
     open_requests = min(w.requests, w.concurrency + t.slots)
-    # one request of the longest prompt per combination of DP groups that requests cycle through
-    dps = math.lcm(setup.ctx.dp, setup.gen.dp)
-    samples = [plan(setup.model, setup.ctx, setup.gen, Request(i, tokens, i % setup.ctx.dp, i % setup.gen.dp))
-               for i in range(dps)]
+    # one request of the longest prompt, to DP group 0 of each side: a request to other groups is the same plan with
+    # its ranks offset by whole groups (kvlab.model.plan), so a rank needs what its place in group 0 needs
+    sample = plan(setup.model, setup.ctx, setup.gen, Request(0, tokens, 0, 0))
 
     cap = setup.chunk_cap  # None: a pulling transport's chunks are not cut by size
     pulls = setup.transport.cls().pulls
@@ -176,15 +175,19 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
             return sum(s.rect.l1 - s.rect.l0 if t.strategy.cut == Cut.layer else 1 for s in segs)
         return sum(math.ceil(s.nbytes / cap) + (s.rect.l1 - s.rect.l0) for s in segs)
 
-    per_request = max(chunks(s) for s in samples)
+    per_request = chunks(sample)
     plan_bytes = w.requests * (per_request * CHUNK_BYTES + REQUEST_BYTES)
     capacity = setup.cache.capacity_tokens
     weights, activations = model_bytes(setup, tokens)
+    by_rank: dict[tuple[str, int], list] = {}  # the segments each rank of group 0 sends or receives
+    for seg in sample:
+        by_rank.setdefault(("ctx", seg.src), []).append(seg)
+        by_rank.setdefault(("gen", seg.dst), []).append(seg)
     ranks = []
     for wr in range(setup.world_size):
         side, r = setup.side_of(wr)
         state = CacheState(setup.model, side, r)
-        mine = [[s for s in segs if (s.src if side.name == "ctx" else s.dst) == r] for segs in samples]
+        mine = by_rank.get((side.name, r % (side.size // side.dp)), [])  # side-local ranks number DP outermost
         cache = tables = 0
         for pool in state.pools():
             per_req = pool.held_blocks(tokens)  # a context-parallel rank's share of the prompt
@@ -192,12 +195,12 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
                 else open_requests * per_req
             cache += pool.pool_bytes(blocks + setup.cache.spare_blocks)
             tables += open_requests * per_req * 8 * 2  # int64 ids on the device, and their host copy
-        biggest = max((s.nbytes for segs in mine for s in segs), default=0)
+        biggest = max((s.nbytes for s in mine), default=0)
         if t.strategy.cut != Cut.segment and cap is not None:
             biggest = min(biggest, cap)
-        held = max((sum(s.nbytes for s in segs) for segs in mine), default=0)
+        held = sum(s.nbytes for s in mine)
         # naive: a buffer per chunk in flight, at most the slots, and at most the segments of the open requests
-        in_flight = min(t.slots, open_requests * max((len(segs) for segs in mine), default=0)) \
+        in_flight = min(t.slots, open_requests * len(mine)) \
             if t.strategy.cut == Cut.segment else t.slots
         staging = in_flight * biggest if t.strategy.staging == Staging.per_chunk else t.slots * t.slot_bytes
         if pulls:  # the gen rank copies straight out of the mapped ctx pool: no slot, no buffer
