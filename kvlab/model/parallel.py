@@ -123,10 +123,10 @@ class SideSpec:
     def _check_group(self) -> None:
         """One DP group's ranks at most ``MAX_GROUP``: a plan, a simulation's table and the budget walk every rank of
         a group, so each field's own bound would let their product ask for 2**48 ranks."""
-        dims = {d: getattr(self, d) for d in self.RANK_DIMS if d != "dp"}
-        group = math.prod(dims.values())
+        group = self.group
         if group <= MAX_GROUP:
             return
+        dims = {d: getattr(self, d) for d in self.RANK_DIMS if d != "dp"}
         dim = max(dims, key=lambda d: (dims[d], d == "cp" or d == "dcp"))  # the largest, the token split on ties
         rest = group // dims[dim]
         fits = (f"use {self.name}.{dim} <= {MAX_GROUP // rest}" if rest <= MAX_GROUP
@@ -181,6 +181,12 @@ class SideSpec:
     @property
     def size(self) -> int:
         return math.prod(getattr(self, d) for d in self.RANK_DIMS)
+
+    @property
+    def group(self) -> int:
+        """Ranks of one DP group (``tp x pp x cp x dcp``); side-local ranks number DP outermost, so rank ``r`` is
+        rank ``r % group`` of its group."""
+        return self.size // self.dp
 
     def coord(self, rank: int) -> RankCoord:
         """Its dp, pp and cp index, and ``tp``: its rank in the stage's TP group (of ``tp * dcp`` ranks)."""

@@ -107,12 +107,12 @@ def layer_seconds(model: ModelSpec, spec: PrefillSpec, tp: int, n: int, cp: Toke
     if cp is None or cp.ranks == 1:
         return [layer_flops(model, layer, n) / rate for layer in range(model.num_layers)]
     ranks = [replace(cp, rank=r).chunks(n) for r in range(cp.ranks)]
+    kinds = [layer_kind(model, layer) for layer in range(model.num_layers)]
     slowest: dict[tuple[int, bool], float] = {}  # per layer kind: the ranks are walked once per kind, not per layer
-    for layer in range(model.num_layers):
-        kind = layer_kind(model, layer)
+    for layer, kind in enumerate(kinds):
         if kind not in slowest:
             slowest[kind] = max(sum(layer_flops(model, layer, n, q) for q in chunks) for chunks in ranks) / rate
-    return [slowest[layer_kind(model, layer)] for layer in range(model.num_layers)]
+    return [slowest[kind] for kind in kinds]
 
 
 @dataclass(frozen=True)

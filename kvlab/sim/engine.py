@@ -193,7 +193,7 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
     t_wall = time.perf_counter()
     n = len(arrival)
     ctx, gen = setup.ctx, setup.gen
-    cg, gg = ctx.ranks_tp * ctx.cp * ctx.pp, gen.ranks_tp * gen.pp  # GPUs of one DP group
+    cg, gg = ctx.group, gen.group  # GPUs of one DP group
     n_p, n_d = cluster.ctx_instances * ctx.dp, cluster.gen_instances * gen.dp
 
     # -- prefill: FIFO per server, known at arrival

@@ -187,7 +187,7 @@ def estimate(setup: Setup, gpus: int = 0) -> Budget:
     for wr in range(setup.world_size):
         side, r = setup.side_of(wr)
         state = CacheState(setup.model, side, r)
-        mine = by_rank.get((side.name, r % (side.size // side.dp)), [])  # side-local ranks number DP outermost
+        mine = by_rank.get((side.name, r % side.group), [])
         cache = tables = 0
         for pool in state.pools():
             per_req = pool.held_blocks(tokens)  # a context-parallel rank's share of the prompt
