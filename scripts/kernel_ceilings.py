@@ -8,6 +8,11 @@
   by events around the call, so the host's marshalling of the descriptors counts where it is the longer part
   (a CUDA graph cannot hold the batch: its capture is refused); ``host_ms`` is the call's own time on the host.
   Verified against the reference pack.
+- ``converting copy``: the least traffic a conversion into a smaller format can make, one contiguous buffer:
+  every source byte read once and every delivered byte written once (``d[j] = s[j] ^ s[m + j]``, the second
+  where the source has it), 16-byte vectors, ``unroll`` of each in flight per thread. A bf16 -> fp8 copy reads
+  the source rows and writes codes and scales; none can beat a copy with its reads and writes and no layout, so
+  this, not ``copy_`` of the source bytes (which writes twice what fp8 delivers), is its ceiling.
 - ``scattered pieces`` (scripts/rect_bench.py ``--ceilings``): the bytes of a request cut into pieces of one size,
   each piece moved whole from a random place on one side to a random place on the other (or to the same place,
   where that side is contiguous): the plainest copy with a paged cache's access pattern, no block table and no
@@ -63,6 +68,58 @@ def launch_linear(kernel, src: torch.Tensor, dst: torch.Tensor, ctas: int, threa
     stream = Stream.from_handle(torch.cuda.current_stream(src.device).cuda_stream)
     launch(stream, LaunchConfig(grid=ctas, block=threads), kernel, src.data_ptr(), dst.data_ptr(),
            np.int64(src.numel() // 16))
+
+
+SHRINK_SRC = r"""
+// n source vectors read once each, m <= n <= 2m destination vectors written once each: the traffic of a
+// conversion that delivers m vectors for n, at the memory's speed (the xor keeps every read needed)
+extern "C" __global__ void shrink_copy(const uint4* __restrict__ s, uint4* __restrict__ d, long long n, long long m) {
+    const long long step = (long long)gridDim.x * blockDim.x * UNROLL;
+    for (long long i = (long long)blockIdx.x * blockDim.x * UNROLL + threadIdx.x; i < m; i += step) {
+        uint4 a[UNROLL], b[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            const long long j = i + (long long)k * blockDim.x;
+            a[k] = j < m ? __ldg(s + j) : make_uint4(0, 0, 0, 0);
+            b[k] = j < m && m + j < n ? __ldg(s + m + j) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            const long long j = i + (long long)k * blockDim.x;
+            if (j < m) d[j] = make_uint4(a[k].x ^ b[k].x, a[k].y ^ b[k].y, a[k].z ^ b[k].z, a[k].w ^ b[k].w);
+        }
+    }
+}
+"""
+
+
+def shrink_copy(arch: str, unroll: int = 4):
+    """The converting-copy ceiling kernel compiled for ``arch`` with ``unroll`` vector pairs in flight per thread."""
+    return compiled(SHRINK_SRC, "shrink_copy", arch, unroll).get_kernel("shrink_copy")
+
+
+def launch_shrink(kernel, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst`` (m 16-byte vectors) from all of ``src`` (n vectors, m <= n <= 2m), on 1,024 threads per SM."""
+    import numpy as np
+    from cuda.core import LaunchConfig, Stream, launch
+
+    n, m = src.numel() // 16, dst.numel() // 16
+    if not (m <= n <= 2 * m and src.numel() % 16 == 0 and dst.numel() % 16 == 0):
+        raise ValueError(f"shrink_copy: {src.numel()} source bytes into {dst.numel()}: needs whole 16-byte vectors, "
+                         "and the source between one and two times the destination")
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
+    stream = Stream.from_handle(torch.cuda.current_stream(src.device).cuda_stream)
+    launch(stream, LaunchConfig(grid=sms * 4, block=256), kernel, src.data_ptr(), dst.data_ptr(), np.int64(n),
+           np.int64(m))
+
+
+def shrink_reference(src: torch.Tensor, dst_bytes: int) -> torch.Tensor:
+    """What ``shrink_copy`` writes, by torch: the first ``dst_bytes`` of ``src`` xor the rest (zero-padded)."""
+    a = src[:dst_bytes].view(torch.int32)
+    b = torch.zeros_like(a)
+    rest = src[dst_bytes:].view(torch.int32)
+    b[:rest.numel()] = rest
+    return (a ^ b).view(torch.uint8)
 
 
 PIECES_SRC = r"""

@@ -127,16 +127,40 @@ def test_fp8_rows_compiles_without_spills(cuda_ops, arch, rows, ring):
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()
 
 
-def test_the_benches_ceiling_kernels_compile(cuda_ops):
-    """scripts/kernel_ceilings.py's plainest copies, the ceilings the benches time beside kvlab's kernels, build."""
+def ceilings_module():
+    """scripts/kernel_ceilings.py, which is no package's module."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     try:
-        import kernel_ceilings as kc
+        import kernel_ceilings
     finally:
         sys.path.pop(0)
-    for source, name in ((kc.LINEAR_SRC, "lin_copy"), (kc.PIECES_SRC, "piece_copy")):
+    return kernel_ceilings
+
+
+def test_the_benches_ceiling_kernels_compile(cuda_ops):
+    """scripts/kernel_ceilings.py's plainest copies, the ceilings the benches time beside kvlab's kernels, build."""
+    kc = ceilings_module()
+    for source, name in ((kc.LINEAR_SRC, "lin_copy"), (kc.PIECES_SRC, "piece_copy"), (kc.SHRINK_SRC, "shrink_copy")):
         cubin = bytes(kc.compiled(source, name, "sm_90", 8).code)
         assert cubin[:4] == b"\x7fELF" and name.encode() in cubin
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source, delivered", [(256 * 4100, 132 * 4100), (1152 * 999, 656 * 999), (64, 32), (48, 48)])
+def test_the_converting_ceiling_writes_what_its_reference_does(cuda_ops, source, delivered):
+    """The fp8 ceiling reads every source byte and writes every delivered one: its bytes are the torch reference's
+    (Llama's and DeepSeek-V3.2's row ratios, the halving and the equal ends; the output starts poisoned)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    kc = ceilings_module()
+    src = torch.randint(0, 256, (source,), dtype=torch.uint8, device="cuda")
+    dst = torch.full((delivered,), 0xA5, dtype=torch.uint8, device="cuda")
+    kc.launch_shrink(kc.shrink_copy(cuda_ops.device_arch(0)), src, dst)
+    assert torch.equal(dst, kc.shrink_reference(src, delivered))
+    with pytest.raises(ValueError, match="between one and two times"):
+        kc.launch_shrink(None, src, dst[:delivered // 4 // 16 * 16])
