@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -197,6 +198,35 @@ def test_a_request_larger_than_any_decode_group_is_one_line():
     with pytest.raises(ConfigError, match=r"^cluster.decode.capacity_tokens=100: a gen DP group holds 100 KV tokens"):
         s = sim_setup("cluster.decode.capacity_tokens=100")
         run(s)
+
+
+def test_a_request_no_decode_group_can_hold_is_refused_before_the_table_is_planned():
+    """Drawn by the config fuzzer: ``model.kv_heads=2536`` cut every prompt length of the table into chunks (16 s)
+    before the decode capacity refused the largest request, naming as ``capacity_tokens`` a value the user never set.
+    The refusal now comes from the largest prompt's plan, before any chunk; a capacity from the HBM is said to be
+    one."""
+    real = plans._one
+    planned, said = [], []
+
+    def counted(setup, isl, *a):
+        planned.append(isl)
+        return real(setup, isl, *a)
+
+    s = sim_setup("cluster.gpu.hbm_gb=0.005")
+    _, isl, _ = requests(s)
+    assert len(plans.grid_for(isl, s.setup)) > 10
+    with mock.patch.object(plans, "_one", counted), pytest.raises(
+            ConfigError, match=r"^cluster.decode.capacity_tokens=0: from its HBM a gen DP group holds [\d,]+ KV tokens "
+                               r"of [\d,]+ bytes each and request \d+ needs [\d,]+ \(prompt \+ output\); give"):
+        run(s)
+    assert planned == []
+    # the bytes per token the check is given are the table's own
+    table = plans.build(s.setup, isl, said.append)
+    assert said == [table.kv_token_bytes] and table.kv_token_bytes > 0
+    ok = sim_setup("cluster.gpu.hbm_gb=0.005", "sim.decode=false")  # nothing decoded, nothing held: the whole table
+    with mock.patch.object(plans, "_one", counted):
+        run(ok)
+    assert planned == plans.grid_for(isl, s.setup)
 
 
 # ---------------------------------------------------------------- calibration and profiles

@@ -142,6 +142,21 @@ def decode_rates(setup: Setup, cluster: ClusterSpec, kv_token_bytes: float) -> t
     return fixed, per_token, per_member, cap
 
 
+def check_decode_capacity(setup: Setup, cluster: ClusterSpec, kv_token_bytes: float, need) -> None:
+    """Every request (``need``: its prompt + output tokens) must fit one gen DP group's KV: one line naming the
+    capacity as given (0: worked out from the HBM, said so) and the first request that cannot."""
+    cap = decode_rates(setup, cluster, kv_token_bytes)[3]
+    need = np.asarray(need, dtype=float)
+    worst = int(np.argmax(need)) if len(need) else 0
+    if len(need) and need[worst] > cap:
+        given = cluster.decode.capacity_tokens
+        holds = (f"a gen DP group holds {cap:,} KV tokens" if given else
+                 f"from its HBM a gen DP group holds {cap:,} KV tokens of {kv_token_bytes:,.0f} bytes each")
+        raise ConfigError("cluster.decode.capacity_tokens", given, f"{holds} and request {worst} needs "
+                          f"{int(need[worst]):,} (prompt + output); give the gen side more GPUs (gen.tp, gen.pp), "
+                          "a larger cluster.gpu.hbm_gb, or cap workload.isl_max")
+
+
 class DecodeGroup:
     """One gen DP group's batch on a virtual clock: ``v`` tokens per member since the group began."""
 
@@ -256,11 +271,7 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
     batch = np.zeros(n_d, dtype=np.int64)
     need = isl.astype(float) + osl
     if decode:
-        worst = int(np.argmax(need))
-        if need[worst] > cap:
-            raise ConfigError("cluster.decode.capacity_tokens", cap, f"a gen DP group holds {cap} KV tokens and "
-                              f"request {worst} needs {int(need[worst])} (prompt + output); give the gen side more "
-                              "GPUs (gen.tp, gen.pp), a larger cluster.gpu.hbm_gb, or cap workload.isl_max")
+        check_decode_capacity(setup, cluster, table.kv_token_bytes, need)
 
     admitted = np.full(n, np.nan)
     t_start = np.full(n, np.nan)

@@ -15,6 +15,7 @@ is applied (the shapes decide it, not the length).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,7 +82,10 @@ def grid_for(isls: np.ndarray, setup: Setup) -> list[int]:
     return sorted(pts)
 
 
-def build(setup: Setup, isls) -> PlanTable:
+def build(setup: Setup, isls, check: Callable[[float], None] | None = None) -> PlanTable:
+    """The table of prompts ``isls``; ``check``, given, is called first with the gen side's cache bytes per prompt
+    token of the largest prompt, from its plan's segments (``kv_token_bytes``), before any prompt is cut into chunks:
+    kvlab sim refuses there a request that no decode group can hold, instead of after the whole table."""
     isls = np.asarray(isls, dtype=float)
     pulls = setup.transport.cls().pulls
     grid = grid_for(isls, setup)
@@ -91,6 +95,10 @@ def build(setup: Setup, isls) -> PlanTable:
         moved = sum(r[0] for r in probe.values())
         staged = sum(r[2] for r in probe.values())
         share = 1 - staged / moved if moved else 0.0
+
+    if check is not None:  # the plan's segments hold its bytes; cutting them into chunks is the long part
+        segs = plan(setup.model, setup.ctx, setup.gen, Request(0, grid[-1]))
+        check(sum(seg.nbytes for seg in segs) / grid[-1])
     rows = [_one(setup, g, pulls, share if g > PROBE_TOKENS else None) for g in grid]
     pairs = sorted({p for r in rows for p in r})
     table = np.zeros((3, len(grid), len(pairs)))

@@ -25,7 +25,7 @@ from kvlab.core.errors import ConfigError, require
 from kvlab.core.sim_terms import PrefillTerms, TransportTerms
 from kvlab.sim import plans, report
 from kvlab.sim.cluster import ClusterSpec, SimSpec
-from kvlab.sim.engine import Outcome, check_decode_memory, simulate
+from kvlab.sim.engine import Outcome, check_decode_capacity, check_decode_memory, simulate
 
 SIM_KEYS = ("cluster", "sim")
 
@@ -144,13 +144,21 @@ class Result:
     table_s: float  # wall seconds building the plan table
 
 
+def table_for(s: SimSetup, isl: np.ndarray, osl: np.ndarray) -> plans.PlanTable:
+    """The plan table of these prompts. With decode on, a request that no gen DP group can hold is refused as soon
+    as the largest prompt is planned, before the other lengths (a model of many heads plans for seconds)."""
+    need = np.asarray(isl, dtype=float) + osl
+    check = (lambda per_token: check_decode_capacity(s.setup, s.cluster, per_token, need)) if s.sim.decode else None
+    return plans.build(s.setup, isl, check)
+
+
 def run(s: SimSetup, arrival=None, isl=None, osl=None, table: plans.PlanTable | None = None) -> Result:
     import time
 
     if arrival is None:
         arrival, isl, osl = requests(s)
     t0 = time.perf_counter()
-    table = table or plans.build(s.setup, isl)
+    table = table or table_for(s, isl, osl)
     t_table = time.perf_counter() - t0
     o = simulate(s.setup, s.cluster, s.terms, s.prefill, table, arrival, isl, osl, decode=s.sim.decode)
     summary = report.summarize(o, s.sim.slo, s.sim.percentiles)
@@ -226,7 +234,7 @@ def max_rate(s: SimSetup) -> dict:
     attainment, in the order tried)."""
     at = lambda r: dataclasses.replace(s, sim=dataclasses.replace(s.sim, rate=r))  # noqa: E731
     a, i, o = requests(at(s.sim.search_lo))
-    table = plans.build(s.setup, i)
+    table = table_for(s, i, o)
     tried = []
 
     def probe(rate: float) -> tuple[bool, Result]:
