@@ -247,6 +247,29 @@ def test_a_calibration_dir_with_no_transfers_is_one_line(tmp_path):
         calibrate.calibrate([str(tmp_path / "absent")])
 
 
+def test_calibrate_says_which_terms_its_runs_determine():
+    """A term is determined where doubling or halving it alone raises the fit's error by DETERMINED or more: the
+    figure is the smaller of the two rises, and a term the runs cannot see (a pulling transport stages nothing, so
+    ``staged_byte_ns`` moves nothing) is said to be undetermined."""
+    from kvlab.sim import calibrate
+
+    runs = calibrate.sources([str(CPU_RUNS / "ipc_pois_chunked")])
+    replays = [calibrate.replay_of(n, s, rows) for n, s, rows in runs]
+    pre = calibrate.fit_prefill(replays)
+    terms, base = calibrate.fit_transport(replays, pre)
+    rises = calibrate.determination(replays, terms, pre)
+    assert set(rises) == set(calibrate.TERMS) and all(v >= 0 for v in rises.values())
+    assert rises["staged_byte_ns"] == 0 and "staged_byte_ns" in calibrate.undetermined(rises)
+    assert base == pytest.approx(calibrate.error(replays, terms, pre))
+    for k in ("piece_us", "byte_ns"):  # the figure's definition, term by term
+        cur = getattr(terms, k)
+        tries = [cur * 2, cur / 2] if cur else [calibrate.FLOOR[k]]
+        each = [calibrate.error(replays, dataclasses.replace(terms, **{k: v}), pre) - base for v in tries]
+        assert rises[k] == pytest.approx(max(0.0, min(each)), abs=1e-12)
+    line = calibrate.determination_line("ipc", rises)
+    assert line.startswith("ipc: not determined by these runs: ") and "staged_byte_ns +0," in line and "\n" not in line
+
+
 def test_calibrated_terms_reach_the_plan_and_the_summary_prediction():
     from kvlab.cli.plan_cmd import predicted
     from kvlab.config.schema import build, compose
@@ -270,6 +293,8 @@ def test_calibrate_writes_a_profile_kvlab_sim_and_plan_read(tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "rep.json").read_text())
     assert [x["run"] for x in rep] == ["nixl_pois_chunked", "nixl_moon_chunked"]
+    said = r"^ *# nixl: (not determined by these runs: [\w, ]+|every term determined by these runs) \(the fit's error"
+    assert re.search(said.replace("# ", "", 1), r.stdout, re.M) and re.search(said, out.read_text(), re.M), r.stdout
     assert all(x[f"{k}_measured_ms"] > 0 for x in rep for k in ("exposed_p50", "ttft_p90"))
     conf = tmp_path / "conf" / "cost"
     conf.mkdir(parents=True)

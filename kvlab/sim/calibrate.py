@@ -18,6 +18,10 @@ transfer may wait for the requests whose chunks come first in it (``order_wait``
    ratio of predicted to measured exposed transfer and TTFT, p50 and p90, each plus 1 ms (what one run
    resolves: a 0.7 ms exposed time is not fitted as if it were exact), summed over the transport's runs.
 
+3. Per transport, which terms the runs determine (``determination``): the rise of the fit's error when one term
+   alone is doubled or halved. A term that moves it by less than ``DETERMINED`` is said not to be determined: the
+   fitted value is then a solution, not a measurement.
+
 The report gives each run's four figures measured and predicted, and their errors: exposed transfer from
 the replay on the run's measured prefills (the transfer's own error), TTFT with every part modelled; the profile
 (``cost/<name>.yaml``: the shipped ones in conf/, a user's in ``$XDG_CONFIG_HOME/kvlab``, where kvlab sim calibrate
@@ -283,11 +287,36 @@ def fit_transport(replays: list[Replay], pre: PrefillTerms) -> tuple[TransportTe
     return best_all
 
 
+FLOOR = {"byte_ns": 1e-4, "staged_byte_ns": 1e-3, "piece_us": 1.0, "rtt_us": 10.0, "host_wait": 0.1,
+         "order_wait": 0.1}  # where the search takes a term at zero up from
+SHARES = ("host_wait", "order_wait")  # at most 1
+DETERMINED = 0.01  # the least rise of the fit's error that says the runs pin a term down: a figure moved by 10%
+
+
+def determination(replays: list[Replay], terms: TransportTerms, pre: PrefillTerms) -> dict[str, float]:
+    """Per term of TERMS, how much the fit's error rises when that term alone is doubled or halved, the smaller of
+    the two (a term at zero: set to where the search starts it, ``FLOOR``; a share at most 1). Below ``DETERMINED``
+    the runs do not pin the term down: other values fit them as well, so the fitted one is no measurement of that
+    cost (runs whose requests all have the same pieces cannot tell a per-piece cost from a per-request one)."""
+    base = error(replays, terms, pre)
+    out = {}
+    for k in TERMS:
+        cur = getattr(terms, k)
+        tries = [FLOOR[k]] if cur == 0 else [cur * 2, cur / 2]
+        tries = [min(v, 1.0) if k in SHARES else v for v in tries]
+        rises = [error(replays, dataclasses.replace(terms, **{k: float(v)}), pre) - base for v in tries if v != cur]
+        out[k] = max(0.0, min(rises)) if rises else 0.0
+    return out
+
+
+def undetermined(rises: dict[str, float]) -> list[str]:
+    return [k for k in TERMS if rises[k] < DETERMINED]
+
+
 def _search(replays: list[Replay], t: TransportTerms, pre: PrefillTerms) -> tuple[TransportTerms, float]:
     """Coordinate search in log space: each term times a factor while the error falls; a term at zero is tried
     last (a zero cannot grow back by factors)."""
-    floor = {"byte_ns": 1e-4, "staged_byte_ns": 1e-3, "piece_us": 1.0, "rtt_us": 10.0, "host_wait": 0.1,
-             "order_wait": 0.1}
+    floor = FLOOR
     best = error(replays, t, pre)
     for factors in ((4.0, 0.25, 2.0, 0.5, 1.25, 0.8), (0.0,), (1.25, 0.8, 1.1, 0.9)):
         for _ in range(8):
@@ -296,7 +325,7 @@ def _search(replays: list[Replay], t: TransportTerms, pre: PrefillTerms) -> tupl
                 for f in factors:
                     cur = getattr(t, k)
                     v = (cur or floor[k]) * f if f else 0.0
-                    if k in ("host_wait", "order_wait"):
+                    if k in SHARES:
                         v = min(v, 1.0)
                     if v == cur:
                         continue
@@ -309,13 +338,15 @@ def _search(replays: list[Replay], t: TransportTerms, pre: PrefillTerms) -> tupl
     return t, best
 
 
-def calibrate(paths: list[str]) -> tuple[Fitted, list[dict]]:
+def calibrate(paths: list[str]) -> tuple[Fitted, list[dict], dict[str, dict[str, float]]]:
+    """(the fitted terms, each run's figures measured and predicted, each transport's ``determination``)."""
     replays = [replay_of(n, s, rows) for n, s, rows in sources(paths)]
     pre = fit_prefill(replays)
     by_transport: dict[str, list[Replay]] = {}
     for r in replays:
         by_transport.setdefault(r.setup.transport.name, []).append(r)
     terms = {name: fit_transport(rs, pre)[0] for name, rs in sorted(by_transport.items())}
+    rises = {name: determination(rs, terms[name], pre) for name, rs in sorted(by_transport.items())}
     report = []
     for r in replays:
         p = predict(r, terms[r.setup.transport.name], pre)
@@ -327,7 +358,16 @@ def calibrate(paths: list[str]) -> tuple[Fitted, list[dict]]:
             row[f"{k}_error"] = p[k] / r.measured[k] - 1 if r.measured[k] > 0 else None
         report.append(row)
     names = ", ".join(r.name for r in replays)
-    return Fitted(terms, pre, f"kvlab sim calibrate: {names}"), report
+    return Fitted(terms, pre, f"kvlab sim calibrate: {names}"), report, rises
+
+
+def determination_line(name: str, rises: dict[str, float]) -> str:
+    """One transport's ``determination``, as the command prints it and the profile keeps it."""
+    cells = ", ".join(f"{k} +{rises[k]:.3g}" for k in TERMS)
+    loose = undetermined(rises)
+    says = (f"not determined by these runs: {', '.join(loose)}" if loose else "every term determined by these runs")
+    return (f"{name}: {says} (the fit's error, doubling or halving one term alone, rises by: {cells}; "
+            f"determined: {DETERMINED:g} or more)")
 
 
 def table_lines(report: list[dict]) -> list[str]:
@@ -347,11 +387,14 @@ def table_lines(report: list[dict]) -> list[str]:
     return out
 
 
-def write_profile(path: Path, fitted: Fitted, base: str, report: list[dict]) -> None:
+def write_profile(path: Path, fitted: Fitted, base: str, report: list[dict],
+                  rises: dict[str, dict[str, float]] | None = None) -> None:
     lines = [f"# fitted by {fitted.source}",
              "# replay errors (predicted / measured - 1), exposed p50 p90, TTFT p50 p90:"]
     for r in report:
         errs = " ".join("n/a" if r[f"{k}_error"] is None else f"{r[f'{k}_error']:+.0%}" for k in FIGS)
         lines.append(f"#   {r['run']}: {errs}")
+    for name, r in sorted((rises or {}).items()):
+        lines.append(f"# {determination_line(name, r)}")
     body = {"profile": base, "fitted": fitted.to_dict()}
     write_whole(path, "\n".join(lines) + "\n" + yaml.safe_dump(body, sort_keys=False), "--out")

@@ -179,7 +179,7 @@ def _calibrate(argv: list[str], written: list[str]) -> None:
         for flag, place in (("--out", out), ("--report", a.report)):
             if place is not None:  # where the results go is checked before anything is fitted
                 writable_file(flag, Path(place))
-        fitted, rep = calibrate.calibrate(a.runs)
+        fitted, rep, rises = calibrate.calibrate(a.runs)
     except ConfigError as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -189,11 +189,12 @@ def _calibrate(argv: list[str], written: list[str]) -> None:
         print(f"{name}: byte_ns {t.byte_ns:.4g}, staged_byte_ns {t.staged_byte_ns:.4g}, piece_us {t.piece_us:.4g}, "
               f"rtt_us {t.rtt_us:.4g}, host_wait {t.host_wait:.3g}, order_wait {t.order_wait:.3g}, "
               f"prefill_slowdown {t.prefill_slowdown:.3g}")
+        print(f"  {calibrate.determination_line(name, rises[name])}")
     pre = fitted.prefill
     print(f"prefill: scale {pre.scale:.4g}, byte_ns {pre.byte_ns:.4g}, fixed_ms {pre.fixed_ms:.4g}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        calibrate.write_profile(out, fitted, a.base, rep)
+        calibrate.write_profile(out, fitted, a.base, rep, rises)
         written.append(f"its profile is in {out}")
         if a.report:
             write_whole(Path(a.report), json.dumps(rep, indent=1), "--report")
