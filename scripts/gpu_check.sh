@@ -14,7 +14,8 @@
 #   into gemma_h200.json
 # --engines: also scripts/ipc_bench.py --engines (vLLM NHD ctx -> TensorRT-LLM gen, bf16 and gen fp8), into engines_h200.json
 # --apart: --gemma and --engines with arrivals 2 s apart (poisson at 0.5/s, burstiness 1e6: all but constant gaps),
-#   longer than a 32k prefill, so no ctx process's prefill runs beside a pull, into *_apart_h200.json
+#   longer than a 32k prefill, so no ctx process's prefill runs beside a pull, into *_apart_h200.json; --apart-only:
+#   those alone (--engines alone comes near its 500 s limit: give each set a call of its own)
 # --mps: --gemma and --engines (and --apart) again with every process a client of a CUDA MPS daemon of this script's
 #   own (quit before the script ends, whatever happens), into *_mps_h200.json; --mps-only: those under MPS alone
 # --caches: this year's caches on the GPU (hybrid state, context parallelism, prefill=model): check=decode of each,
@@ -32,9 +33,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl nixl-cu13
 set -uo pipefail
 serving=0; mooncake=0; decode=0; engines=0; kernels=0; fp8=0; caches=0; mprefill=0; ceilings=0; gemma=0; apart=0
-usemps=0; mpsonly=0; rest=()
+usemps=0; mpsonly=0; apartonly=0; rest=()
 for a in "$@"; do
-  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --fp8) fp8=1;; --caches) caches=1;; --model-prefill) mprefill=1;; --ceilings) ceilings=1;; --gemma) gemma=1;; --apart) apart=1;; --mps) usemps=1;; --mps-only) usemps=1; mpsonly=1;; *) rest+=("$a");; esac
+  case "$a" in --serving) serving=1;; --mooncake) mooncake=1;; --decode) decode=1;; --engines) engines=1;; --kernels) kernels=1;; --fp8) fp8=1;; --caches) caches=1;; --model-prefill) mprefill=1;; --ceilings) ceilings=1;; --gemma) gemma=1;; --apart) apart=1;; --apart-only) apart=1; apartonly=1;; --mps) usemps=1;; --mps-only) usemps=1; mpsonly=1;; *) rest+=("$a");; esac
 done
 set -- "${rest[@]}"
 out=${OUT:-/tmp/kvlab-gpu}
@@ -103,8 +104,8 @@ e2e() {
   true
 }
 apart_set=(--set workload.arrival=poisson workload.rate=0.5 workload.burstiness=1e6)
-if [ $mpsonly = 0 ]; then e2e ""; [ $apart = 1 ] && e2e _apart "${apart_set[@]}"; fi
-e2e_mps() { e2e _mps; [ $apart = 1 ] && e2e _apart_mps "${apart_set[@]}"; true; }
+if [ $mpsonly = 0 ]; then [ $apartonly = 0 ] && e2e ""; [ $apart = 1 ] && e2e _apart "${apart_set[@]}"; fi
+e2e_mps() { [ $apartonly = 0 ] && e2e _mps; [ $apart = 1 ] && e2e _apart_mps "${apart_set[@]}"; true; }
 [ $usemps = 1 ] && with_mps e2e_mps
 true
 [ $mooncake = 1 ] && timeout 400 python3 scripts/mooncake_bench.py --gpu --out "$out/mooncake_h200.json" 2>&1 \
