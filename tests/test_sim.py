@@ -229,6 +229,17 @@ def test_a_request_no_decode_group_can_hold_is_refused_before_the_table_is_plann
     assert planned == plans.grid_for(isl, s.setup)
 
 
+@pytest.mark.parametrize("model", ["gemma3_27b", "deepseek_v32", "qwen3_next_80b"])
+def test_the_capacity_checks_bytes_per_token_are_the_tables(model):
+    """The segments' bytes the capacity check reads are the chunks' the table holds: sliding windows, the MLA latent
+    beside the indexer keys, recurrent state; ctx TP2 -> gen TP1."""
+    s = build_sim(compose_sim([f"model={model}", "workload.requests=8", "ctx.tp=2", "gen.tp=1"]))
+    _, isl, _ = requests(s)
+    said = []
+    table = plans.build(s.setup, isl, said.append)
+    assert said == [table.kv_token_bytes] and table.kv_token_bytes > 0
+
+
 # ---------------------------------------------------------------- calibration and profiles
 
 

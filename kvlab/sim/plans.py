@@ -89,16 +89,15 @@ def build(setup: Setup, isls, check: Callable[[float], None] | None = None) -> P
     isls = np.asarray(isls, dtype=float)
     pulls = setup.transport.cls().pulls
     grid = grid_for(isls, setup)
+    if check is not None:  # the plan's segments hold its bytes; cutting them into chunks is the long part
+        segs = plan(setup.model, setup.ctx, setup.gen, Request(0, grid[-1]))
+        check(sum(seg.nbytes for seg in segs) / grid[-1])
     share = None
     if setup.transfer.strategy.in_place and grid[-1] > PROBE_TOKENS:
         probe = _one(setup, min(PROBE_TOKENS, grid[-1]), pulls, None)
         moved = sum(r[0] for r in probe.values())
         staged = sum(r[2] for r in probe.values())
         share = 1 - staged / moved if moved else 0.0
-
-    if check is not None:  # the plan's segments hold its bytes; cutting them into chunks is the long part
-        segs = plan(setup.model, setup.ctx, setup.gen, Request(0, grid[-1]))
-        check(sum(seg.nbytes for seg in segs) / grid[-1])
     rows = [_one(setup, g, pulls, share if g > PROBE_TOKENS else None) for g in grid]
     pairs = sorted({p for r in rows for p in r})
     table = np.zeros((3, len(grid), len(pairs)))

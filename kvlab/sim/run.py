@@ -145,8 +145,8 @@ class Result:
 
 
 def table_for(s: SimSetup, isl: np.ndarray, osl: np.ndarray) -> plans.PlanTable:
-    """The plan table of these prompts. With decode on, a request that no gen DP group can hold is refused as soon
-    as the largest prompt is planned, before the other lengths (a model of many heads plans for seconds)."""
+    """The plan table of these prompts. With decode on, a request that no gen DP group can hold is refused from the
+    largest prompt's plan, before any prompt is cut into chunks (a model of many heads takes seconds there)."""
     need = np.asarray(isl, dtype=float) + osl
     check = (lambda per_token: check_decode_capacity(s.setup, s.cluster, per_token, need)) if s.sim.decode else None
     return plans.build(s.setup, isl, check)
