@@ -87,11 +87,14 @@ class Clock:
         return self.seconds(b) - self.seconds(a)
 
 
-def launches_s(fn, iters: int = 1) -> float:
+def launches_s(fn, iters: int = 1, gpu: bool | None = None) -> float:
     """Seconds per call of ``fn`` called ``iters`` times back to back: on a GPU from CUDA events recorded around
     the calls on the current stream (the device's time for the work they queue, not the host's time to queue it),
-    on a CPU from the wall clock. The benchmarks' one timer (scripts/*_bench.py)."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    on a CPU from the wall clock. ``gpu``: which of the two (None: events wherever CUDA is up). The benchmarks' one
+    timer (scripts/*_bench.py), and the prefill's reference (kvlab.rank.prefill_gpu)."""
+    if gpu is None:
+        gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if not gpu:
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()

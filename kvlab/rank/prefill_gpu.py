@@ -25,13 +25,13 @@ by the same cache write into the same cache, so that the slowdown is what the tr
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from kvlab.core.clock import launches_s
 from kvlab.model.spec import ROPE_DIM, Attention, ModelSpec
 
 if TYPE_CHECKING:
@@ -146,18 +146,7 @@ class GpuPrefill:
 
         with torch.cuda.stream(self.stream):
             once()
-            if self.stream is None:
-                t0 = time.perf_counter()
-                for _ in range(repeat):
-                    once()
-                return (time.perf_counter() - t0) / repeat
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(repeat):
-                once()
-            b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3 / repeat
+            return launches_s(once, repeat, gpu=self.stream is not None)
 
     def alone_with_cache_s(self, req: Request, cache: PagedCache, ops, repeat: int = 2) -> float:
         """``alone_s`` of ``req``'s prompt as the run's prefill does it on this rank: the layers whose cache
