@@ -112,16 +112,18 @@ def copy_gbps(n: int, reps: int = 3) -> float:
 
 def ceiling_gbps(source: int, delivered: int, reps: int = 3) -> float:
     """Source bytes per second of the converting copy's ceiling on this GPU: ``source`` bytes read and
-    ``delivered`` written by the plainest kernel (scripts/kernel_ceilings.py ``shrink_copy``; median of ``reps``).
+    ``delivered`` written by the plainest kernel (scripts/kernel_ceilings.py ``shrink_copy``; median of ``reps``,
+    the faster tuning).
     A gen fp8 run reads the bf16 rows and writes fp8 ones: ``copy_`` of the source bytes writes twice as much."""
     import kernel_ceilings as kc
 
     from kvlab.memory.ops import cuda as cuda_ops
 
-    kernel = kc.shrink_copy(cuda_ops.device_arch(0))
     a = torch.empty(source // 16 * 16, dtype=torch.uint8, device="cuda")
     b = torch.empty(delivered // 16 * 16, dtype=torch.uint8, device="cuda")
-    seconds = median_launches_s(lambda s=a, d=b: kc.launch_shrink(kernel, s, d), trials=reps, warmup=1)
+    kernels = [kc.shrink_copy(cuda_ops.device_arch(0), u) for u in kc.SHRINK_UNROLLS]
+    seconds = min(median_launches_s(lambda s=a, d=b, k=k: kc.launch_shrink(k, s, d), trials=reps, warmup=1)
+                  for k in kernels)
     del a, b
     torch.cuda.empty_cache()
     return source / seconds / 1e9
