@@ -146,16 +146,21 @@ def test_flipped_bytes_are_caught_and_located(case, mode, tmp_path_factory):
 @given(mode=st.sampled_from(MODES))
 def test_killed_rank_ends_the_run_within_the_deadline(mode, tmp_path, kvlab_cli):
     run_dir = tmp_path / "run"
-    # ctx1 dies as it is about to start its 25th chunk: requests 0 and 1 are through, 2 and 3 in flight
+    # ctx1 dies as it is about to start its 25th chunk: requests 0 and 1 are written, 2 and 3 in flight
     p = kvlab_cli("run", f"hydra.run.dir={run_dir}", *MOONCAKE, f"transport.mode={mode}", *FAULTY,
                   "fault.kill_rank=1", "fault.kill_at_chunk=24", timeout=HANG_S)
     assert p.returncode == 3, p.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert not summary["verified"] and summary["silent_ranks"] == [1]
-    assert summary["failed_requests"] == [2, 3, 4, 5]
+    # 0 and 1 are written by then, but a write is through only once ctx1 has seen it complete and said so: on a
+    # loaded machine ctx1 may die with their last writes unseen, and then they fail too, named as 2-5 are
+    failed = summary["failed_requests"]
+    assert {2, 3, 4, 5} <= set(failed) <= set(range(6)), failed
     rows = {r["request"]: r for r in _rows(run_dir)}
-    assert rows[0]["verified"] and rows[1]["verified"]
-    for rid in (2, 3, 4, 5):
+    for rid in range(6):
+        if rid not in failed:
+            assert rows[rid]["verified"] and rows[rid]["error"] is None, rows[rid]
+            continue
         # a chunk's failure, or ctx0's prefill of a request it shares with ctx1 (their tensor-parallel barrier)
         assert re.match(LOST_TO_CTX1, rows[rid]["error"]), rows[rid]["error"]
     gen = json.loads((run_dir / "parts" / "rank2.json").read_text())
