@@ -316,7 +316,6 @@ def undetermined(rises: dict[str, float]) -> list[str]:
 def _search(replays: list[Replay], t: TransportTerms, pre: PrefillTerms) -> tuple[TransportTerms, float]:
     """Coordinate search in log space: each term times a factor while the error falls; a term at zero is tried
     last (a zero cannot grow back by factors)."""
-    floor = FLOOR
     best = error(replays, t, pre)
     for factors in ((4.0, 0.25, 2.0, 0.5, 1.25, 0.8), (0.0,), (1.25, 0.8, 1.1, 0.9)):
         for _ in range(8):
@@ -324,7 +323,7 @@ def _search(replays: list[Replay], t: TransportTerms, pre: PrefillTerms) -> tupl
             for k in TERMS:
                 for f in factors:
                     cur = getattr(t, k)
-                    v = (cur or floor[k]) * f if f else 0.0
+                    v = (cur or FLOOR[k]) * f if f else 0.0
                     if k in SHARES:
                         v = min(v, 1.0)
                     if v == cur:

@@ -142,10 +142,10 @@ def decode_rates(setup: Setup, cluster: ClusterSpec, kv_token_bytes: float) -> t
     return fixed, per_token, per_member, cap
 
 
-def check_decode_capacity(setup: Setup, cluster: ClusterSpec, kv_token_bytes: float, need) -> None:
-    """Every request (``need``: its prompt + output tokens) must fit one gen DP group's KV: one line naming the
-    capacity as given (0: worked out from the HBM, said so) and the first request that cannot."""
-    cap = decode_rates(setup, cluster, kv_token_bytes)[3]
+def check_decode_capacity(cluster: ClusterSpec, cap: int, kv_token_bytes: float, need) -> None:
+    """Every request (``need``: its prompt + output tokens) must fit one gen DP group's KV, ``cap`` tokens
+    (``decode_rates``): one line naming the capacity as given (0: worked out from the HBM, said so) and the first
+    request that cannot."""
     need = np.asarray(need, dtype=float)
     worst = int(np.argmax(need)) if len(need) else 0
     if len(need) and need[worst] > cap:
@@ -271,7 +271,7 @@ def simulate(setup: Setup, cluster: ClusterSpec, terms: TransportTerms, prefill_
     batch = np.zeros(n_d, dtype=np.int64)
     need = isl.astype(float) + osl
     if decode:
-        check_decode_capacity(setup, cluster, table.kv_token_bytes, need)
+        check_decode_capacity(cluster, cap, table.kv_token_bytes, need)
 
     admitted = np.full(n, np.nan)
     t_start = np.full(n, np.nan)

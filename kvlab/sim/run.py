@@ -25,7 +25,7 @@ from kvlab.core.errors import ConfigError, require
 from kvlab.core.sim_terms import PrefillTerms, TransportTerms
 from kvlab.sim import plans, report
 from kvlab.sim.cluster import ClusterSpec, SimSpec
-from kvlab.sim.engine import Outcome, check_decode_capacity, check_decode_memory, simulate
+from kvlab.sim.engine import Outcome, check_decode_capacity, check_decode_memory, decode_rates, simulate
 
 SIM_KEYS = ("cluster", "sim")
 
@@ -148,8 +148,11 @@ def table_for(s: SimSetup, isl: np.ndarray, osl: np.ndarray) -> plans.PlanTable:
     """The plan table of these prompts. With decode on, a request that no gen DP group can hold is refused from the
     largest prompt's plan, before any prompt is cut into chunks (a model of many heads takes seconds there)."""
     need = np.asarray(isl, dtype=float) + osl
-    check = (lambda per_token: check_decode_capacity(s.setup, s.cluster, per_token, need)) if s.sim.decode else None
-    return plans.build(s.setup, isl, check)
+
+    def check(per_token: float) -> None:
+        check_decode_capacity(s.cluster, decode_rates(s.setup, s.cluster, per_token)[3], per_token, need)
+
+    return plans.build(s.setup, isl, check if s.sim.decode else None)
 
 
 def run(s: SimSetup, arrival=None, isl=None, osl=None, table: plans.PlanTable | None = None) -> Result:
