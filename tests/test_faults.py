@@ -79,6 +79,60 @@ def test_killed_rank_fails_its_requests_and_the_run_ends(tmp_path, kvlab_cli):
         assert json.loads((run_dir / "parts" / f"rank{r}.json").read_text())["held_blocks"] == 0
 
 
+# In each rank of the run (the launcher gives them KVLAB_PARENT): the gen rank's check of the requests that landed
+# waits until the launcher's stop after ctx1's death has reached it, and notes that it did (CHECKED_AFTER)
+_CHECK_AFTER_THE_STOP = """
+import os, signal, time
+
+def _hook():
+    from kvlab.core import interrupt
+    from kvlab.rank import executor
+
+    check = executor.Executor.verify_finished
+
+    def came():
+        h = signal.getsignal(signal.SIGTERM)  # the rank's stop, put off (deferred) or taken (handlers quiet)
+        return h is interrupt.ignore or getattr(h, "deferred", None) is not None
+
+    def after_the_stop(self):
+        if self.side == "gen" and self.unverified:
+            until = time.monotonic() + 30
+            while time.monotonic() < until and not came():
+                time.sleep(0.05)
+            if came():
+                open(os.environ["CHECKED_AFTER"], "w").write(",".join(str(r.id) for r, *_ in self.unverified))
+        check(self)
+
+    executor.Executor.verify_finished = after_the_stop
+
+if os.environ.get("KVLAB_PARENT") is not None:
+    _hook()
+"""
+
+
+@pytest.mark.slow
+def test_the_stop_after_a_death_leaves_what_landed_to_be_checked(tmp_path, kvlab_cli):
+    """The launcher stops a survivor some seconds after a death, to end its waits on the dead peer. A gen rank that
+    was checking the requests that had landed whole (work that waits on nobody) failed them "before verification";
+    on a loaded machine, where that check comes late, the run lost requests that had arrived. Here the check is held
+    until the stop has come: requests 0 and 1 are verified all the same."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_CHECK_AFTER_THE_STOP)
+    path = os.pathsep.join([str(tmp_path / "hook"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run_dir, noted = tmp_path / "run", tmp_path / "checked_after"
+    p = kvlab_cli("run", f"hydra.run.dir={run_dir}", *QUIET, *FAULTY, "fault.kill_rank=1", "fault.kill_at_chunk=24",
+                  env={"PYTHONPATH": path, "CHECKED_AFTER": str(noted)}, timeout=HANG_S)
+    assert p.returncode == 3, p.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["failed_requests"] == [2, 3, 4, 5], summary["failed_requests"]
+    assert noted.exists(), "the gen rank's check never overlapped the launcher's stop"
+    rows = _rows(run_dir)
+    for rid in (0, 1):
+        assert rows[rid]["verified"] and rows[rid]["error"] is None, rows[rid]
+    gen = json.loads((run_dir / "parts" / "rank2.json").read_text())
+    assert {int(k) for k in gen["failures"]} <= {2, 3} and gen["held_blocks"] == 0, gen["failures"]
+
+
 @pytest.mark.slow
 def test_killed_rank_under_torchrun_is_still_reported(tmp_path, kvlab_cli):
     """torchrun's agent stops every rank as soon as one dies: the survivors write their part files on

@@ -68,7 +68,13 @@ class Stopped(BaseException):
     """The process was told to stop (SIGTERM from the launcher or torchrun's agent) during the transfers.
 
     BaseException, so that a transport's ``except Exception`` around a peer call does not report the signal
-    as that peer's failure ("control store unreachable: stopped by SIGTERM")."""
+    as that peer's failure ("control store unreachable: stopped by SIGTERM"). ``after_death``: the local
+    launcher's SIGTERM once it found a peer dead, which ends the waits on peers but leaves the requests that
+    landed whole to be checked (work that waits on nobody)."""
+
+    def __init__(self, *args, after_death: bool = False):
+        super().__init__(*args)
+        self.after_death = after_death
 
 
 @dataclass
@@ -84,7 +90,7 @@ class Executor:
 
     def __init__(self, setup: Setup, plan: RunPlan, side: str, rank: int, world_rank: int, device: torch.device,
                  cache: PagedCache, transport: Transport, ops, clock: Clock | None, progress=None,
-                 faults: RankFaults | None = None, beat=None, died=None):
+                 faults: RankFaults | None = None, beat=None, died=None, local_work=None):
         self.setup, self.plan, self.side, self.rank, self.world_rank = setup, plan, side, rank, world_rank
         self.rank_ctx: RankContext | None = None  # what the transport sees of this rank (made by connect)
         self.device, self.cache, self.transport, self.ops, self.clock = device, cache, transport, ops, clock
@@ -100,10 +106,13 @@ class Executor:
         self.faults = faults or RankFaults()
         self.beat = beat or (lambda: None)  # proof of progress for the end-of-run exchange (kvlab.rank.report)
         self.died = died or (lambda: "")  # "ctx1 (rank 1)": a rank the launcher found dead, "" while none is
+        # around work that waits on no peer: the runner's stop, which puts off the launcher's SIGTERM after a death
+        self.local_work = local_work or contextlib.nullcontext
         self.failures: dict[int, str] = {}  # request -> why it failed on this rank
         self.error: str | None = None  # the failure that stopped this rank's loop
         self.error_at: float | None = None
         self.stopped = False  # told to stop from outside: nobody is left to report to
+        self.after_death = False  # ... by the launcher after a death: the requests that landed are still checked
         self.transfer_peak = 0  # allocator peak of the transfer alone (fill and verify excluded)
         self.untracked_kept = 0  # device bytes fill and verify allocated and kept (their caches): not the transfer's
         # finished, blocks still held: (request, its segments here, its landing event on GPUs)
@@ -388,9 +397,9 @@ class Executor:
             self._release(rid)
         if self.stream is not None and self.error is None:
             self.stream.synchronize()
-        if not self.stopped:  # requests finished before a failure are still checked
+        if not self.stopped or self.after_death:  # requests finished before a failure are still checked
             try:
-                with ctx:
+                with ctx, self.local_work():
                     self.verify_finished()
             except Stopped as e:  # a signal that came while the loop's last wait blocked lands here
                 self.stopped = True
@@ -430,6 +439,7 @@ class Executor:
         """Fail every request this rank has open and free their blocks and slots. The loop stops here:
         every rank follows one global order, so the chunks after this one would wait on the lost peer too."""
         self.stopped = isinstance(e, Stopped)
+        self.after_death = self.stopped and e.after_death
         if not self.stopped:
             # a wait on a live peer that ran out because another rank died (ctx0 held at its tensor-parallel
             # barrier by a dead ctx1) says so: the report names the dead rank, not only the peer it waited on
@@ -439,7 +449,7 @@ class Executor:
         self.error = f"{self.side}{self.rank}: {e}"
         self.error_at = time.time()
         failed = getattr(e, "request", None)
-        if self.stopped:
+        if self.stopped and not self.after_death:
             self._unverified_failed(e)
         for rid, rec in self.records.items():
             if rec.end is None or rid == failed:  # failed: also one whose end was marked (a pull not done in time)

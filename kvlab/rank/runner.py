@@ -16,6 +16,7 @@ reason, and the ranks that fell silent. Exit codes: 0 verified, 1 failures, 2 ba
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import resource
@@ -58,19 +59,42 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class _Stop:
     """The stop signals' handler: raises Stopped, saying which peers the launcher had found dead (it
-    stops a rank still waiting on a dead peer; the rank's requests then name the cause, not the signal)."""
+    stops a rank still waiting on a dead peer; the rank's requests then name the cause, not the signal).
+    That stop does not cut short ``local_work``."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.setup = None  # names the dead ranks once built
         self.settled = False  # the rank's outcome is decided: a signal now has nothing left to stop
+        self.local = False  # within ``local_work``
+        self.deferred: str | None = None  # the stop local_work raises as it ends
 
     def __call__(self, signum, frame) -> None:
         if self.settled:  # raising now would escape the code that catches Stopped: a traceback, a lost exit code
             return
-        for s in STOP_SIGNALS:  # one is enough: let this rank write what it knows (a no-op, not SIG_IGN: a
-            signal.signal(s, ignore)  # signal already pending would otherwise raise "ignored due to race")
-        raise Stopped(f"stopped by {signal.Signals(signum).name}{_orphaned() or self.dead()}")
+        # the launcher's SIGTERM after a death is meant for a rank still waiting on the dead peer: the requests that
+        # landed whole are still checked, not failed "before verification" (kvlab.rank.executor)
+        after_death = signum == signal.SIGTERM and not _orphaned() and bool(self.died())
+        if after_death and self.local and self.deferred is None:  # checking them now: it waits on nobody
+            self.deferred = f"stopped by {signal.Signals(signum).name}{self.dead()}"
+            return
+        _quiet()
+        raise Stopped(f"stopped by {signal.Signals(signum).name}{_orphaned() or self.dead()}", after_death=after_death)
+
+    @contextlib.contextmanager
+    def local_work(self):
+        """Work that waits on no peer (checking the requests that landed, after the loop). A SIGTERM in it, once a
+        peer is marked dead, is the launcher's stop after that death: it takes effect (Stopped) as the work ends.
+        Only one is put off: a second SIGTERM (the launcher's deadline, a user's stop after the group's), or a
+        SIGINT, stops the work at once."""
+        self.local = True
+        try:
+            yield
+        finally:
+            self.local = False
+        if self.deferred is not None:
+            _quiet()
+            raise Stopped(self.deferred, after_death=True)
 
     def dead(self) -> str:
         gone = self.died()
@@ -78,6 +102,13 @@ class _Stop:
 
     def died(self) -> str:
         return "" if self.setup is None else _died(self.setup, self.run_dir)
+
+
+def _quiet() -> None:
+    """After the stop this rank acts on: one is enough, let it write what it knows (a no-op handler, not SIG_IGN: a
+    signal already pending would otherwise raise "ignored due to race")."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, ignore)
 
 
 def _died(setup, run_dir: Path) -> str:
@@ -141,7 +172,7 @@ def worker_main(cfg: DictConfig, run_dir: Path) -> int:
         except ConfigError as e:
             return refused(e)
         try:
-            return _worker(setup, run_dir, world_rank, device, at_once)
+            return _worker(setup, run_dir, world_rank, device, at_once, stop)
         except ConfigError as e:
             return refused(e)
         finally:
@@ -180,7 +211,7 @@ def prefix_skipped(setup, run_plan: RunPlan, gen_rank: int) -> dict[int, int]:
     return out
 
 
-def _worker(setup, run_dir: Path, world_rank: int, device: torch.device, at_once: AtOnce) -> int:
+def _worker(setup, run_dir: Path, world_rank: int, device: torch.device, at_once: AtOnce, stop: _Stop) -> int:
     side_spec, rank = setup.side_of(world_rank)
     side = side_spec.name
     state = CacheState(setup.model, side_spec, rank)
@@ -193,13 +224,13 @@ def _worker(setup, run_dir: Path, world_rank: int, device: torch.device, at_once
     mover = transports.create(setup, side, rank, world_rank, device)
     at_once.cleanups.append(mover.leave)
     try:
-        return _transfer(setup, run_dir, world_rank, device, side, rank, state, mover, at_once)
+        return _transfer(setup, run_dir, world_rank, device, side, rank, state, mover, at_once, stop)
     finally:
         mover.close()  # unmapped and unlinked also after a failure
 
 
 def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side: str, rank: int,
-              state: CacheState, mover, at_once: AtOnce) -> int:
+              state: CacheState, mover, at_once: AtOnce, stop: _Stop) -> int:
 
     run_plan = plan_run(setup)
     needed = preflight(setup, run_plan, world_rank)  # the same checks on every rank: all stop or none
@@ -248,7 +279,7 @@ def _transfer(setup, run_dir: Path, world_rank: int, device: torch.device, side:
         decode_check.prepare(cache, board.beat)
     executor = Executor(setup, run_plan, side, rank, world_rank, device, cache, mover, ops, None, progress,
                         faults.for_rank(setup.fault, world_rank, mine), board.beat,
-                        functools.partial(_died, setup, run_dir))
+                        functools.partial(_died, setup, run_dir), stop.local_work)
     if side == "ctx" and setup.prefill.kind == "model":  # the model built before the clock, run on it
         from kvlab.rank.prefill_model import ModelPrefill
 
