@@ -76,9 +76,9 @@ share of, in every run (``"p2p"``: raw messages over the pair groups; ``"nixl"``
 WRITEs between the transport's agents; ``"copy"``: a local ``copy_`` of the same bytes, the
 default; ``None``: no in-run reference, no link figures).
 
-``peak_staging_bytes``: the most staging memory the transport held at once on this rank
-(0 for a transport that moves chunks without buffers). ``pulls`` (class attribute): the gen
-rank copies each chunk straight from the ctx pool, with no staging, pack, message or unpack;
+``peak_staging_bytes``: the most staging memory the transport held at once on this rank (the peak of
+``staging``, where the transport keeps a kvlab.transports.staged.ChunkStaging there, else 0). ``pulls``
+(class attribute): the gen rank copies each chunk straight from the ctx pool, with no staging, pack, message or unpack;
 the cost model (kvlab.sizing.cost) charges such a chunk one copy on the gen device and one
 control round trip. It also says whose ``rec.wire`` marks bracket a chunk in flight
 (kvlab.core.figures: ``busy_s``, delivered GB/s): the gen rank's for a pulling transport, else the
@@ -219,6 +219,7 @@ class Transport(ABC):
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device):
         self.setup, self.side, self.rank, self.world_rank, self.device = setup, side, rank, world_rank, device
         self.ctx: RankContext | None = None
+        self.staging = None  # a transport's kvlab.transports.staged.ChunkStaging, where it has one
 
     @classmethod  # noqa: B027 -- an optional step of the protocol
     def check(cls, setup: Setup) -> None:
@@ -235,7 +236,7 @@ class Transport(ABC):
 
     @property
     def peak_staging_bytes(self) -> int:
-        return 0
+        return self.staging.peak_bytes if self.staging is not None else 0
 
     @classmethod
     def pool_files(cls, setup: Setup) -> str | None:

@@ -57,13 +57,11 @@ flight, after one untimed round.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import QueueEmptyError
@@ -71,61 +69,24 @@ from torch.distributed import QueueEmptyError
 from kvlab.core.errors import ConfigError
 from kvlab.model.schedule import Chunk, Staging
 from kvlab.model.state import CacheState
-from kvlab.transports import RankContext, Transport
+from kvlab.transports import RankContext, write_notify
 from kvlab.transports import mooncake_engine as mooncake
-from kvlab.transports.deadline import spin_for, wait_until
-from kvlab.transports.direct import block_tables, coalesce, flip_landed, own_runs, pair_runs, rank_runs
-from kvlab.transports.p2p import narrow
-from kvlab.transports.staged import ChunkStaging
+from kvlab.transports.deadline import wait_until
+from kvlab.transports.write_notify import Landing, WriteNotify
 
-MODES = ("direct", "staged")
 DIRECT_WAVE = 1024  # writes of one chunk in flight at once (_write)
 LAND_POLL_S = 2.5e-4  # gen, CPUs: between two looks for a chunk's notice in the store
 LAND_POLL_GPU_S = 5e-5  # gen, GPUs
 PROBE_S = 0.25  # between two probes of a peer's engine while waiting on it
 
 
-@contextlib.contextmanager
-def packing(stream):
-    """Work queued meanwhile goes on ``stream`` (after everything queued so far on the current one), or stays on the
-    current stream where ``stream`` is None."""
-    if stream is None:
-        yield
-        return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        yield
-
-
 @dataclass
-class Write:
+class Write(write_notify.Write):
     """A chunk on the ctx rank: packed (or not), waiting for the gen rank's room, then its writes in flight."""
 
-    index: int
-    chunk: Chunk
-    rec: object
-    buf: torch.Tensor | None  # the chunk in wire order (a slot, or the pool in place); None: direct from runs
-    staged: bool
-    event: object = None  # GPUs: the pack's (or the layers') completion; the engine does not follow streams
     ids: list | None = None  # the engine's ids of the writes not yet seen complete; None: not yet submitted
-    posted: object = None
     done: object = None  # the completion mark, set when it was seen
-    reg: int = 0  # a per-chunk buffer's registered address (naive)
     stuck: bool = False  # fault injection: posted, and never progresses
-
-
-@dataclass
-class Landing:
-    """A chunk on the gen rank: room announced, bytes awaited."""
-
-    index: int
-    chunk: Chunk
-    buf: torch.Tensor | None
-    staged: bool
-    posted: object
-    reg: int = 0  # a per-chunk buffer's registered address (naive)
-    notice: tuple | None = None  # (store call, key, value) to publish: a queue push or a set; None: nothing
-    after: object = None  # GPUs: the event of the slot's last unpack, announced once it has completed
 
 
 @dataclass
@@ -136,22 +97,16 @@ class Peer:
     state: CacheState | None = None
 
 
-class Mooncake(Transport):
+class Mooncake(WriteNotify):
+    """The chunk's life is kvlab.transports.write_notify's; Mooncake's engine, writes and the store's notices here."""
+
     link_reference = "mooncake"  # kvlab.rank.linkrate: raw writes of the run's chunk size between its pairs
-    # kvlab.core.figures: a ctx rank's chunks wait for a free staging slot, except in direct mode, which has none
-    has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else frozenset({"slots"}))
-    # fault injection: a ctx rank's notice is its done key, a gen rank's its room or block tables key
-    injects = {"drop_notice": frozenset({"ctx", "gen"}), "wrong_request": frozenset({"ctx", "gen"}),
-               "stuck": frozenset({"ctx"}), "reused_block": frozenset({"ctx", "gen"}),
-               "torn_chunk": frozenset({"ctx"})}
+    write_cls = Write
 
     def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", protocol: str = "auto",
                  pack_ctas: int | None = None):
-        super().__init__(setup, side, rank, world_rank, device)
-        self.staging = None
-        self.mode = mode
+        super().__init__(setup, side, rank, world_rank, device, mode, pack_ctas)
         self.protocol = protocol
-        self.pack_ctas = pack_ctas
         # the ctx rank polls its writes' status locally; a gen rank's poll would be a store round trip per
         # chunk in flight per loop, so it is finished when the executor must
         self.polls = side == "ctx"
@@ -161,34 +116,18 @@ class Mooncake(Transport):
         self.regs: list[int] = []
         self.peers: dict[int, Peer] = {}
         self.store = None
-        self.waiting: list[Write] = []  # ctx: chunks packed, not yet written
-        self.unannounced: deque[Landing] = deque()  # gen: chunks whose room waits its turn (GPUs: an unpack)
-        self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
-        self.told: set[tuple[int, int]] = set()  # gen, direct: (request, ctx rank) sent the block tables
         self.heard: dict[str, dict[str, str]] = {}  # queue -> notices popped before their chunk asked
-        self.tables: dict[tuple[int, int], dict] = {}  # ctx, direct: (request, gen rank) -> its block tables
         self.probed: dict[int, float] = {}  # peer -> when its engine was last asked whether it is there
-        self.spin_s = spin_for(device)
-        self.pack_stream = None  # ctx, GPUs, staged: where the packs run (connect)
         self.land_poll_s = LAND_POLL_GPU_S if getattr(device, "type", device) == "cuda" else LAND_POLL_S
-        self.shut = False
-        self.per_chunk = False
-        self.window = setup.transfer.slots
 
     @classmethod
     def check(cls, setup) -> None:
         o = setup.transport.options
-        mode = o.get("mode", "staged")
-        if mode not in MODES:
-            raise ConfigError("transport.mode", mode, "use direct (one write per run, pool to pool) or staged "
-                              "(one write per chunk through registered slots)")
+        cls.check_mode(o, "one write per run, pool to pool", "one write per chunk through registered slots")
         proto = o.get("protocol", "auto")
         if proto not in mooncake.PROTOCOLS:
             raise ConfigError("transport.protocol", proto, "use tcp, nvlink_intra (GPUs of one node, CUDA wheels) "
                               "or auto (nvlink_intra where the wheel and the GPUs have it, else tcp)")
-        ctas = o.get("pack_ctas")
-        if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1):
-            raise ConfigError("transport.pack_ctas", ctas, "use a positive number of CTAs, or null for one per SM")
         if proto == "nvlink_intra" and setup.device == "cpu":
             raise ConfigError("transport.protocol", proto, "NVLink moves GPU memory; use transport.protocol=tcp "
                               "(or auto) with device=cpu")
@@ -200,23 +139,12 @@ class Mooncake(Transport):
             raise ConfigError("transport.protocol", "nvlink_intra", "the installed Mooncake wheel has no intra-node "
                               "NVLink transport (the CUDA wheel has); use transport.protocol=tcp or auto")
 
-    @property
-    def peak_staging_bytes(self) -> int:
-        return self.staging.peak_bytes if self.staging is not None else 0
-
     # -- start-up ---------------------------------------------------------------------------
     def connect(self, ctx: RankContext) -> None:
         """Engine, registrations, session ids and pool addresses through the store, one write each way."""
         super().connect(ctx)
         t = self.setup.transfer
-        ctas = self.pack_ctas
-        if ctas is None and self.device.type == "cuda":
-            # the engine's writes run on copy engines or the NIC, not on SMs: the kernels may take them all
-            ctas = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.ops = narrow(ctx.ops, ctas or t.pack_ctas)
-        if self.mode == "staged" or (self.sending and ctx.faults.flips):
-            self.staging = ChunkStaging(ctx, self.ops)
-        self.per_chunk = self.staging is not None and self.staging.per_chunk
+        self._stage(ctx)
         if self.sending and self.staging is not None and self.device.type == "cuda":
             # the engine's submit first waits, on the host, for the caller's default stream: on torch's legacy
             # stream that is every pack queued so far, the later chunks' too. On a stream of their own a chunk's
@@ -347,93 +275,28 @@ class Mooncake(Transport):
             raise self.failed(c, "control store unreachable", e) from e
         return got.decode() if isinstance(got, bytes) else got
 
-    # -- chunks -----------------------------------------------------------------------------
-    def _landing(self, c: Chunk) -> dict | None:
-        """Ctx, direct: the gen rank's block tables of the chunk's request, once they have arrived."""
-        key = (c.request, c.dst)
-        if key not in self.tables:
-            got = self._take(f"mc/T/{c.src}/{c.dst}/{c.request}", c)
-            if got is None:
-                return None
-            self.tables[key] = {name: (v[0], torch.tensor(v[1:], dtype=torch.int64))
-                                for name, v in json.loads(got).items()}
-        return self.tables[key]
+    # -- chunks (the engine's side of kvlab.transports.write_notify) ----------------------------------
+    def _register_buffer(self, buf: torch.Tensor) -> int:
+        self._register(buf.data_ptr(), buf.numel())
+        return buf.data_ptr()
 
-    def start(self, i: int, c: Chunk, rec):
-        clock = self.ctx.clock
-        if not self.sending:
-            if self.mode == "direct":
-                # the request's blocks are allocated at its first chunk here and stay until it is verified:
-                # one key per (request, ctx rank) with the block tables lets the ctx rank address every chunk
-                h = Landing(i, c, None, False, clock.mark())
-                if (c.request, c.src) not in self.told:
-                    self.told.add((c.request, c.src))
-                    n = self.ctx.faults.notice(i, c)
-                    if n is not None:
-                        h.notice = (self.store.set, f"mc/T/{c.src}/{c.dst}/{n.request}",
-                                    block_tables(self.ctx, c.request))
-            else:
-                buf, staged = self.staging.buffer(i, c)
-                h = Landing(i, c, buf, staged, clock.mark())
-                if staged and self.per_chunk:
-                    # the naive baseline's buffer is new memory: registered before it is announced (the peer's
-                    # engine checks a write against the registrations when it lands)
-                    self._register(buf.data_ptr(), buf.numel())
-                    h.reg = buf.data_ptr()
-                elif staged:
-                    h.after = self.after_unpack.pop(i % self.window, None)  # the slot is free once that has run
-                n = self.ctx.faults.notice(i, c)
-                if n is not None:
-                    h.notice = (self.store.queue_push, *self._notice("R", n, f"{buf.data_ptr()} {buf.numel()}"))
-            self.unannounced.append(h)
-            self._announce()
-            return h
-        self.ctx.faults.reuse(self.ctx, i, c)  # fault injection: before the chunk's bytes are read
-        if self.mode == "direct":
-            buf, staged = None, False
-        else:
-            buf, staged = self.staging.buffer(i, c)
-        side = self.pack_stream if staged and not self.per_chunk and i not in self.ctx.faults.flips else None
-        with packing(side):
-            if staged:
-                self.staging.copy(c, buf, rec)
-            if self.staging is not None:
-                buf, staged = self.staging.flip_outgoing(i, c, buf, staged, rec)
-            w = Write(i, c, rec, buf, staged)
-            if self.device.type == "cuda":
-                w.event = torch.cuda.Event()
-                w.event.record()
-        if staged and self.per_chunk:
-            self._register(buf.data_ptr(), buf.numel())
-            w.reg = buf.data_ptr()
-        self.waiting.append(w)
-        self._pump()
-        return w
+    def _deregister_buffer(self, reg: int) -> None:
+        self._unregister(reg)
 
-    def _announce(self) -> None:
-        """Gen: announce, in order, the chunks whose landing place is free (on GPUs: the slot's last unpack
-        has run; the host does not wait for it)."""
-        while self.unannounced and (self.unannounced[0].after is None or self.unannounced[0].after.query()):
-            h = self.unannounced.popleft()
-            h.after = None
-            if h.notice:
-                self._ask(h.chunk, *h.notice)
+    def _room(self, c: Chunk) -> str | None:
+        return self._heard("R", c)
 
-    def _pump(self) -> None:
-        """Write every packed chunk whose room on the gen rank has been announced."""
-        still = []
-        for w in self.waiting:
-            if w.event is not None and not w.event.query():
-                room = None  # (GPUs) still packing: the host does not wait for the device
-            elif self.mode == "direct":
-                room = self._landing(w.chunk)
-            else:
-                room = self._heard("R", w.chunk)
-            if room is None:
-                still.append(w)
-            else:
-                self._write(w, room)
-        self.waiting = still
+    def _tables_sent(self, c: Chunk) -> str | None:
+        return self._take(f"mc/T/{c.src}/{c.dst}/{c.request}", c)
+
+    def _room_notice(self, c: Chunk, buf: torch.Tensor, reg: int | None) -> tuple:
+        return (self.store.queue_push, *self._notice("R", c, f"{buf.data_ptr()} {buf.numel()}"))
+
+    def _tables_notice(self, c: Chunk, tables: str) -> tuple:
+        return (self.store.set, f"mc/T/{c.src}/{c.dst}/{c.request}", tables)
+
+    def _publish(self, h: Landing) -> None:
+        self._ask(h.chunk, *h.notice)
 
     def _write(self, w: Write, room) -> None:
         """Write a chunk to where ``room`` says: staged, the gen slot's "address bytes"; direct, the gen rank's
@@ -446,17 +309,7 @@ class Mooncake(Transport):
                 raise self.failed(c, f"gen rank offers {n} B for a {c.nbytes} B chunk")
             src, dst, length = [w.buf.data_ptr()], [addr], [n]
         else:
-            base, ids = room[c.rect.pool]
-            base_addr, blocks = peer.pools[c.rect.pool]
-            dmem, dwire, length = rank_runs(peer.state.pool(c.rect.pool), blocks, c, ids, base)
-            dst = base_addr + dmem
-            if w.buf is not None:  # corrupted on its way out: from the staging copy, in wire order
-                src = w.buf.data_ptr() + dwire
-            else:  # this side's runs are cut elsewhere when the layouts differ: each write within both
-                smem, swire, _ = own_runs(self.ctx, c)
-                src, dst, length = pair_runs(self.ctx.cache.pools[c.rect.pool].storage.data_ptr() + smem, swire,
-                                             dst, dwire, length)
-            src, dst, length = coalesce(np.asarray(src, dtype=np.int64), dst, length)
+            src, dst, length = self._runs(w, room, *peer.pools[c.rect.pool], peer.state)
         faults = self.ctx.faults
         if faults.stuck(w.index, c):  # fault injection: posted, and never progresses
             w.ids, w.stuck, w.posted = [], True, self.ctx.clock.mark()
@@ -501,48 +354,29 @@ class Mooncake(Transport):
                 self._ask(w.chunk, self.store.queue_push, *self._notice("D", n, ""))
         return complete
 
-    def finish(self, h, rec) -> bool:
-        c, timeout = h.chunk, self.setup.transfer.timeout_s
-        deadline = self.ctx.deadline()
-        if not self.sending:
-            self._land(c, deadline)
-            rec.wire.append((h.posted, self.ctx.clock.mark()))
-            flip_landed(self.ctx, h.index, h.chunk, h.buf)
-            if h.staged:
-                self.staging.copy(c, h.buf, rec)
-                if self.device.type == "cuda" and not self.per_chunk:
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    self.after_unpack[h.index % self.window] = ev
-                self._release(h)
-            self.ctx.faults.reuse(self.ctx, h.index, c)  # fault injection: once the bytes have landed
-            return not h.staged
+    def _written(self, w: Write, rec, deadline: float) -> None:
         def written() -> bool:
-            if self.poll(h):
+            if self.poll(w):
                 return True
-            if h.ids is None:  # still waiting for the gen rank's room or block tables
-                self._alive(c, c.dst)
+            if w.ids is None:  # still waiting for the gen rank's room or block tables
+                self._alive(w.chunk, w.chunk.dst)
             return False
 
-        wait_until(written, deadline, lambda: self.failed(c, f"not done within {timeout:g} s or peer gone"),
-                   spin_s=self.spin_s)
-        rec.wire.append((h.posted, h.done))
-        if h.staged:
-            self._release(h)
-        return not h.staged
+        wait_until(written, deadline, self._late(w.chunk), spin_s=self.spin_s)
+        rec.wire.append((w.posted, w.done))
 
-    def _land(self, c: Chunk, deadline: float) -> None:
+    def _arrived(self, h: Landing, deadline: float) -> None:
         """Gen: until the ctx rank's notice says the chunk's bytes are here, polling the store every
         ``land_poll_s`` (the module's docstring says why not faster) and asking the ctx engine whether it is
         still there every ``PROBE_S``."""
-        timeout = self.setup.transfer.timeout_s
+        c = h.chunk
         while True:
             self._announce()
             if self._heard("D", c) is not None:
                 return
             self._alive(c, c.src)
             if time.time() > deadline:
-                raise self.failed(c, f"not done within {timeout:g} s or peer gone")
+                raise self._late(c)()
             time.sleep(self.land_poll_s)
 
     def _alive(self, c: Chunk, peer: int) -> None:
@@ -558,28 +392,14 @@ class Mooncake(Transport):
 
     def closed(self, request: int) -> None:
         """The request's block tables (direct) and its notices never asked for are dropped on either side."""
-        self.told = {k for k in self.told if k[0] != request}
-        self.tables = {k: v for k, v in self.tables.items() if k[0] != request}
+        super().closed(request)
         mine = f"{request}."  # notices never asked for (a fault's, or a chunk's that failed first)
         for got in self.heard.values():
             for name in [n for n in got if n.startswith(mine)]:
                 del got[name]
 
-    def _release(self, h) -> None:
-        if h.reg:
-            self._unregister(h.reg)
-            h.reg = 0
-        self.staging.put(h.buf)
-
-    def abandon(self, h) -> None:
-        if isinstance(h, Write):
-            if h in self.waiting:
-                self.waiting.remove(h)
-            h.ids = None  # writes to a peer that is gone end on their own; the engine frees them in close
-        elif h in self.unannounced:
-            self.unannounced.remove(h)
-        if h.staged and self.staging is not None:
-            self._release(h)
+    def _let_go(self, w: Write) -> None:
+        w.ids = None  # writes to a peer that is gone end on their own; the engine frees them in close
 
     def close(self) -> None:
         if self.shut or self.te is None:

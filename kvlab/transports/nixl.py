@@ -56,14 +56,12 @@ import torch.distributed as dist
 from kvlab.core.errors import ConfigError
 from kvlab.model.schedule import Chunk, Staging
 from kvlab.model.state import CacheState
-from kvlab.transports import RankContext, Transport
+from kvlab.transports import RankContext, write_notify
 from kvlab.transports import nixl_agent as nixl
-from kvlab.transports.deadline import spin_for, wait_until
-from kvlab.transports.direct import block_tables, coalesce, flip_landed, own_runs, pair_runs, rank_runs
-from kvlab.transports.p2p import narrow
-from kvlab.transports.staged import ChunkStaging
+from kvlab.transports.deadline import wait_until
+from kvlab.transports.write_notify import Landing, WriteNotify
 
-MODES = ("direct", "staged")
+__all__ = ["Landing", "Nixl", "Peer", "Write"]
 STUCK = object()  # fault injection: the WRITE of a chunk that never progresses (kvlab.config.faults: stuck)
 
 
@@ -74,33 +72,11 @@ def descs(addr: np.ndarray, length: np.ndarray, dev: int) -> np.ndarray:
 
 
 @dataclass
-class Write:
-    """A chunk on the ctx rank: packed (or not), waiting for the gen rank's room, then WRITE in flight."""
+class Write(write_notify.Write):
+    """A chunk on the ctx rank: packed (or not), waiting for the gen rank's room, then its WRITE in flight."""
 
-    index: int
-    chunk: Chunk
-    rec: object
-    buf: torch.Tensor | None  # the chunk in wire order (a slot, or the pool in place); None: direct from runs
-    staged: bool
-    event: object = None  # the pack's completion on GPUs: NIXL does not follow CUDA streams
     xfer: object = None
     kept: bool = False  # the WRITE is a prepared slot-to-slot one, posted again by later chunks
-    posted: object = None
-    reg: object = None  # a per-chunk buffer's registration (naive)
-
-
-@dataclass
-class Landing:
-    """A chunk on the gen rank: room announced, bytes awaited."""
-
-    index: int
-    chunk: Chunk
-    buf: torch.Tensor | None
-    staged: bool
-    posted: object
-    reg: object = None  # a per-chunk buffer's registration (naive)
-    notice: bytes = b""  # the announcement to send (where the bytes go); empty: nothing to announce
-    after: object = None  # GPUs: the event of the slot's last unpack, announced once it has completed
 
 
 @dataclass
@@ -111,46 +87,27 @@ class Peer:
     state: CacheState | None = None
 
 
-class Nixl(Transport):
+class Nixl(WriteNotify):
+    """The chunk's life is kvlab.transports.write_notify's; NIXL's agent, WRITEs and notifications here."""
+
     link_reference = "nixl"  # kvlab.rank.linkrate: raw NIXL WRITEs of the run's chunk size between its pairs
+    write_cls = Write
     polls = False  # its own notifications, not the pair groups' ops: finished when the executor must
-    has = staticmethod(lambda options: frozenset() if options.get("mode") == "direct" else frozenset({"slots"}))
-    # fault injection: a ctx rank's notice is the WRITE's notification, a gen rank's its room or block tables
-    injects = {"drop_notice": frozenset({"ctx", "gen"}), "wrong_request": frozenset({"ctx", "gen"}),
-               "stuck": frozenset({"ctx"}), "reused_block": frozenset({"ctx", "gen"}),
-               "torn_chunk": frozenset({"ctx"})}
 
     def __init__(self, setup, side, rank, world_rank, device, mode: str = "staged", pack_ctas: int | None = None,
                  progress_thread: bool = False):
-        super().__init__(setup, side, rank, world_rank, device)
-        self.staging: ChunkStaging | None = None  # direct mode stages nothing (but a chunk to corrupt)
-        self.mode = mode
-        self.pack_ctas = pack_ctas
+        super().__init__(setup, side, rank, world_rank, device, mode, pack_ctas)
         self.progress_thread = progress_thread
         self.agent = None
         self.regs: list = []
         self.peers: dict[int, Peer] = {}  # side-local rank of the other side -> its agent and memory
         self.inbox: dict[bytes, bytes] = {}  # notifications by key, until their chunk takes them
-        self.waiting: list[Write] = []  # ctx: chunks packed, not yet written
-        self.unannounced: deque[Landing] = deque()  # gen: chunks whose notice waits its turn (GPUs: an unpack)
-        self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
         self.xfers: dict[tuple, object] = {}  # ctx: prepared slot-to-slot WRITEs, posted again per chunk
-        self.told: set[tuple[int, int]] = set()  # gen, direct: (request, ctx rank) sent the block tables
-        self.tables: dict[tuple[int, int], dict] = {}  # ctx, direct: (request, gen rank) -> its block tables
-        self.spin_s = spin_for(device)
-        self.shut = False  # close() has run
-        self.per_chunk = False  # naive: a buffer per chunk, registered for that chunk only
-        self.window = setup.transfer.slots  # chunk i uses slot i % slots
 
     @classmethod
     def check(cls, setup) -> None:
-        mode = setup.transport.options.get("mode", "staged")
-        if mode not in MODES:
-            raise ConfigError("transport.mode", mode, "use direct (runs straight into the gen pool) or staged "
-                              "(one WRITE per chunk through registered slots)")
-        ctas = setup.transport.options.get("pack_ctas")
-        if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1):
-            raise ConfigError("transport.pack_ctas", ctas, "use a positive number of CTAs, or null for one per SM")
+        cls.check_mode(setup.transport.options, "runs straight into the gen pool",
+                       "one WRITE per chunk through registered slots")
         thread = setup.transport.options.get("progress_thread", False)
         if not isinstance(thread, bool):
             raise ConfigError("transport.progress_thread", thread, "use true (NIXL's own thread progresses WRITEs "
@@ -161,25 +118,12 @@ class Nixl(Transport):
         nixl.api()
         nixl.probe_ucx()
 
-    @property
-    def peak_staging_bytes(self) -> int:
-        return self.staging.peak_bytes if self.staging is not None else 0
-
     # -- start-up ---------------------------------------------------------------------------
     def connect(self, ctx: RankContext) -> None:
         """Agent, registrations, peers' metadata and memory through the store, one notification each way."""
-        self.ctx = ctx
+        super().connect(ctx)
         t = self.setup.transfer
-        # NIXL's WRITE runs on copy engines (one node) or the NIC, not on SMs: unlike NCCL's sends, nothing
-        # needs the SMs the pack/unpack kernels would leave free (transfer.pack_ctas is for p2p)
-        ctas = self.pack_ctas
-        if ctas is None and self.device.type == "cuda":
-            ctas = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.ops = narrow(ctx.ops, ctas or t.pack_ctas)
-        # direct mode stages nothing, except a chunk that fault injection corrupts on its way out
-        if self.mode == "staged" or (self.sending and ctx.faults.flips):
-            self.staging = ChunkStaging(ctx, self.ops)
-        self.per_chunk = self.staging is not None and self.staging.per_chunk
+        self._stage(ctx)
         me = f"{self.side}{self.rank}"
         self.agent = nixl.agent(me, self.progress_thread)
         pools = ctx.cache.pools
@@ -309,75 +253,34 @@ class Nixl(Transport):
     def _key(kind: bytes, c: Chunk) -> bytes:
         return b"%s%d.%d" % (kind, c.request, c.seq)
 
-    # -- chunks -----------------------------------------------------------------------------
-    def _landing(self, c: Chunk, peer: Peer) -> dict | None:
-        """Ctx, direct: the gen rank's block tables of the chunk's request, once they have arrived."""
-        key = (c.request, c.dst)
-        if key not in self.tables:
-            got = self._take(b"T%d" % c.request, peer.agent)
-            if got is None:
-                return None
-            self.tables[key] = {name: (v[0], torch.tensor(v[1:], dtype=torch.int64))
-                                for name, v in json.loads(got).items()}
-        return self.tables[key]
+    # -- chunks (the engine's side of kvlab.transports.write_notify) ----------------------------------
+    def _register_buffer(self, buf: torch.Tensor) -> object:
+        return self.agent.register_memory(buf)
 
-    def start(self, i: int, c: Chunk, rec):
-        clock = self.ctx.clock
-        if not self.sending:
-            if self.mode == "direct":
-                # the request's blocks are allocated at its first chunk here and stay until it is verified:
-                # one notice per (request, ctx rank) with its block tables lets the ctx rank address every chunk
-                h = Landing(i, c, None, False, clock.mark())
-                if (c.request, c.src) not in self.told:
-                    self.told.add((c.request, c.src))
-                    n = self.ctx.faults.notice(i, c)
-                    if n is not None:
-                        h.notice = b"T%d " % n.request + block_tables(self.ctx, c.request).encode()
-                self.unannounced.append(h)
-                self._announce()
-                return h
-            buf, staged = self.staging.buffer(i, c)
-            n = self.ctx.faults.notice(i, c)
-            h = Landing(i, c, buf, staged, clock.mark(), notice=b"" if n is None else
-                        self._key(b"R", n) + b" " + struct.pack("<QQ", buf.data_ptr(), buf.numel()))
-            if staged and self.per_chunk:
-                # the naive baseline's buffer is new memory: registered now, and its partial metadata
-                # (the key the ctx agent needs to write into it) travels with the announcement
-                h.reg = self.agent.register_memory(buf)
-                if h.notice:
-                    h.notice += self.agent.get_partial_agent_metadata(h.reg, False)
-            elif staged:
-                h.after = self.after_unpack.pop(i % self.window, None)  # the slot is free once that has run
-            self.unannounced.append(h)
-            self._announce()
-            return h
-        self.ctx.faults.reuse(self.ctx, i, c)  # fault injection: before the chunk's bytes are read
-        if self.mode == "direct":
-            buf, staged = None, False
-        else:
-            buf, staged = self.staging.buffer(i, c)
-            if staged:
-                self.staging.copy(c, buf, rec)
-        if self.staging is not None:
-            buf, staged = self.staging.flip_outgoing(i, c, buf, staged, rec)
-        w = Write(i, c, rec, buf, staged)
-        if staged and self.per_chunk:
-            w.reg = self.agent.register_memory(buf)
-        if self.device.type == "cuda":
-            w.event = torch.cuda.Event()
-            w.event.record()
-        self.waiting.append(w)
-        self._pump()
-        return w
+    def _deregister_buffer(self, reg: object) -> None:
+        self.agent.deregister_memory(reg)
 
-    def _announce(self) -> None:
-        """Gen: announce, in order, the chunks whose landing place is free (on GPUs: the slot's last unpack
-        has run; the host does not wait for it)."""
-        while self.unannounced and (self.unannounced[0].after is None or self.unannounced[0].after.query()):
-            h = self.unannounced.popleft()
-            h.after = None
-            if h.notice:
-                self._send(self.peers[h.chunk.src].agent, h.notice, h.chunk)
+    def _pump(self) -> None:
+        if self.waiting:
+            self._poll()  # once for all the chunks waiting: their rooms and tables come as notifications
+            super()._pump()
+
+    def _room(self, c: Chunk):
+        return self._take(self._key(b"R", c), self.peers[c.dst].agent)
+
+    def _tables_sent(self, c: Chunk) -> bytes | None:
+        return self._take(b"T%d" % c.request, self.peers[c.dst].agent)
+
+    def _room_notice(self, c: Chunk, buf: torch.Tensor, reg: object) -> bytes:
+        msg = self._key(b"R", c) + b" " + struct.pack("<QQ", buf.data_ptr(), buf.numel())
+        # a buffer registered for this chunk alone: the key the ctx agent needs to write into it travels with it
+        return msg if reg is None else msg + self.agent.get_partial_agent_metadata(reg, False)
+
+    def _tables_notice(self, c: Chunk, tables: str) -> bytes:
+        return b"T%d " % c.request + tables.encode()
+
+    def _publish(self, h: Landing) -> None:
+        self._send(self.peers[h.chunk.src].agent, h.notice, h.chunk)
 
     def _send(self, agent: str, msg: bytes, c: Chunk) -> None:
         try:
@@ -385,30 +288,11 @@ class Nixl(Transport):
         except Exception as e:  # noqa: BLE001 - NIXL's errors are plain Exceptions (remote disconnect, ...)
             raise self.failed(c, "notification failed", e) from e
 
-    def _pump(self) -> None:
-        """WRITE every packed chunk whose room on the gen rank has been announced."""
-        if not self.waiting:
-            return
-        self._poll()
-        still = []
-        for w in self.waiting:
-            peer = self.peers[w.chunk.dst]
-            if w.event is not None and not w.event.query():
-                room = None  # (GPUs) still packing: the host does not wait for the device
-            elif self.mode == "direct":
-                room = self._landing(w.chunk, peer)
-            else:
-                room = self._take(self._key(b"R", w.chunk), peer.agent)
-            if room is None:
-                still.append(w)
-            else:
-                self._write(w, peer, room)
-        self.waiting = still
-
-    def _write(self, w: Write, peer: Peer, room) -> None:
+    def _write(self, w: Write, room) -> None:
         """WRITE a chunk to where ``room`` says: staged, the gen slot's (address, bytes[, key]); direct, the gen
         rank's block tables of the request."""
         c = w.chunk
+        peer = self.peers[c.dst]
         storage = self.ctx.cache.pools[c.rect.pool].storage
         dev, mem = nixl.device_id(storage), nixl.mem_type(storage)
         if self.mode == "staged":
@@ -420,16 +304,7 @@ class Nixl(Transport):
             src, dst, length = (np.array([w.buf.data_ptr()], dtype=np.int64), np.array([addr], dtype=np.int64),
                                 np.array([n], dtype=np.int64))
         else:
-            base, ids = room[c.rect.pool]
-            base_addr, blocks = peer.pools[c.rect.pool]
-            dmem, dwire, length = rank_runs(peer.state.pool(c.rect.pool), blocks, c, ids, base)
-            dst = base_addr + dmem
-            if w.buf is not None:  # corrupted on its way out: from the staging copy, in wire order
-                src = w.buf.data_ptr() + dwire
-            else:  # this side's runs are cut elsewhere when the layouts differ: each write within both
-                smem, swire, _ = own_runs(self.ctx, c)
-                src, dst, length = pair_runs(storage.data_ptr() + smem, swire, dst, dwire, length)
-            src, dst, length = coalesce(src, dst, length)
+            src, dst, length = self._runs(w, room, *peer.pools[c.rect.pool], peer.state)
         faults = self.ctx.faults
         if faults.stuck(w.index, c):  # fault injection: posted, and never progresses
             w.xfer, w.posted = STUCK, self.ctx.clock.mark()
@@ -466,69 +341,38 @@ class Nixl(Transport):
                    lambda: self.failed(c, "half WRITE not done"), spin_s=self.spin_s)
         self.ctx.faults.die()
 
-    def finish(self, h, rec) -> bool:
-        c, timeout = h.chunk, self.setup.transfer.timeout_s
-        deadline = time.time() + timeout
-        late = lambda: self.failed(c, f"not done within {timeout:g} s or peer gone")  # noqa: E731
-        if not self.sending:
-            self._await(self._key(b"D", c), self.peers[c.src].agent, deadline, late)
-            rec.wire.append((h.posted, self.ctx.clock.mark()))
-            flip_landed(self.ctx, h.index, h.chunk, h.buf)
-            if h.staged:
-                self.staging.copy(c, h.buf, rec)
-                if self.device.type == "cuda" and not self.per_chunk:
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    self.after_unpack[h.index % self.window] = ev
-                self._release(h)
-            self.ctx.faults.reuse(self.ctx, h.index, c)  # fault injection: once the bytes have landed
-            return not h.staged
+    def _arrived(self, h: Landing, deadline: float) -> None:
+        c = h.chunk
+        self._await(self._key(b"D", c), self.peers[c.src].agent, deadline, self._late(c))
+
+    def _written(self, w: Write, rec, deadline: float) -> None:
+        c = w.chunk
+
         def written() -> bool:
             self._pump()
-            if h.xfer is None or h.xfer is STUCK:
+            if w.xfer is None or w.xfer is STUCK:
                 return False
             try:
-                state = self.agent.check_xfer_state(h.xfer)
+                state = self.agent.check_xfer_state(w.xfer)
             except Exception as e:  # noqa: BLE001
                 raise self.failed(c, "WRITE failed", e) from e
             if state == "ERR":
                 raise self.failed(c, "WRITE failed")
             return state == "DONE"
 
-        wait_until(written, deadline, late, spin_s=self.spin_s)
-        rec.wire.append((h.posted, self.ctx.clock.mark()))
-        if not h.kept:
-            h.xfer.release()
-        h.xfer = None
-        if h.staged:
-            self._release(h)
-        return not h.staged
+        wait_until(written, deadline, self._late(c), spin_s=self.spin_s)
+        rec.wire.append((w.posted, self.ctx.clock.mark()))
+        if not w.kept:
+            w.xfer.release()
+        w.xfer = None
 
-    def closed(self, request: int) -> None:
-        """The request's block tables are no longer needed on either side (direct)."""
-        self.told = {k for k in self.told if k[0] != request}
-        self.tables = {k: v for k, v in self.tables.items() if k[0] != request}
-
-    def _release(self, h) -> None:
-        if h.reg is not None:
-            self.agent.deregister_memory(h.reg)
-            h.reg = None
-        self.staging.put(h.buf)
-
-    def abandon(self, h) -> None:
-        if isinstance(h, Write):
-            if h in self.waiting:
-                self.waiting.remove(h)
-            if h.xfer not in (None, STUCK) and not h.kept:  # a prepared one is released in close
-                try:
-                    h.xfer.release()
-                except Exception:  # noqa: BLE001 - a WRITE to a dead peer may not be cancellable; the run ends
-                    pass
-            h.xfer = None
-        elif h in self.unannounced:
-            self.unannounced.remove(h)
-        if h.staged and self.staging is not None:
-            self._release(h)
+    def _let_go(self, w: Write) -> None:
+        if w.xfer not in (None, STUCK) and not w.kept:  # a prepared one is released in close
+            try:
+                w.xfer.release()
+            except Exception:  # noqa: BLE001 - a WRITE to a dead peer may not be cancellable; the run ends
+                pass
+        w.xfer = None
 
     def close(self) -> None:
         if self.shut or self.agent is None:

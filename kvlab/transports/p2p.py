@@ -164,12 +164,7 @@ class P2P(Transport):
     def __init__(self, setup, side, rank, world_rank, device):
         super().__init__(setup, side, rank, world_rank, device)
         self.groups: dict = {}
-        self.staging = None
         self.completions = Completions(max(setup.transfer.timeout_s, 1.0))
-
-    @property
-    def peak_staging_bytes(self) -> int:
-        return self.staging.peak_bytes if self.staging is not None else 0
 
     def connect(self, ctx: RankContext) -> None:
         super().connect(ctx)
