@@ -133,6 +133,44 @@ def test_the_stop_after_a_death_leaves_what_landed_to_be_checked(tmp_path, kvlab
     assert {int(k) for k in gen["failures"]} <= {2, 3} and gen["held_blocks"] == 0, gen["failures"]
 
 
+@pytest.mark.parametrize("case", ["put-off", "twice", "ctrl-c", "taken-in-the-wait", "nobody-dead"])
+def test_which_stop_waits_for_the_check_of_what_landed(case, tmp_path):
+    """The rank's stop handler, with real signals to this process: the launcher's SIGTERM after a death waits for
+    the check of the requests that landed (``local_work``) once; a second signal, a SIGINT, or a SIGTERM with no
+    peer dead stops the check at once, as does one that comes after the stop was taken during the wait."""
+    from kvlab.rank.executor import Stopped
+    from kvlab.rank.runner import STOP_SIGNALS, _Stop
+
+    stop = _Stop(tmp_path)
+    stop.died = (lambda: "") if case == "nobody-dead" else (lambda: "ctx1 (rank 1)")
+    before = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    seen = []
+
+    def check(*signals):
+        with stop.local_work():
+            for s in signals:
+                os.kill(os.getpid(), s)
+                time.sleep(0.01)  # the handler runs here, between bytecodes
+                seen.append(s)
+
+    try:
+        if case == "taken-in-the-wait":
+            with pytest.raises(Stopped) as waited:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)
+            assert waited.value.after_death
+        with pytest.raises(Stopped) as ended:
+            check(*{"put-off": [signal.SIGTERM], "twice": [signal.SIGTERM] * 2, "ctrl-c": [signal.SIGINT],
+                    "taken-in-the-wait": [signal.SIGTERM], "nobody-dead": [signal.SIGTERM]}[case])
+        assert len(seen) == (1 if case in ("put-off", "twice") else 0), seen
+        assert ended.value.after_death == (case in ("put-off", "twice", "taken-in-the-wait")), case
+        assert str(ended.value).startswith("stopped by SIG")
+        assert all(signal.getsignal(s) is not stop for s in STOP_SIGNALS)  # quiet after the stop it acts on
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 @pytest.mark.slow
 def test_killed_rank_under_torchrun_is_still_reported(tmp_path, kvlab_cli):
     """torchrun's agent stops every rank as soon as one dies: the survivors write their part files on

@@ -68,6 +68,7 @@ class _Stop:
         self.settled = False  # the rank's outcome is decided: a signal now has nothing left to stop
         self.local = False  # within ``local_work``
         self.deferred: str | None = None  # the stop local_work raises as it ends
+        self.taken = False  # a stop after a death was raised: the next one is not put off
 
     def __call__(self, signum, frame) -> None:
         if self.settled:  # raising now would escape the code that catches Stopped: a traceback, a lost exit code
@@ -75,10 +76,11 @@ class _Stop:
         # the launcher's SIGTERM after a death is meant for a rank still waiting on the dead peer: the requests that
         # landed whole are still checked, not failed "before verification" (kvlab.rank.executor)
         after_death = signum == signal.SIGTERM and not _orphaned() and bool(self.died())
-        if after_death and self.local and self.deferred is None:  # checking them now: it waits on nobody
+        if after_death and self.local and self.deferred is None and not self.taken:  # checking: it waits on nobody
             self.deferred = f"stopped by {signal.Signals(signum).name}{self.dead()}"
             return
         _quiet()
+        self.taken = self.taken or after_death
         raise Stopped(f"stopped by {signal.Signals(signum).name}{_orphaned() or self.dead()}", after_death=after_death)
 
     @contextlib.contextmanager
@@ -86,12 +88,19 @@ class _Stop:
         """Work that waits on no peer (checking the requests that landed, after the loop). A SIGTERM in it, once a
         peer is marked dead, is the launcher's stop after that death: it takes effect (Stopped) as the work ends.
         Only one is put off: a second SIGTERM (the launcher's deadline, a user's stop after the group's), or a
-        SIGINT, stops the work at once."""
+        SIGINT, stops the work at once, also where the launcher's stop came before it (it was raised then, and the
+        handlers were quiet since)."""
+        rearmed = self.taken and not self.settled
+        if rearmed:
+            for s in STOP_SIGNALS:
+                signal.signal(s, self)
         self.local = True
         try:
             yield
         finally:
             self.local = False
+            if rearmed:
+                _quiet()
         if self.deferred is not None:
             _quiet()
             raise Stopped(self.deferred, after_death=True)
