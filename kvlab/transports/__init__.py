@@ -213,13 +213,14 @@ class Transport(ABC):
 
     has: frozenset[str] = frozenset()
 
+    staging = None  # the transport's kvlab.transports.staged.ChunkStaging, where it has one (peak_staging_bytes)
+
     injects: dict[str, frozenset[str]] = {}  # fault class -> the sides whose rank injects it (kvlab.config.faults)
     cannot: dict[str, str] = {}  # fault class -> why it does not arise with this transport
 
     def __init__(self, setup: Setup, side: str, rank: int, world_rank: int, device: torch.device):
         self.setup, self.side, self.rank, self.world_rank, self.device = setup, side, rank, world_rank, device
         self.ctx: RankContext | None = None
-        self.staging = None  # a transport's kvlab.transports.staged.ChunkStaging, where it has one
 
     @classmethod  # noqa: B027 -- an optional step of the protocol
     def check(cls, setup: Setup) -> None:

@@ -61,7 +61,6 @@ from kvlab.transports import nixl_agent as nixl
 from kvlab.transports.deadline import wait_until
 from kvlab.transports.write_notify import Landing, WriteNotify
 
-__all__ = ["Landing", "Nixl", "Peer", "Write"]
 STUCK = object()  # fault injection: the WRITE of a chunk that never progresses (kvlab.config.faults: stuck)
 
 
