@@ -309,7 +309,7 @@ class Mooncake(WriteNotify):
                 raise self.failed(c, f"gen rank offers {n} B for a {c.nbytes} B chunk")
             src, dst, length = [w.buf.data_ptr()], [addr], [n]
         else:
-            src, dst, length = self._runs(w, room, *peer.pools[c.rect.pool], peer.state)
+            src, dst, length = self._runs(w, room, peer)
         faults = self.ctx.faults
         if faults.stuck(w.index, c):  # fault injection: posted, and never progresses
             w.ids, w.stuck, w.posted = [], True, self.ctx.clock.mark()

@@ -303,7 +303,7 @@ class Nixl(WriteNotify):
             src, dst, length = (np.array([w.buf.data_ptr()], dtype=np.int64), np.array([addr], dtype=np.int64),
                                 np.array([n], dtype=np.int64))
         else:
-            src, dst, length = self._runs(w, room, *peer.pools[c.rect.pool], peer.state)
+            src, dst, length = self._runs(w, room, peer)
         faults = self.ctx.faults
         if faults.stuck(w.index, c):  # fault injection: posted, and never progresses
             w.xfer, w.posted = STUCK, self.ctx.clock.mark()

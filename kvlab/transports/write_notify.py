@@ -80,12 +80,6 @@ def packing(stream):
         yield
 
 
-def check_pack_ctas(options: dict) -> None:
-    ctas = options.get("pack_ctas")
-    if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1):
-        raise ConfigError("transport.pack_ctas", ctas, "use a positive number of CTAs, or null for one per SM")
-
-
 class WriteNotify(Transport):
     """Base of the one-sided transports; the module's docstring gives the protocol a subclass fills in."""
 
@@ -101,7 +95,6 @@ class WriteNotify(Transport):
         super().__init__(setup, side, rank, world_rank, device)
         self.mode = mode
         self.pack_ctas = pack_ctas
-        self.peers: dict = {}  # side-local rank of the other side -> what the subclass knows of it
         self.waiting: list[Write] = []  # ctx: chunks packed, not yet written
         self.unannounced: deque[Landing] = deque()  # gen: chunks whose notice waits its turn (GPUs: an unpack)
         self.after_unpack: dict[int, object] = {}  # gen, GPUs: slot -> event of its last unpack
@@ -118,7 +111,9 @@ class WriteNotify(Transport):
         mode = options.get("mode", "staged")
         if mode not in MODES:
             raise ConfigError("transport.mode", mode, f"use direct ({direct}) or staged ({staged})")
-        check_pack_ctas(options)
+        ctas = options.get("pack_ctas")
+        if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1):
+            raise ConfigError("transport.pack_ctas", ctas, "use a positive number of CTAs, or null for one per SM")
 
     def _stage(self, ctx: RankContext) -> None:
         """The pack/unpack kernels and the staging of ``connect``. The engines' writes run on copy engines (one
@@ -271,14 +266,14 @@ class WriteNotify(Transport):
                 self._write(w, room)
         self.waiting = still
 
-    def _runs(self, w: Write, tables: dict, peer_base: int, peer_blocks: int,
-              peer_state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _runs(self, w: Write, tables: dict, peer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Ctx, direct: (source addresses, destination addresses, lengths) of chunk ``w``'s writes into the gen pool
-        at ``peer_base`` (``peer_blocks`` blocks, laid out as ``peer_state`` says), given the request's block
+        of ``peer`` (its ``pools``: name -> (address, blocks), and its ``state``), given the request's block
         ``tables`` there; neighbours contiguous on both sides merged."""
         c = w.chunk
         base, ids = tables[c.rect.pool]
-        dmem, dwire, length = rank_runs(peer_state.pool(c.rect.pool), peer_blocks, c, ids, base)
+        peer_base, peer_blocks = peer.pools[c.rect.pool]
+        dmem, dwire, length = rank_runs(peer.state.pool(c.rect.pool), peer_blocks, c, ids, base)
         dst = peer_base + dmem
         if w.buf is not None:  # corrupted on its way out: from the staging copy, in wire order
             src = w.buf.data_ptr() + dwire
