@@ -21,6 +21,19 @@ def setup_of(*overrides):
     return build(compose(["parallel=same", "device=cpu", "check=decode", "prefill=model", *overrides]))
 
 
+def assert_a_lone_share_ends_with_its_last_layer(out):
+    """A ctx rank with no tensor-parallel peer (and every layer) ends its share of a prefill at its last layer's
+    mark: on a GPU the device's completion of that layer, not when the prefill thread ran again after it."""
+    seen = 0
+    for f in (out / "parts").glob("rank*.json"):
+        rank = json.loads(f.read_text())
+        for p in rank["parts"] if rank["side"] == "ctx" else ():
+            ready = {int(k): v for k, v in p["layer_ready"].items()}
+            assert p["prefill_end"] == ready[max(ready)], (f.name, p["request"])
+            seen += 1
+    assert seen
+
+
 @pytest.mark.parametrize("preset", ["tiny_gqa", "tiny_mla"])
 def test_the_model_runs_at_the_presets_width_and_cache_shape(preset):
     base = build(compose(["parallel=same", f"model={preset}"])).model
@@ -95,6 +108,7 @@ def test_mla_to_a_tp_pair_decodes_as_the_reference(kvlab_cli, tmp_path):
                                          "gen.tp=2", "transfer=chunked", "workload.isl=64", "workload.requests=1",
                                          "check.tokens=4")
     assert_decodes_as_reference(res, summary, rows, out, 1, 4)
+    assert_a_lone_share_ends_with_its_last_layer(out)
 
 
 def test_a_layer_left_unwritten_fails_the_decode(kvlab_cli, tmp_path):
@@ -140,3 +154,5 @@ def test_on_the_gpu_weights_drawn_there_and_planes_kept_there_decode_as_the_refe
                                          "workload.requests=2", "check.tokens=4")
     assert_decodes_as_reference(res, summary, rows, out, 2, 4)
     assert all(0 < r["prefill_s"] for r in rows)
+    if "ctx.tp=1" in sides:
+        assert_a_lone_share_ends_with_its_last_layer(out)

@@ -8,8 +8,11 @@ latent and its RoPE part, the indexer's fp8 keys and scales, a recurrent state) 
 thread, which writes it into this rank's pools through its layout (``PagedCache.fill`` reading
 ``DecodeCheck.expected``: the rank's own heads and layers, as check=decode's writers do) and marks the layer
 done, so a layer-wise transfer of layer ``l`` overlaps the forward of layers after it. Each mark is the
-layer's completion: host time on a CPU; on a GPU the stream is synchronised first (the layer's kernels and its
-write are done when it is taken), so the per-layer times are the real forward's.
+layer's completion: host time on a CPU; on a GPU an event recorded after the layer's kernels and its write, the
+stream synchronised before the thread goes on, so the per-layer times are the real forward's and not when the
+thread ran again. A rank's share ends with its last layer's mark where it has no tensor-parallel peer to hear
+from, and the prefill with the forward's (the LM head's included), marked the same way before its greedy token is
+read back.
 
 Every TP and PP rank of a ctx DP group runs the whole forward and writes its share: the bytes are exactly the
 reference's (one process, one thread: the same bits), and the timeline is that of an unsharded forward (a
@@ -39,10 +42,11 @@ class ModelPrefill:
         self.pools = {p.name: p for p in self.model.pools("bf16")}
 
     def run(self, request: int, isl: int, planes: dict[str, list[torch.Tensor]],
-            on_layer: Callable[[int], None]) -> int:
+            on_layer: Callable[[int], None], on_end: Callable[[], None] | None = None) -> int:
         """Prefill request ``request``'s prompt; ``planes`` (pool name -> per component ``[pool layers, heads,
-        tokens, row]``, filled here) holds each layer's cache before ``on_layer(layer)`` is called. Returns the
-        prefill's greedy token."""
+        tokens, row]``, filled here) holds each layer's cache before ``on_layer(layer)`` is called, and
+        ``on_end()`` is called once the whole forward is queued, before its greedy token is read back (which
+        waits for the device). Returns that token."""
         ids = hf_models.prompt(self.check, self.model, request, isl)
         state: dict = {}
 
@@ -67,6 +71,8 @@ class ModelPrefill:
             for h in handles:
                 h.remove()
         del cache
+        if on_end is not None:
+            on_end()
         return int(last.argmax())
 
 

@@ -197,9 +197,8 @@ class Prefiller:
             p.ready[layer] = t
             if layer < last:
                 self._publish(p, layer + 1)
-        self._in_step(req)
         # this rank's share is done: its end (a later pipeline stage's rank measures the model's end)
-        p.end = p.stepped = time.time()
+        p.end = p.stepped = time.time() if self._in_step(req) else t
         self._publish(p, last + 1)
         # the other pipeline stages' layers come after this rank's: the prefill ends with the model's last
         for layer in range(last + 1, len(seconds)):
@@ -234,32 +233,39 @@ class Prefiller:
             if layer < last:
                 self._publish(p, layer + 1)
             elif layer == last:
-                self._in_step(req)
-                p.end = p.stepped = time.time()
+                # alone, the share ends with its last layer's mark (on a GPU the device's completion, not when this
+                # thread ran again); with tensor-parallel peers, when the last of them is heard of
+                p.end = p.stepped = time.time() if self._in_step(req) else p.ready[layer]
                 self._publish(p, last + 1)
 
+        ended: list = []
+
+        def on_end() -> None:  # the forward's end, the lm head's included, marked before its token is read back
+            ended.append(x.clock.mark() if cuda else time.time())
+
         with self._on_fill_stream():
-            first = net.run(req.id, req.isl, check.planes.setdefault(req.id, {}), on_layer)
+            first = net.run(req.id, req.isl, check.planes.setdefault(req.id, {}), on_layer, on_end)
         check.planes.pop(req.id, None)  # every layer is in the pools: the device keeps one request's planes at a time
         check.post_first(req.id, first)
-        p.done = time.time()
+        p.done = ended[0]
         self._publish(p, x.setup.model.num_layers)
 
     def _on_fill_stream(self):
         return torch.cuda.stream(self.fill_stream) if self.fill_stream is not None else contextlib.nullcontext()
 
-    def _in_step(self, req) -> None:
+    def _in_step(self, req) -> bool:
         """Wait until every ctx rank of this rank's (dp, pp) group that sends some of the request has
-        written its share (a real prefill's collectives end it together on every TP rank)."""
+        written its share (a real prefill's collectives end it together on every TP rank); whether there were
+        such peers to wait for."""
         x = self.x
         side = x.setup.ctx
         if side.ranks_tp * side.cp == 1:  # the TP and CP ranks of a stage end a prefill together
-            return
+            return False
         me = side.coord(x.rank)
         peers = [r for r in self.senders[req.id] if r != x.rank and side.coord(r).dp == me.dp
                  and side.coord(r).pp == me.pp]  # only ranks that send some of it prefill it (MLA: maybe one)
         if not peers:
-            return
+            return False
         key = f"prefill/{req.id}/{me.dp}/{me.pp}"
         store = dist.distributed_c10d._get_default_store()
         timeout = x.setup.transfer.timeout_s
@@ -269,12 +275,12 @@ class Prefiller:
             raise ChunkFailed(f"request {req.id}: tensor-parallel peers' prefill not counted: {e}", req.id) from e
         if count == len(peers) + 1:
             store.set(key + "/all", "1")
-            return
+            return True
         deadline = time.time() + timeout
         while True:  # in short waits: a stopped loop must not leave this thread behind
             try:
                 store.wait([key + "/all"], datetime.timedelta(seconds=min(1.0, max(0.01, deadline - time.time()))))
-                return
+                return True
             except RuntimeError as e:  # this wait's deadline passed, or the store's host is gone
                 if self.halt.is_set():
                     raise Halted() from e
