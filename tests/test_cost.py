@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import functools
 import json
 
@@ -233,3 +234,32 @@ def test_a_runs_prediction_waits_for_its_prefill_timeline_and_starts_at_its_firs
     slow = replace(H200, fill_gbps=written / (layers * 0.05) / 1e9)  # 50 ms a layer: ten times the layer's 5 ms
     q = predict(s, [1024, 1024], rates=slow, with_prefill=True)
     assert q.requests[0].ready_s == pytest.approx(layers * 0.05, rel=1e-6)
+
+
+@pytest.mark.parametrize("model", ["tiny_gqa", "tiny_mla"])
+@pytest.mark.parametrize("transport", ["p2p", "ipc"])
+def test_a_conversion_the_kernels_make_in_the_copy_costs_no_pass_of_its_own(model, transport):
+    """gen fp8 (the ``convert`` path): the converting copy reads the ctx rank's bf16 rows and writes the fp8 ones
+    once, so it costs what moving those bytes costs; torch's staged conversion (a CPU rank's) copies the wire's
+    bytes and then passes over the bf16 ones again: twice as long."""
+    base = [f"model={model}", "parallel=same", f"transport={transport}", "transfer=chunked"]
+    plain, fp8 = build(compose(base)), build(compose([*base, "gen.kv_dtype=fp8"]))
+    staged_rates = dataclasses.replace(H200, convert_in_copy=False)
+    one = predict(fp8, [4096], rates=H200).requests[0]
+    two = predict(fp8, [4096], rates=staged_rates).requests[0]
+    bf16 = predict(plain, [4096], rates=H200).requests[0]
+    side = "unpack_s" if transport == "ipc" else "pack_s"  # a pull converts in its copy, p2p in the pack
+    fused, staged, copy = getattr(one, side), getattr(two, side), getattr(bf16, side)
+    assert fused == pytest.approx(staged / 2, rel=1e-9)
+    # the bytes: bf16 read once, fp8 written once, against bf16 read and written by the plain copy (a copy's time
+    # is linear in its bytes, so however the slots cut the two)
+    assert fused == pytest.approx(copy * (one.bytes + bf16.bytes) / (2 * bf16.bytes), rel=1e-9)
+    assert one.bytes < bf16.bytes
+
+
+def test_a_conversion_the_kernels_leave_to_torch_costs_its_pass_on_a_gpu_too():
+    # bf16 -> fp16 is no fp8 conversion: kvlab plan's `staged` path, whatever the rates
+    s = build(compose(["parallel=same", "transport=ipc", "gen.kv_dtype=fp16"]))
+    staged = predict(s, [4096], rates=dataclasses.replace(H200, convert_in_copy=False)).requests[0]
+    assert predict(s, [4096], rates=H200).requests[0].unpack_s == staged.unpack_s > 0
+    assert not PROFILES["cpu"].convert_in_copy  # a CPU rank converts in torch

@@ -35,6 +35,10 @@ class CostRates:
     # the prefill's writes of a ctx rank's cache (prefill=sim's fill: contents made and written), bytes per second;
     # 0: not modelled (a GPU writes them on a stream of its own, microseconds beside a layer's compute)
     fill_gbps: float = 0.0
+    # a KV dtype converted in the copy itself where the kernels take the rows (kvlab.memory.ops.paths: ``convert``,
+    # the CUDA kernels: the converting side's rows read or written once, in place of the wire's); False: one more
+    # pass over them after or before the copy (torch's ``staged`` conversion, what a CPU rank runs)
+    convert_in_copy: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "link_mib", tuple(float(x) for x in self.link_mib))
@@ -101,7 +105,7 @@ PROFILES = {
     # link_gbps sit on the fit's bounds (kvlab link measures the link itself); the ranks share the cores
     "cpu": CostRates(profile="cpu", alpha_us=20.0, link_mib=(16.0, 64.0), link_gbps=(6.0, 8.0),
                      copy_gbps=2.16, copy_efficiency=1.0, copy_gbps_per_cta=0.0, devices=-1, host_us=1890.0,
-                     blocking=True, fill_gbps=3.92),
+                     blocking=True, fill_gbps=3.92, convert_in_copy=False),
 }
 
 
@@ -121,6 +125,7 @@ class CostSpec:
     host_us: float | None = None  # host time per staged copy, us
     blocking: bool | None = None  # copies and host work share one core and the host waits for them (CPU)
     fill_gbps: float | None = None  # the prefill's cache writes on a ctx rank, GB/s (0: not modelled)
+    convert_in_copy: bool | None = None  # a KV dtype converted in the copy's own pass (the CUDA kernels)
     fitted: Any = None  # a calibrated profile's terms (kvlab.core.sim_terms; written by kvlab sim calibrate)
 
     def __post_init__(self):

@@ -115,7 +115,7 @@ def plan(model: ModelSpec, ctx: SideSpec, gen: SideSpec, req: Request, window_tr
 
 def conversion_bytes(model: ModelSpec, ctx: SideSpec, gen: SideSpec, rect: Rect) -> tuple[int, int]:
     """(ctx, gen): the bytes of ``rect`` a side converts from its own KV dtype into the wire's or back (its pool's
-    rows; 0 where it converts nothing): what the cost model charges a conversion (kvlab.model.kv_dtype)."""
+    rows; 0 where it converts nothing): what the cost model charges a conversion (kvlab.sizing.cost)."""
     if not rect.wire:
         return 0, 0
     _, place = wire_pool(model, ctx, gen, rect.pool)

@@ -12,7 +12,9 @@ clock is modelled. Each chunk goes
 - pack and unpack read and write every byte at the kernels' rate: ``copy_gbps_per_cta`` per
   CTA of ``transfer.pack_ctas``, at most ``copy_efficiency`` of the device copy rate
   ``copy_gbps`` (both count bytes read plus bytes written); a chunk in place on a side
-  (strategy trait ``in_place``, consecutive blocks) skips that side's copy;
+  (strategy trait ``in_place``, consecutive blocks) skips that side's copy; a KV dtype converted on the way
+  costs, where the kernels convert in the copy (``cost.convert_in_copy``, the pool's ``convert`` path), the
+  converting side's own rows in place of a second copy of the wire's, else one more pass over those rows;
 - a device's copies run one at a time, and so do its outgoing and its incoming messages;
   different devices run at once, so pairs on distinct GPUs overlap; ranks sit on devices
   as the runner puts them (``kvlab.config.devices.gpu_index``);
@@ -54,9 +56,11 @@ from typing import TYPE_CHECKING
 from kvlab.config.devices import gpu_index, pair_backend
 from kvlab.config.workload import as_requests, interleave
 from kvlab.core.rates import CostRates
+from kvlab.memory.ops import paths
 from kvlab.model.plan import Request, conversion_bytes, plan
 from kvlab.model.prefill import layer_seconds, ready_s, timeline
 from kvlab.model.schedule import Chunk, Ready, Staging, schedule
+from kvlab.model.state import CacheState
 
 if TYPE_CHECKING:
     from kvlab.config.schema import Setup
@@ -169,6 +173,26 @@ def _order(setup: Setup, reqs: list[Request], concurrency: int) -> list[Chunk]:
     return interleave(schedules, concurrency)
 
 
+def converted_in_one_pass(setup: Setup) -> set[str]:
+    """The pools whose KV dtype change the kernels make inside the copy (kvlab.memory.ops.paths: ``convert``, the
+    path ``kvlab plan`` prints), from ctx rank 0's pool to gen rank 0's as the pack, the unpack and the pull share
+    it."""
+    ctx, gen = CacheState(setup.model, setup.ctx, 0), CacheState(setup.model, setup.gen, 0)
+    mine = {p.name: p for p in ctx.pools()}
+    return {g.name for g in gen.pools() if g.name in mine and paths.rect_path(mine[g.name], g)[0] == "convert"}
+
+
+def _copy_s(rates: CostRates, n: float, conv: float, fused: bool, ctas: int = 0) -> float:
+    """Seconds of a copy of ``n`` wire bytes that converts ``conv`` bytes of its side's own rows (0: none) on the
+    way: in one pass, the own rows read or written in place of a second copy of the wire's (``fused``), else a
+    copy and one more pass over the own bytes."""
+    if not conv:
+        return rates.copy_s(n, ctas)
+    if fused:
+        return rates.copy_s((n + conv) / 2, ctas)  # copy_s counts each byte read and written: n + conv moved
+    return rates.copy_s(n, ctas) + rates.copy_s(conv, ctas)
+
+
 def prefill_times(setup: Setup, reqs: list[Request], order: list[Chunk], rates: CostRates) -> dict:
     """The run's prefill timeline (kvlab.model.prefill.timeline: first come first served per ctx DP group, what
     the ranks plan from), each layer lasting its configured time or, where longer, the time its ctx ranks take to
@@ -234,6 +258,7 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     # a pull transport (ipc): no staging, pack, message or unpack; the gen rank copies each chunk
     # from the ctx pool on its device (the whole device's copy rate) after one control round trip
     pulls = setup.transport.cls().pulls
+    one_pass = converted_in_one_pass(setup)
     order = _order(setup, reqs, concurrency)
     times = prefill_times(setup, reqs, order, rates) if with_prefill else None
     per_layer = strategy.ready == Ready.layer
@@ -268,9 +293,10 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
             host_c[c.src] = max(host_c[c.src], prefill[key] + (layer + 1) * layer_s)
             rc.prefill_end_s = max(rc.prefill_end_s, prefill[key] + (last_layer + 1) * layer_s)
         t = max(host_c[c.src], slot_ready)
-        # a KV dtype converted in flight: one more pass over the converting side's own bytes (kvlab.model.kv_dtype)
+        # a KV dtype converted in flight (kvlab.model.kv_dtype): the converting side's own bytes
         conv_c, conv_g = conversion_bytes(setup.model, setup.ctx, setup.gen, c.rect)
-        pack = 0.0 if c.ctx_in_place or pulls else rates.copy_s(n, ctas) + rates.copy_s(conv_c, ctas)
+        fused = rates.convert_in_copy and c.rect.pool in one_pass
+        pack = 0.0 if c.ctx_in_place or pulls else _copy_s(rates, n, conv_c, fused, ctas)
         rc.pack_s += pack
         if pack and blocking:
             t = host_c[c.src] = copy_free[sd] = max(t, copy_free[sd]) + host_s + pack
@@ -285,9 +311,12 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
         sent[c.src].append(w1)
         # gen completes its chunks in order: wait for the bytes, then unpack
         t = max(w1, done_g[c.dst][-1] if kg else 0.0)
-        unpack = rates.copy_s(n) if pulls else 0.0 if c.gen_in_place else rates.copy_s(n, ctas)
-        if conv_c + conv_g and (pulls or conv_g):  # a pull converts in its copy; else the unpack converts
-            unpack += rates.copy_s(conv_c + conv_g) if pulls else rates.copy_s(conv_g, ctas)
+        if pulls:  # a pull converts in its copy, whichever side's format the rows are converted from
+            unpack = _copy_s(rates, n, conv_c + conv_g, fused)
+        elif c.gen_in_place:
+            unpack = rates.copy_s(conv_g, ctas)
+        else:
+            unpack = _copy_s(rates, n, conv_g, fused, ctas)
         rc.unpack_s += unpack
         if unpack:
             t = copy_free[dd] = max(t, copy_free[dd]) + (host_s if blocking else 0.0) + unpack
