@@ -28,6 +28,12 @@ GB/s of the source bytes (the bf16 sibling's) over the same busy time, against t
 and against the converting copy's ceiling (``ceiling_gbps``: one request's source bytes read and its delivered
 bytes written by scripts/kernel_ceilings.py's ``shrink_copy``; ``copy_`` of the source bytes writes twice what fp8
 delivers, so it is the issue's yardstick but no ceiling).
+
+Each request also says whether another request's prefill ran while it was in flight (``beside_prefill``: its
+first chunk posted to its last landed, against the others' prefill start to end): on one GPU without MPS the ctx
+processes' prefill kernels take turns with the gen rank's copies, so such a request's rate holds theirs. The
+steady table gives the median over the requests with none beside them (``alone_median``, of ``alone_n``), the
+copy path's own rate end to end.
 """
 from __future__ import annotations
 
@@ -148,6 +154,7 @@ def run_case(model: str, isl: int, label: str, overrides: list[str], keep: Path 
             return {"model": model, "isl": isl, "sides": label, "error": (p.stderr or p.stdout)[-2000:]}
         s = json.loads(path.read_text())
         rows = [json.loads(line) for line in (d / "results.jsonl").read_text().splitlines() if line.strip()]
+        beside = beside_prefill(rows)
     return {"model": model, "isl": isl, "sides": label, "overrides": overrides, "bytes": s["total_bytes"],
             "gbps": s["gbps"], "busy_s": s["busy_s"], "makespan_s": s["makespan_s"], "verified": s["verified"],
             "link_gbps": s.get("link_gbps"), "link_ratio": s.get("link_ratio"),
@@ -157,7 +164,8 @@ def run_case(model: str, isl: int, label: str, overrides: list[str], keep: Path 
             # gbps is bytes over busy_s (kvlab.core.figures), not over seconds: both kept, so gbps x busy_s = bytes
             "requests": [{"seconds": r["seconds"], "busy_s": r["busy_s"], "bytes": r["bytes"], "gbps": r["gbps"],
                           "kernel_s": r["unpack_s"],
-                          "other_s": r["seconds"] - r["unpack_s"]} for r in rows],
+                          "other_s": r["seconds"] - r["unpack_s"], "beside_prefill": b}
+                         for r, b in zip(rows, beside)],
             "peak_staging_bytes": s["peak_staging_bytes"], "peak_extra_device_bytes": s["peak_extra_device_bytes"],
             # ranks on one GPU take turns on it without MPS: the figures hold the others' kernels
             "gpu_sharing": s.get("gpu_sharing"), "wall_s": time.time() - t0}
@@ -237,6 +245,21 @@ def kernel_vs_engine(isl: int = 32768) -> dict:
     return out
 
 
+def beside_prefill(rows: list[dict]) -> list[bool]:
+    """Per request (rows of one run's results.jsonl): whether another request's prefill ran while it was in flight,
+    its first chunk posted to its last landed (the run's clock, seconds from its epoch)."""
+    def span(q: dict, a: str, b: str) -> tuple[float, float] | None:
+        return (q[a], q[b]) if q.get(a) is not None and q.get(b) is not None else None
+
+    prefills = [span(q, "prefill_start_s", "prefill_end_s") for q in rows]
+    out = []
+    for i, q in enumerate(rows):
+        moving = span(q, "first_chunk_s", "last_chunk_s")
+        out.append(moving is not None and any(p is not None and j != i and p[0] < moving[1] and p[1] > moving[0]
+                                              for j, p in enumerate(prefills)))
+    return out
+
+
 def steady(r: dict) -> None:
     """Per repeat: the median of kvlab's GB/s (ctx's first chunk to the gen rank's last, in source bytes for gen
     fp8) of the requests after the run's first (which pays the one-time costs), over the case's ``copy_``;
@@ -252,6 +275,12 @@ def steady(r: dict) -> None:
         ratios.sort()
         if ratios:
             r.update({f"{name}_median": ratios[len(ratios) // 2], f"{name}_min": ratios[0], f"{name}_max": ratios[-1]})
+    # the requests (after each run's first) that moved with no other request's prefill beside them, every repeat's
+    alone = sorted(q["gbps"] * scale / r["copy_gbps"] for rep in r["repeats"]
+                   for q in (rep["requests"] or [])[1:] if q.get("beside_prefill") is False)
+    if alone:
+        r.update(alone_median=alone[len(alone) // 2], alone_min=alone[0], alone_max=alone[-1], alone_n=len(alone),
+                 steady_n=sum(len((rep["requests"] or [])[1:]) for rep in r["repeats"]))
 
 
 def main() -> None:
@@ -331,9 +360,9 @@ def main() -> None:
             a.out.write_text(json.dumps(out, indent=1))
     if a.engines or a.gemma:  # the steady ratio over repeats
         print("| model | tokens | sides | GiB delivered | GiB of source | GB/s of the source bytes | copy_ GB/s "
-              "| ratio | against bf16 | steady ratio, median (range) | ceiling GB/s | steady ratio to the ceiling "
-              "| verified |")
-        print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- |")
+              "| ratio | against bf16 | steady ratio, median (range) | with no prefill beside, median (range, n) "
+              "| ceiling GB/s | steady ratio to the ceiling | verified |")
+        print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- |")
         for r in out["runs"]:
             if "copy_gbps" in r:
                 src = r.get("source_bytes", r["bytes"])
@@ -341,6 +370,8 @@ def main() -> None:
                       f"{r.get('source_gbps', r['gbps']):,.0f} | {r['copy_gbps']:,.0f} | {r['ratio']:.3f} | "
                       f"{r.get('vs_bf16', 1.0):.3f} | {r.get('ratio_median', float('nan')):.3f} "
                       f"({r.get('ratio_min', float('nan')):.3f}-{r.get('ratio_max', float('nan')):.3f}) | "
+                      + (f"{r['alone_median']:.3f} ({r['alone_min']:.3f}-{r['alone_max']:.3f}, {r['alone_n']} of "
+                         f"{r['steady_n']}) | " if "alone_median" in r else "none | ")
                       + (f"{r['ceiling_gbps']:,.0f} | {r['ceiling_median']:.3f} ({r['ceiling_min']:.3f}-"
                          f"{r['ceiling_max']:.3f}) | " if "ceiling_median" in r else " | | ")
                       + f"{'yes' if r['verified'] else 'NO'} |")
