@@ -168,15 +168,17 @@ def check_figures(run_dir: Path | str, importable: Path | str | None = None) -> 
     run_dir = Path(run_dir)
     parts = [p for f in sorted((run_dir / "parts").glob("rank*.json"))
              for p in records.read_part(run_dir, int(f.stem.removeprefix("rank"))).parts]
-    segments = None
+    segments, pulls = None, False
     if (run_dir / "config.yaml").exists():
         schema = OmegaConf.structured(Config)
         OmegaConf.set_struct(schema, False)  # keys appended with + survive, as in kvlab.analysis.sweeps.predict_dir
         sys.path[:0] = [str(importable)] if importable else []
         try:
-            segments = plan_run(build(OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml")))).segments
+            setup = build(OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml")))
+            segments, pulls = plan_run(setup).segments, setup.transport.cls().pulls
         finally:
             if importable:
                 sys.path.remove(str(importable))
-    broken = metrics.violations(records.read_rows(run_dir), records.read_summary(run_dir), parts, segments)
+    broken = metrics.violations(records.read_rows(run_dir), records.read_summary(run_dir), parts, segments,
+                                pulls=pulls)
     assert not broken, broken

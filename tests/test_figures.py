@@ -183,6 +183,22 @@ def test_violations_name_the_identity_each_row_breaks():
     assert metrics.violations([_row(ttft_s=None, exposed_s=None, busy_s=None, seconds=None)]) == []
 
 
+def test_a_pulling_gen_ranks_copies_fit_in_the_requests_flight():
+    """ipc: a gen rank's pulls are its chunks' flight, so their time is at most the request's busy_s; unless a ctx
+    rank's marks are missing (it sent no report), which leaves its chunks' flight out of busy_s."""
+    def parts(copy_s):
+        return [RankPart(request=0, isl=1, side="ctx", rank=r, bytes=4, chunks=1, chunks_total=1) for r in (0, 1)] + [
+            RankPart(request=0, isl=1, side="gen", rank=0, bytes=8, chunks=2, chunks_total=2, copy_s=copy_s,
+                     peer_bytes={0: 4, 1: 4})]
+
+    assert metrics.violations([_row()], None, parts(0.4), pulls=True) == []
+    (line,) = metrics.violations([_row()], None, parts(0.5), pulls=True)
+    assert line == "request 0: gen0's copies took 0.500000 s, more than its time in flight (busy_s) 0.400000"
+    assert metrics.violations([_row()], None, parts(0.5)) == []  # a pushing transport's unpack lands after it
+    assert metrics.violations([_row()], Summary(silent_ranks=[1]), parts(0.5), pulls=True) == []
+    assert metrics.violations([_row()], None, parts(0.5)[1:], pulls=True) == []  # ctx0's part is not there
+
+
 def test_bytes_against_the_plan():
     plan = [Piece(0, 0, 0, 5), Piece(0, 1, 0, 3), Piece(0, 0, 0, 2)]
     part = lambda side, rank, n, **kw: RankPart(**{"request": 0, "isl": 1, "side": side, "rank": rank,  # noqa: E731

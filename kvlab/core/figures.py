@@ -40,10 +40,12 @@ Identities, checked on every run by kvlab.results.metrics.violations (the run pr
 fails) and by the tests on every end-to-end run: ``ttft_s = queue_s + prefill_s + exposed_s``;
 ``0 <= exposed_s <= seconds`` (the request's transfer span: its first chunk free to go is at the
 latest its prefill's end); ``busy_s <= seconds`` per request and ``busy_s <= makespan_s`` for the
-run; with prefix reuse, ``0 <= prefix_hit_blocks <= prefix_blocks``, ``skipped_bytes`` 0 without a
-hit and ``ttft_no_reuse_s >= ttft_s`` (and, in the tests, bytes + skipped_bytes = the plan's without
-reuse); the bytes of each (request, ctx rank) and (request, gen rank), and of each (ctx, gen) pair
-where the parts carry ``peer_bytes``, equal the plan's.
+run; for a pulling transport, each gen rank's copy time of a request (its share of ``unpack_s``) at most
+the request's ``busy_s`` (its pulls are its chunks' flight, one after another on its stream); with prefix
+reuse, ``0 <= prefix_hit_blocks <= prefix_blocks``, ``skipped_bytes`` 0 without a hit and
+``ttft_no_reuse_s >= ttft_s`` (and, in the tests, bytes + skipped_bytes = the plan's without reuse); the
+bytes of each (request, ctx rank) and (request, gen rank), and of each (ctx, gen) pair where the parts
+carry ``peer_bytes``, equal the plan's.
 
 Schema 2 (kvlab.results.records.SCHEMA): a figure's ``was`` is its name in older files, which read under
 the new name; ``before`` says what its value meant there. Older ``gbps`` and ``link_ratio`` were over

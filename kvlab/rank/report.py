@@ -242,7 +242,7 @@ def finalize(setup, run_dir: Path, plan: RunPlan, gathered: dict[int, PartFile],
         check = check_line(rows)
         if check:
             print(check, flush=True)
-    broken = metrics.violations(rows, summary, all_parts, order)
+    broken = metrics.violations(rows, summary, all_parts, order, pulls=setup.transport.cls().pulls)
     if broken:  # a measuring or merging bug, not the transfer's: the figures above are suspect
         more = f" (and {len(broken) - 3} more)" if len(broken) > 3 else ""
         print(f"kvlab: the figures break their identities (kvlab.core.figures): {'; '.join(broken[:3])}{more}",

@@ -187,14 +187,26 @@ def summarize(rows: list[RequestRow], parts: list[RankPart], setup, peaks: list[
 
 
 def violations(rows: list[RequestRow], summary: Summary | None = None, parts: list[RankPart] | None = None,
-               plan=None, tol: float = 1e-5) -> list[str]:
+               plan=None, tol: float = 1e-5, pulls: bool = False) -> list[str]:
     """The identities of kvlab.core.figures that the rows, the summary and the parts break, one line each (none: []).
 
     ``plan``: what the run was to move, as segments by request (a ``kvlab.config.workload.RunPlan``'s) or any
     iterable of segments or chunks (``request``, ``src``, ``dst``, ``nbytes``). ``tol``: seconds of slack in
     the time identities, for marks of absolute wall time (about 0.2 us resolution each) subtracted and added.
+    ``pulls``: the run's transport pulls (``Transport.pulls``): a gen rank's copies are then its chunks' flight.
     """
     out = []
+    if pulls:
+        busy = {r.request: r.busy_s for r in rows if r.busy_s is not None}
+        # a ctx rank that sent no report (it died, or its part came after the summary) took its chunks' marks along:
+        # their flight is not in busy_s. Ctx ranks are the first world ranks, so a silent world rank is its own
+        silent = set(summary.silent_ranks or ()) if summary is not None else set()
+        reported = {(p.request, p.rank) for p in parts or () if p.side == "ctx" and p.rank not in silent}
+        for p in parts or ():
+            if p.side == "gen" and p.request in busy and p.copy_s > busy[p.request] + tol \
+                    and all((p.request, src) in reported for src in p.peer_bytes):
+                out.append(f"request {p.request}: gen{p.rank}'s copies took {p.copy_s:.6f} s, more than its time "
+                           f"in flight (busy_s) {busy[p.request]:.6f}")
     for r in rows:
         q = f"request {r.request}"
         parts_of_ttft = (r.queue_s, r.prefill_s, r.exposed_s)

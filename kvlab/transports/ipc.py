@@ -163,7 +163,7 @@ class Ipc(Transport):
         self.store = None
         self.gpu = device.type == "cuda"
         self.src_pools: dict[int, CacheState] = {}  # ctx rank -> its cache state (pool shapes)
-        self.published: dict[int, set[int]] = {}  # ctx: request -> ready layers whose key is set
+        self.published: dict[int, dict[int, object]] = {}  # ctx: request -> ready layer whose key is set -> its mark
         self.readers: dict[int, set[int]] = {}  # ctx: request -> gen ranks reading its chunks
         self.seen: set[tuple[int, int, int]] = set()  # gen: (request, ctx, ready layer) keys waited for
         self.last: dict[tuple[int, int], int] | None = None  # gen: (request, ctx) -> index of its last chunk
@@ -373,7 +373,7 @@ class Ipc(Transport):
         posted = self._mark()
         if self.sending:
             self.readers.setdefault(c.request, set()).add(c.dst)
-            done = self.published.setdefault(c.request, set())
+            done = self.published.setdefault(c.request, {})
             if c.ready_layer not in done:
                 self.ctx.faults.reuse(self.ctx, i, c)  # fault injection: before the gen ranks may read the bytes
                 # another process reads these bytes: the prefill's writes queued on our stream come first
@@ -386,7 +386,10 @@ class Ipc(Transport):
                 n = self.ctx.faults.notice(i, c)
                 if n is not None:
                     self.store.set(f"ipc/r/{n.request}/{self.rank}/{n.ready_layer}", "1")
-                done.add(c.ready_layer)
+                done[c.ready_layer] = posted
+            # every chunk of a published layer may be pulled from then on: a later chunk's own start (the loop may
+            # come to it after a gen rank has copied it) would cut its flight short
+            posted = done[c.ready_layer]
         return i, c, posted
 
     def poll(self, handle) -> bool:
