@@ -32,7 +32,7 @@ from kvlab.model.engine_layouts import LAYOUTS
 from kvlab.model.parallel import label
 from kvlab.model.plan import plan
 from kvlab.model.schedule import schedule
-from kvlab.model.state import CacheState, pool_format, side_pools, wire_pool, wire_tile
+from kvlab.model.state import pool_format, side_pools, wire_pool, wire_tile
 from kvlab.sizing import budget
 from kvlab.sizing.cost import predict
 
@@ -99,14 +99,7 @@ def kv_dtypes(setup: Setup) -> dict:
 def kernels(setup: Setup) -> dict:
     """Per pool: the GPU kernel that moves it from ctx rank 0's pool into gen rank 0's, and why
     (kvlab.memory.ops.paths: copy_rect's choice, which the pack and unpack conversions share)."""
-    ctx, gen = CacheState(setup.model, setup.ctx, 0), CacheState(setup.model, setup.gen, 0)
-    out = {}
-    for g in gen.pools():
-        c = next((p for p in ctx.pools() if p.name == g.name), None)
-        if c is not None:
-            path, why = paths.rect_path(c, g)
-            out[g.name] = {"path": path, "why": why}
-    return out
+    return {name: {"path": path, "why": why} for name, (path, why) in paths.pool_paths(setup).items()}
 
 
 def side_summary(setup: Setup, side) -> dict:

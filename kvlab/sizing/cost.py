@@ -60,7 +60,6 @@ from kvlab.memory.ops import paths
 from kvlab.model.plan import Request, conversion_bytes, plan
 from kvlab.model.prefill import layer_seconds, ready_s, timeline
 from kvlab.model.schedule import Chunk, Ready, Staging, schedule
-from kvlab.model.state import CacheState
 
 if TYPE_CHECKING:
     from kvlab.config.schema import Setup
@@ -173,15 +172,6 @@ def _order(setup: Setup, reqs: list[Request], concurrency: int) -> list[Chunk]:
     return interleave(schedules, concurrency)
 
 
-def converted_in_one_pass(setup: Setup) -> set[str]:
-    """The pools whose KV dtype change the kernels make inside the copy (kvlab.memory.ops.paths: ``convert``, the
-    path ``kvlab plan`` prints), from ctx rank 0's pool to gen rank 0's as the pack, the unpack and the pull share
-    it."""
-    ctx, gen = CacheState(setup.model, setup.ctx, 0), CacheState(setup.model, setup.gen, 0)
-    mine = {p.name: p for p in ctx.pools()}
-    return {g.name for g in gen.pools() if g.name in mine and paths.rect_path(mine[g.name], g)[0] == "convert"}
-
-
 def _copy_s(rates: CostRates, n: float, conv: float, fused: bool, ctas: int = 0) -> float:
     """Seconds of a copy of ``n`` wire bytes that converts ``conv`` bytes of its side's own rows (0: none) on the
     way: in one pass, the own rows read or written in place of a second copy of the wire's (``fused``), else a
@@ -258,7 +248,8 @@ def predict(setup: Setup, requests: Iterable[Request | int] | None = None, rates
     # a pull transport (ipc): no staging, pack, message or unpack; the gen rank copies each chunk
     # from the ctx pool on its device (the whole device's copy rate) after one control round trip
     pulls = setup.transport.cls().pulls
-    one_pass = converted_in_one_pass(setup)
+    # the pools whose KV dtype change the kernels make inside the copy (the path kvlab plan prints)
+    one_pass = {name for name, (path, _) in paths.pool_paths(setup).items() if path == "convert"}
     order = _order(setup, reqs, concurrency)
     times = prefill_times(setup, reqs, order, rates) if with_prefill else None
     per_layer = strategy.ready == Ready.layer

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvlab.model import kv_dtype
 from kvlab.model.spec import PoolSpec
-from kvlab.model.state import RankPool, pool_format
+from kvlab.model.state import CacheState, RankPool, pool_format
+
+if TYPE_CHECKING:
+    from kvlab.config.schema import Setup
 
 # runs this long keep a warp's lanes busy and amortize their decode: kv_copy_rect moves them at about 0.9 of copy_
 # (docs/results/kernels.md); shorter ones, and single rows, go to kv_copy_span
@@ -108,3 +112,11 @@ def rect_path(src_pool: RankPool, dst_pool: RankPool) -> tuple[str, str]:
     if convert_shapes(src_pool.spec, dst_pool.spec) is not None:
         return "convert", f"{sf} -> {df} converted in one pass (rows read once, codes and scales written once)"
     return "staged", f"{sf} -> {df}: rows moved into scratch, converted in torch, moved out"
+
+
+def pool_paths(setup: Setup) -> dict[str, tuple[str, str]]:
+    """Per pool: ``rect_path`` from ctx rank 0's pool into gen rank 0's (the path the pack, the unpack and a pull
+    share), for ``kvlab plan`` to print and the cost model to charge."""
+    ctx, gen = CacheState(setup.model, setup.ctx, 0), CacheState(setup.model, setup.gen, 0)
+    mine = {p.name: p for p in ctx.pools()}
+    return {g.name: rect_path(mine[g.name], g) for g in gen.pools() if g.name in mine}
