@@ -12,6 +12,7 @@ marker expression, as in CI, or with an explicit ``--hypothesis-profile``, draws
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -151,6 +152,17 @@ def no_ranks(monkeypatch):
 @pytest.fixture
 def kvlab_cli() -> KvlabCLI:
     return KvlabCLI()
+
+
+def script_module(name: str):
+    """``scripts/<name>.py``, which is no package's module, imported once under its own name (dataclasses look
+    their module up in ``sys.modules``)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" /
+                                                      f"{name}.py")
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def check_figures(run_dir: Path | str, importable: Path | str | None = None) -> None:

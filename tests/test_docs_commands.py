@@ -5,7 +5,6 @@ where the page marks it too long to run; a script's ``--help`` checked for the q
 a reason on the page. Each command's failure names it and where it is quoted."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
@@ -14,11 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import script_module
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("docs_samples", ROOT / "scripts" / "docs_samples.py")
-docs = sys.modules["docs_samples"] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
-_spec.loader.exec_module(docs)
+docs = script_module("docs_samples")
 
 MODES = {"run", "cfg-job", "help", "skip", "error"}
 BLOCKS = [b for b in docs.every_block() if b.commands]

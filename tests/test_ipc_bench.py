@@ -2,15 +2,10 @@
 take turns with the copies), and the steady ratios over the requests with none beside them."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from conftest import script_module
 
-_spec = importlib.util.spec_from_file_location("ipc_bench", Path(__file__).resolve().parents[1] / "scripts" /
-                                               "ipc_bench.py")
-ipc_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ipc_bench)
+ipc_bench = script_module("ipc_bench")
 
 
 def row(prefill, moving):

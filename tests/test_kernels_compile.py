@@ -4,6 +4,7 @@ from __future__ import annotations
 from functools import cache
 
 import pytest
+from conftest import script_module
 
 pytest.importorskip("cuda.core")
 
@@ -127,22 +128,11 @@ def test_fp8_rows_compiles_without_spills(cuda_ops, arch, rows, ring):
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log.getvalue()
 
 
-def ceilings_module():
-    """scripts/kernel_ceilings.py, which is no package's module."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    try:
-        import kernel_ceilings
-    finally:
-        sys.path.pop(0)
-    return kernel_ceilings
 
 
 def test_the_benches_ceiling_kernels_compile(cuda_ops):
     """scripts/kernel_ceilings.py's plainest copies, the ceilings the benches time beside kvlab's kernels, build."""
-    kc = ceilings_module()
+    kc = script_module("kernel_ceilings")
     for source, name in ((kc.LINEAR_SRC, "lin_copy"), (kc.PIECES_SRC, "piece_copy"), (kc.SHRINK_SRC, "shrink_copy")):
         cubin = bytes(kc.compiled(source, name, "sm_90", 8).code)
         assert cubin[:4] == b"\x7fELF" and name.encode() in cubin
@@ -157,7 +147,7 @@ def test_the_converting_ceiling_writes_what_its_reference_does(cuda_ops, source,
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    kc = ceilings_module()
+    kc = script_module("kernel_ceilings")
     src = torch.randint(0, 256, (source,), dtype=torch.uint8, device="cuda")
     for unroll in kc.SHRINK_UNROLLS:  # every tuning the benches time
         dst = torch.full((delivered,), 0xA5, dtype=torch.uint8, device="cuda")
