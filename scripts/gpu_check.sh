@@ -7,7 +7,8 @@
 # --kernels: also scripts/rect_bench.py (copy_rect over engine layout pairs on the span kernel and gen fp8, each with
 #   a layer per work item and with layers grouped), into rect_bench_h200.json
 # --fp8: also scripts/rect_bench.py on the gen fp8 cases alone (the converting copy), over rows in flight and cp.async
-#   ring slots (KVLAB_FP8_SWEEP="--convert-rows 4 2 --convert-ring 0 4 6" by default), into rect_bench_fp8_h200.json
+#   ring slots (KVLAB_FP8_SWEEP="--convert-rows 4 2 --convert-ring 0 4 6" by default), each beside its ceilings (one
+#   contiguous buffer, and for DeepSeek-V3.2 the pair's own scattered pattern), into rect_bench_fp8_h200.json
 # --ceilings: also scripts/rect_bench.py --ceilings over the engine pairs on both kernels and gen fp8: each pair beside
 #   what scattered pieces of 256 B-32 KiB give (no layout: the memory's own ceiling), into rect_bench_ceilings_h200.json
 # --gemma: also scripts/ipc_bench.py --gemma (Gemma-3-27B ctx TP2 -> gen TP1 layer_major tpb 64, 32k, 6 requests, 3 runs),

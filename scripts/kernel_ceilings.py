@@ -18,6 +18,11 @@
   where that side is contiguous): the plainest copy with a paged cache's access pattern, no block table and no
   layout. What the memory gives for pieces of that size, the ceiling of a layout pair whose contiguous pieces are
   that long, where ``copy_`` is the ceiling for one contiguous buffer.
+- ``scattered converting copy`` (scripts/rect_bench.py, gen fp8 pairs whose rows are whole vectors): the
+  converting copy's traffic with the pair's own access pattern and no layout: one piece per token row, each side's
+  pieces in runs as long as that side keeps a block's token rows together, the runs at random places; each source
+  piece read once and its delivered piece written once (``shrink_copy`` within the piece). The ceiling of a
+  converting pair such as DeepSeek-V3.2 into SGLang, which writes one 656-byte row per token to scattered blocks.
 """
 from __future__ import annotations
 
@@ -169,6 +174,82 @@ def launch_pieces(kernel, src: torch.Tensor, dst: torch.Tensor, ps: torch.Tensor
     stream = Stream.from_handle(torch.cuda.current_stream(src.device).cuda_stream)
     launch(stream, LaunchConfig(grid=sms * max(1, 1024 // (bx * by)), block=(bx, by)), kernel, src.data_ptr(),
            dst.data_ptr(), ps.data_ptr(), pd.data_ptr(), np.int32(ps.numel()), np.int32(m))
+
+
+PIECE_SHRINK_SRC = r"""
+// the converting copy with a paged cache's access pattern: piece p's ms source vectors at s + ps[p] * ms read once,
+// its md (md <= ms <= 2 md) delivered vectors written once at d + pd[p] * md, as shrink_copy does within a piece;
+// blockDim.x lanes over a piece's vectors, blockDim.y pieces side by side, UNROLL pieces in flight per thread
+extern "C" __global__ void piece_shrink(const uint4* __restrict__ s, uint4* __restrict__ d, const int* __restrict__ ps,
+                                        const int* __restrict__ pd, int n, int ms, int md) {
+    const int per = blockDim.y * UNROLL;
+    for (int p0 = blockIdx.x * per; p0 < n; p0 += gridDim.x * per) {
+        for (int x = threadIdx.x; x < md; x += blockDim.x) {
+            uint4 a[UNROLL], b[UNROLL];
+#pragma unroll
+            for (int k = 0; k < UNROLL; ++k) {
+                const int p = p0 + threadIdx.y + k * blockDim.y;
+                const uint4* q = s + (long long)(p < n ? ps[p] : 0) * ms;
+                a[k] = p < n ? __ldg(q + x) : make_uint4(0, 0, 0, 0);
+                b[k] = p < n && md + x < ms ? __ldg(q + md + x) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int k = 0; k < UNROLL; ++k) {
+                const int p = p0 + threadIdx.y + k * blockDim.y;
+                if (p < n) d[(long long)pd[p] * md + x] =
+                    make_uint4(a[k].x ^ b[k].x, a[k].y ^ b[k].y, a[k].z ^ b[k].z, a[k].w ^ b[k].w);
+            }
+        }
+    }
+}
+"""
+
+
+def piece_shrink(arch: str, unroll: int = 4):
+    """The scattered converting-copy ceiling kernel compiled for ``arch`` with ``unroll`` pieces in flight per
+    thread."""
+    return compiled(PIECE_SHRINK_SRC, "piece_shrink", arch, unroll).get_kernel("piece_shrink")
+
+
+def run_places(n: int, run: int, gen: torch.Generator) -> torch.Tensor:
+    """Where each of ``n`` pieces lies on a side that keeps ``run`` consecutive pieces together (a block of ``run``
+    token rows) and puts its runs at random places: a permutation of range(n), int32, in which pieces ``i`` and
+    ``i + 1`` of one run are neighbours."""
+    if run < 1 or n % run:
+        raise ValueError(f"run_places: {n} pieces do not split into runs of {run}; use a run that divides them")
+    slots = torch.randperm(n // run, generator=gen, dtype=torch.int64)
+    return (slots[:, None] * run + torch.arange(run)).reshape(-1).to(torch.int32)
+
+
+def launch_piece_shrink(kernel, src: torch.Tensor, dst: torch.Tensor, ps: torch.Tensor, pd: torch.Tensor,
+                        src_piece: int, dst_piece: int) -> None:
+    """``dst``'s piece ``pd[i]`` (``dst_piece`` bytes) from all of ``src``'s piece ``ps[i]`` (``src_piece``
+    bytes), as ``piece_shrink_reference`` says, on 1,024 threads per SM as kvlab's copy kernels are."""
+    import numpy as np
+    from cuda.core import LaunchConfig, Stream, launch
+
+    ms, md = src_piece // 16, dst_piece // 16
+    if not (src_piece % 16 == 0 and dst_piece % 16 == 0 and md <= ms <= 2 * md):
+        raise ValueError(f"piece_shrink: pieces of {src_piece} source bytes into {dst_piece}: needs whole 16-byte "
+                         "vectors, and the source piece between one and two times the delivered one")
+    bx = min(md, 128)
+    by = max(1, 256 // bx)
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
+    stream = Stream.from_handle(torch.cuda.current_stream(src.device).cuda_stream)
+    launch(stream, LaunchConfig(grid=sms * max(1, 1024 // (bx * by)), block=(bx, by)), kernel, src.data_ptr(),
+           dst.data_ptr(), ps.data_ptr(), pd.data_ptr(), np.int32(ps.numel()), np.int32(ms), np.int32(md))
+
+
+def piece_shrink_reference(src: torch.Tensor, ps: torch.Tensor, pd: torch.Tensor, src_piece: int,
+                           dst_piece: int) -> torch.Tensor:
+    """What ``piece_shrink`` writes into a buffer of ``len(pd)`` delivered pieces, by torch: each piece as
+    ``shrink_reference`` makes it from its source piece."""
+    pieces = src.view(-1, src_piece)[ps.long()]
+    rest = torch.zeros_like(pieces[:, :dst_piece])
+    rest[:, :src_piece - dst_piece] = pieces[:, dst_piece:]
+    out = torch.empty_like(rest)
+    out[pd.long()] = (pieces[:, :dst_piece].contiguous().view(torch.int32) ^ rest.view(torch.int32)).view(torch.uint8)
+    return out.view(-1)
 
 
 class CopyEngines:

@@ -11,8 +11,10 @@ is the copy's time over the kernel's, per repeat (median and range). ``gen fp8``
 bytes, as scripts/ipc_bench.py does; ``copy_`` of those bytes writes about twice what fp8 delivers, so it is the
 issue's yardstick but no ceiling. Each is also timed, interleaved, beside its ceiling: the source bytes read and the
 delivered bytes written by the plainest kernel with no layout (``shrink_copy`` in scripts/kernel_ceilings.py, the
-faster of its tunings per repeat), ``ceiling_ratio`` its time over the kernel's. Every case is checked against the
-torch reference on its first 96 tokens.
+faster of its tunings per repeat), ``ceiling_ratio`` its time over the kernel's; where the rows are whole 16-byte
+vectors (DeepSeek-V3.2's 1,152 -> 656 bytes), also beside the same traffic with the pair's own pattern (one piece per
+token row, each side's runs of rows at random places: ``piece_shrink``), ``scattered_ratio``. Every case is checked
+against the torch reference on its first 96 tokens, each ceiling on its own reference.
 
     python scripts/rect_bench.py --out rect_bench.json [--models llama3_8b deepseek_v32] [--pairs all|engines]
         [--layer-passes 0 4]   (0: one layer per work item, the kernels' earlier form; see cuda.LAYER_PASSES)
@@ -127,6 +129,8 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
             kc.launch_shrink(shrink, a, c)
             ceiling_ok &= bool(torch.equal(c, kc.shrink_reference(a, delivered)))
             more.append(lambda k=shrink: kc.launch_shrink(k, a, c))
+        scattered = scattered_ceiling(sp, dp, tokens, a, c)
+        more += scattered[0]
     times = time_pair(kernel, lambda: b.copy_(a), iters, repeats, *more)
     ratios = sorted(t[1] / t[0] for t in times)
     kms = sorted(t[0] for t in times)
@@ -143,11 +147,44 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
          "gbps": nbytes / kms[len(kms) // 2] / 1e6, "copy_gbps": nbytes / cms[len(cms) // 2] / 1e6,
          "ratio": ratios[len(ratios) // 2], "ratio_min": ratios[0], "ratio_max": ratios[-1], "repeats": times}
     if fp8:  # per repeat, the faster tuning of the ceiling
-        ceil = sorted(min(t[2:]) / t[0] for t in times)
-        sms = sorted(min(t[2:]) for t in times)
+        cut = 2 + len(kc.SHRINK_UNROLLS)
+        ceil = sorted(min(t[2:cut]) / t[0] for t in times)
+        sms = sorted(min(t[2:cut]) for t in times)
         r.update(ceiling_gbps=nbytes / sms[len(sms) // 2] / 1e6, ceiling_ratio=ceil[len(ceil) // 2],
                  ceiling_min=ceil[0], ceiling_max=ceil[-1], ceiling_verified=ceiling_ok)
+        if scattered[0]:
+            ceil = sorted(min(t[cut:]) / t[0] for t in times)
+            sms = sorted(min(t[cut:]) for t in times)
+            r.update(scattered_gbps=nbytes / sms[len(sms) // 2] / 1e6, scattered_ratio=ceil[len(ceil) // 2],
+                     scattered_min=ceil[0], scattered_max=ceil[-1], scattered_verified=scattered[1],
+                     scattered_runs=scattered[2])
     return r
+
+
+def scattered_ceiling(sp: RankPool, dp: RankPool, tokens: int, a: torch.Tensor, c: torch.Tensor):
+    """The converting copy's ceiling with the pair's own pattern (``piece_shrink`` in scripts/kernel_ceilings.py):
+    ([a launch per tuning], verified, (source run, delivered run) in token rows), or ([], None, None) where a
+    row is not whole 16-byte vectors or there is more than one component (Llama's 132-byte fp8 rows)."""
+    import kernel_ceilings as kc
+
+    (rs,), (rd,) = (sp.rows, dp.rows) if len(sp.rows) == len(dp.rows) == 1 else ((0,), (0,))
+    if not (rs % 16 == 0 and rd % 16 == 0 and 0 < rd <= rs <= 2 * rd):
+        return [], None, None
+    n = len(sp.layers) * len(sp.heads) * tokens
+    runs = tuple(p.tokens_per_block if p.token_runs else 1 for p in (sp, dp))
+    g = torch.Generator().manual_seed(1)
+    ps, pd = (kc.run_places(n, run, g).cuda() for run in runs)
+    src, dst = a[:n * rs], c[:n * rd]
+    ok, fns = True, []
+    pick = torch.randint(0, n, (4096,), device="cuda")
+    for unroll in kc.SHRINK_UNROLLS:
+        k = kc.piece_shrink(cuda_ops.device_arch(0), unroll)
+        dst.zero_()
+        kc.launch_piece_shrink(k, src, dst, ps, pd, rs, rd)
+        want = kc.piece_shrink_reference(src, ps[pick], torch.arange(len(pick), device="cuda"), rs, rd)
+        ok &= bool(torch.equal(dst.view(n, rd)[pd[pick].long()].reshape(-1), want))
+        fns.append(lambda k=k: kc.launch_piece_shrink(k, src, dst, ps, pd, rs, rd))
+    return fns, ok, runs
 
 
 PIECES = (256, 656, 1152, 4096, 8192, 32768)  # 656: DeepSeek-V3.2's fp8 MLA row (codes, scales, bf16 RoPE)
@@ -279,6 +316,16 @@ def main() -> None:
             print(f"| {r['model']} | {r['ctx']} -> {r['gen']}{variant(r)} | {r['gbps']:,.0f} | {r['ratio']:.3f} | "
                   f"{r['ceiling_gbps']:,.0f} | {r['ceiling_ratio']:.3f} | {r['ceiling_min']:.3f}-{r['ceiling_max']:.3f}"
                   f" | {'yes' if r['verified'] and r['ceiling_verified'] else 'NO'} |")
+    scattered = [r for r in fp8 if r.get("scattered_ratio") is not None]
+    if scattered:
+        print("| model | ctx -> gen | token rows per run (source, delivered) | ceiling with the pair's pattern, GB/s "
+              "| ratio to it (median) | range | verified |")
+        print("| --- | --- | --- | ---: | ---: | --- | --- |")
+        for r in scattered:
+            print(f"| {r['model']} | {r['ctx']} -> {r['gen']}{variant(r)} | {r['scattered_runs'][0]}, "
+                  f"{r['scattered_runs'][1]} | {r['scattered_gbps']:,.0f} | {r['scattered_ratio']:.3f} | "
+                  f"{r['scattered_min']:.3f}-{r['scattered_max']:.3f} | "
+                  f"{'yes' if r['verified'] and r['scattered_verified'] else 'NO'} |")
     if out.get("ceilings"):
         print("| piece | random places on | GB/s | ratio to copy_ (median) | range | verified |")
         print("| ---: | --- | ---: | ---: | --- | --- |")

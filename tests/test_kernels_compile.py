@@ -133,7 +133,8 @@ def test_fp8_rows_compiles_without_spills(cuda_ops, arch, rows, ring):
 def test_the_benches_ceiling_kernels_compile(cuda_ops):
     """scripts/kernel_ceilings.py's plainest copies, the ceilings the benches time beside kvlab's kernels, build."""
     kc = script_module("kernel_ceilings")
-    for source, name in ((kc.LINEAR_SRC, "lin_copy"), (kc.PIECES_SRC, "piece_copy"), (kc.SHRINK_SRC, "shrink_copy")):
+    for source, name in ((kc.LINEAR_SRC, "lin_copy"), (kc.PIECES_SRC, "piece_copy"), (kc.SHRINK_SRC, "shrink_copy"),
+                         (kc.PIECE_SHRINK_SRC, "piece_shrink")):
         cubin = bytes(kc.compiled(source, name, "sm_90", 8).code)
         assert cubin[:4] == b"\x7fELF" and name.encode() in cubin
 
@@ -155,3 +156,57 @@ def test_the_converting_ceiling_writes_what_its_reference_does(cuda_ops, source,
         assert torch.equal(dst, kc.shrink_reference(src, delivered)), unroll
     with pytest.raises(ValueError, match="between one and two times"):
         kc.launch_shrink(None, src, dst[:delivered // 4 // 16 * 16])
+
+
+@pytest.mark.parametrize("n, run", [(64, 16), (96, 32), (7, 1), (16, 16)])
+def test_a_sides_runs_lie_whole_at_random_places(n, run):
+    """The scattered converting ceiling's places: a permutation of the pieces in which each run's pieces are
+    neighbours in order, from a run's first slot; a run that does not divide the pieces is refused."""
+    import torch
+
+    kc = script_module("kernel_ceilings")
+    at = kc.run_places(n, run, torch.Generator().manual_seed(n))
+    assert at.dtype == torch.int32 and sorted(at.tolist()) == list(range(n))
+    starts = at.view(-1, run)
+    assert (starts[:, 0] % run == 0).all() and (starts - starts[:, :1] == torch.arange(run)).all()
+    with pytest.raises(ValueError, match="runs of 5"):
+        kc.run_places(12, 5, torch.Generator())
+
+
+def test_the_scattered_ceilings_reference_is_the_converting_ceilings_per_piece():
+    """Each delivered piece of ``piece_shrink_reference`` is ``shrink_reference`` of its source piece, at its own
+    place (DeepSeek-V3.2's 1,152 -> 656 bytes, source runs of 16 rows, delivered rows one by one)."""
+    import torch
+
+    kc = script_module("kernel_ceilings")
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (1152 * 48,), dtype=torch.uint8, generator=g)
+    ps, pd = kc.run_places(48, 16, g), kc.run_places(48, 1, g)
+    got = kc.piece_shrink_reference(src, ps, pd, 1152, 656).view(48, 656)
+    for i in range(48):
+        assert torch.equal(got[pd[i]], kc.shrink_reference(src.view(48, 1152)[ps[i]].clone(), 656)), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pieces, runs", [((1152, 656), (16, 1)), ((1152, 656), (16, 32)), ((256, 128), (1, 1)),
+                                          ((48, 48), (4, 2))])
+def test_the_scattered_converting_ceiling_writes_what_its_reference_does(cuda_ops, pieces, runs):
+    """``piece_shrink`` on the GPU writes the torch reference's bytes for every tuning the bench times (the output
+    starts poisoned); pieces that are not whole vectors, or a source over twice the delivered piece, are refused."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    kc = script_module("kernel_ceilings")
+    n = 4 * 96
+    g = torch.Generator().manual_seed(5)
+    ps, pd = (kc.run_places(n, r, g).cuda() for r in runs)
+    src = torch.randint(0, 256, (n * pieces[0],), dtype=torch.uint8, device="cuda")
+    want = kc.piece_shrink_reference(src, ps, pd, *pieces)
+    for unroll in kc.SHRINK_UNROLLS:
+        dst = torch.full((n * pieces[1],), 0xA5, dtype=torch.uint8, device="cuda")
+        kc.launch_piece_shrink(kc.piece_shrink(cuda_ops.device_arch(0), unroll), src, dst, ps, pd, *pieces)
+        assert torch.equal(dst, want), unroll
+    for bad in ((1152, 520), (1328, 656)):
+        with pytest.raises(ValueError, match="between one and two times|whole 16-byte"):
+            kc.launch_piece_shrink(None, src, dst, ps, pd, *bad)
