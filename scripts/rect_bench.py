@@ -164,14 +164,15 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
 def scattered_ceiling(sp: RankPool, dp: RankPool, tokens: int, a: torch.Tensor, c: torch.Tensor):
     """The converting copy's ceiling with the pair's own pattern (``piece_shrink`` in scripts/kernel_ceilings.py):
     ([a launch per tuning], verified, (source run, delivered run) in token rows), or ([], None, None) where a
-    row is not whole 16-byte vectors or there is more than one component (Llama's 132-byte fp8 rows)."""
+    row is not whole 16-byte vectors, there is more than one component (Llama's 132-byte fp8 rows) or a side's
+    last block of a layer would be partial (``--tokens`` not a multiple of its block)."""
     import kernel_ceilings as kc
 
     (rs,), (rd,) = (sp.rows, dp.rows) if len(sp.rows) == len(dp.rows) == 1 else ((0,), (0,))
-    if not (rs % 16 == 0 and rd % 16 == 0 and 0 < rd <= rs <= 2 * rd):
+    runs = tuple(p.tokens_per_block if p.token_runs else 1 for p in (sp, dp))
+    if not (rs % 16 == 0 and rd % 16 == 0 and 0 < rd <= rs <= 2 * rd) or any(tokens % r for r in runs):
         return [], None, None
     n = len(sp.layers) * len(sp.heads) * tokens
-    runs = tuple(p.tokens_per_block if p.token_runs else 1 for p in (sp, dp))
     g = torch.Generator().manual_seed(1)
     ps, pd = (kc.run_places(n, run, g).cuda() for run in runs)
     src, dst = a[:n * rs], c[:n * rd]
