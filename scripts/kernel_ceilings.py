@@ -122,11 +122,12 @@ def launch_shrink(kernel, src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def shrink_reference(src: torch.Tensor, dst_bytes: int) -> torch.Tensor:
-    """What ``shrink_copy`` writes, by torch: the first ``dst_bytes`` of ``src`` xor the rest (zero-padded)."""
-    a = src[:dst_bytes].view(torch.int32)
+    """What ``shrink_copy`` writes, by torch: the first ``dst_bytes`` of ``src`` xor the rest (zero-padded); of
+    each row of ``src`` where it has more than one dimension (the pieces of ``piece_shrink``)."""
+    a = src[..., :dst_bytes].contiguous().view(torch.int32)
     b = torch.zeros_like(a)
-    rest = src[dst_bytes:].view(torch.int32)
-    b[:rest.numel()] = rest
+    rest = src[..., dst_bytes:].contiguous().view(torch.int32)
+    b[..., :rest.shape[-1]] = rest
     return (a ^ b).view(torch.uint8)
 
 
@@ -244,11 +245,8 @@ def piece_shrink_reference(src: torch.Tensor, ps: torch.Tensor, pd: torch.Tensor
                            dst_piece: int) -> torch.Tensor:
     """What ``piece_shrink`` writes into a buffer of ``len(pd)`` delivered pieces, by torch: each piece as
     ``shrink_reference`` makes it from its source piece."""
-    pieces = src.view(-1, src_piece)[ps.long()]
-    rest = torch.zeros_like(pieces[:, :dst_piece])
-    rest[:, :src_piece - dst_piece] = pieces[:, dst_piece:]
-    out = torch.empty_like(rest)
-    out[pd.long()] = (pieces[:, :dst_piece].contiguous().view(torch.int32) ^ rest.view(torch.int32)).view(torch.uint8)
+    out = torch.empty(len(pd), dst_piece, dtype=torch.uint8, device=src.device)
+    out[pd.long()] = shrink_reference(src.view(-1, src_piece)[ps.long()], dst_piece)
     return out.view(-1)
 
 
