@@ -272,15 +272,19 @@ def steady(r: dict) -> None:
             gbps = sorted(q["gbps"] for q in (reqs[1:] if len(reqs) > 1 else reqs))
             if gbps:
                 ratios.append(gbps[len(gbps) // 2] * scale / r[ref])
-        ratios.sort()
-        if ratios:
-            r.update({f"{name}_median": ratios[len(ratios) // 2], f"{name}_min": ratios[0], f"{name}_max": ratios[-1]})
+        r.update(spread(name, ratios))
     # the requests (after each run's first) that moved with no other request's prefill beside them, every repeat's
-    alone = sorted(q["gbps"] * scale / r["copy_gbps"] for rep in r["repeats"]
-                   for q in (rep["requests"] or [])[1:] if q.get("beside_prefill") is False)
+    alone = [q["gbps"] * scale / r["copy_gbps"] for rep in r["repeats"]
+             for q in (rep["requests"] or [])[1:] if q.get("beside_prefill") is False]
     if alone:
-        r.update(alone_median=alone[len(alone) // 2], alone_min=alone[0], alone_max=alone[-1], alone_n=len(alone),
+        r.update(spread("alone", alone), alone_n=len(alone),
                  steady_n=sum(len((rep["requests"] or [])[1:]) for rep in r["repeats"]))
+
+
+def spread(name: str, values: list[float]) -> dict:
+    """``{name}_median``, ``{name}_min`` and ``{name}_max`` of ``values`` (none where there are none)."""
+    v = sorted(values)
+    return {f"{name}_median": v[len(v) // 2], f"{name}_min": v[0], f"{name}_max": v[-1]} if v else {}
 
 
 def main() -> None:

@@ -129,8 +129,8 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
             kc.launch_shrink(shrink, a, c)
             ceiling_ok &= bool(torch.equal(c, kc.shrink_reference(a, delivered)))
             more.append(lambda k=shrink: kc.launch_shrink(k, a, c))
-        scattered = scattered_ceiling(sp, dp, tokens, a, c)
-        more += scattered[0]
+        pattern, pattern_ok, pattern_runs = scattered_ceiling(sp, dp, tokens, a, c)
+        more += pattern
     times = time_pair(kernel, lambda: b.copy_(a), iters, repeats, *more)
     ratios = sorted(t[1] / t[0] for t in times)
     kms = sorted(t[0] for t in times)
@@ -146,19 +146,23 @@ def case(model: str, ctx: str, gen_layout: str, fp8: bool, tokens: int, iters: i
          "kernel_ms": kms[len(kms) // 2], "copy_ms": cms[len(cms) // 2],
          "gbps": nbytes / kms[len(kms) // 2] / 1e6, "copy_gbps": nbytes / cms[len(cms) // 2] / 1e6,
          "ratio": ratios[len(ratios) // 2], "ratio_min": ratios[0], "ratio_max": ratios[-1], "repeats": times}
-    if fp8:  # per repeat, the faster tuning of the ceiling
+    if fp8:  # the time columns after copy_'s: shrink_copy's tunings, then piece_shrink's
         cut = 2 + len(kc.SHRINK_UNROLLS)
-        ceil = sorted(min(t[2:cut]) / t[0] for t in times)
-        sms = sorted(min(t[2:cut]) for t in times)
-        r.update(ceiling_gbps=nbytes / sms[len(sms) // 2] / 1e6, ceiling_ratio=ceil[len(ceil) // 2],
-                 ceiling_min=ceil[0], ceiling_max=ceil[-1], ceiling_verified=ceiling_ok)
-        if scattered[0]:
-            ceil = sorted(min(t[cut:]) / t[0] for t in times)
-            sms = sorted(min(t[cut:]) for t in times)
-            r.update(scattered_gbps=nbytes / sms[len(sms) // 2] / 1e6, scattered_ratio=ceil[len(ceil) // 2],
-                     scattered_min=ceil[0], scattered_max=ceil[-1], scattered_verified=scattered[1],
-                     scattered_runs=scattered[2])
+        r.update(against_ceiling("ceiling", times, slice(2, cut), nbytes), ceiling_verified=ceiling_ok)
+        if pattern:
+            r.update(against_ceiling("scattered", times, slice(cut, None), nbytes), scattered_verified=pattern_ok,
+                     scattered_runs=pattern_runs)
     return r
+
+
+def against_ceiling(name: str, times: list[tuple[float, ...]], cols: slice, nbytes: int) -> dict:
+    """``{name}_gbps``, ``{name}_ratio``, ``{name}_min``, ``{name}_max``: per repeat, the fastest of a ceiling's
+    tunings (``cols`` of each repeat's times) over the kernel's time (column 0); its rate and the median ratio over
+    the repeats, and their range."""
+    ratios = sorted(min(t[cols]) / t[0] for t in times)
+    ms = sorted(min(t[cols]) for t in times)
+    return {f"{name}_gbps": nbytes / ms[len(ms) // 2] / 1e6, f"{name}_ratio": ratios[len(ratios) // 2],
+            f"{name}_min": ratios[0], f"{name}_max": ratios[-1]}
 
 
 def scattered_ceiling(sp: RankPool, dp: RankPool, tokens: int, a: torch.Tensor, c: torch.Tensor):
